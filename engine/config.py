@@ -1,0 +1,55 @@
+"""Engine configuration: one frozen, documented dataclass. Pure Python (no jax import)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+DType = Literal["float32", "bfloat16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and switches of one engine (one model replica)."""
+
+    model: str
+    """Local Hugging Face checkpoint directory (absolute or relative) of a Llama, Qwen2, Qwen3 or
+    Mistral model."""
+    dtype: DType = "float32"
+    """Weights, activations and KV cache. bfloat16 halves memory; matmuls accumulate in float32."""
+    page_size: int = 16
+    """Tokens per KV page; also the prefix cache's granularity."""
+    num_pages: int = 0
+    """KV pages in the pool (page 0 is reserved as a scratch page for padding). 0 sizes the pool so
+    that every sequence slot can hold `max_model_len` tokens."""
+    max_num_seqs: int = 32
+    """Sequences decoded together at most (the batch size)."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step, shared by decodes (one token each) and prompt chunks."""
+    prefill_chunk: int = 128
+    """Prompt tokens one sequence contributes to one step at most (a row of the prefill group)."""
+    max_model_len: Optional[int] = None
+    """Prompt + output tokens per sequence. None: the model's max_position_embeddings, capped at 4096."""
+    enable_prefix_caching: bool = True
+    """Reuse full KV pages across requests that share a prompt prefix."""
+    warmup: bool = True
+    """Compile every shape bucket when the engine starts (logged), not on the first request."""
+    seed: int = 0
+    """Seed for requests that bring none (each still gets its own stream of randomness)."""
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode each step"
+            )
+        if self.num_pages < 0 or self.num_pages == 1:
+            raise ValueError(f"num_pages must be 0 (auto) or at least 2, got {self.num_pages}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")

@@ -1,0 +1,131 @@
+"""Tiny random Hugging Face checkpoints made on the spot with transformers, for tests and benchmarks.
+
+Each checkpoint is a real directory (config.json, model.safetensors, tokenizer files with a ChatML
+chat template) that the engine loads through its real loader, and that transformers loads as the
+reference implementation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "Once upon a time there was a little engine that could.",
+    "Pages of keys and values live in a cache; prefixes are shared.",
+    "Ünïcödé wörds, emoji 🚀🔥 and 中文字符 test multi-byte characters.",
+    "def add(a, b):\n    return a + b\n",
+    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \"",
+]
+
+
+def make_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer (so any text round-trips) with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token=None,
+        unk_token=None,
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def make_checkpoint(
+    out_dir: str | Path,
+    family: str = "llama",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int | None = None,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    initializer_range: float = 0.2,
+    dtype: str = "float32",
+    seed: int = 0,
+    tokenizer_vocab: int = 512,
+) -> Path:
+    """Write a random `family` checkpoint (llama, qwen2, qwen3, mistral) with a tokenizer.
+
+    A large `initializer_range` makes the random model's next-token distributions peaked, so greedy
+    decoding has no near-ties and parity with transformers is exact rather than lucky.
+    """
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(tokenizer_vocab)
+    vocab = vocab_size or len(tokenizer)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+        rms_norm_eps=1e-6,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=None,
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    if family == "llama":
+        config = transformers.LlamaConfig(**common, rope_theta=10000.0)
+    elif family == "mistral":
+        config = transformers.MistralConfig(**common, rope_theta=10000.0, sliding_window=None)
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common, rope_theta=10000.0, use_sliding_window=False)
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(
+            **common, head_dim=hidden_size // num_heads, rope_theta=10000.0, use_sliding_window=False
+        )
+    else:
+        raise ValueError(f"unknown family {family!r}; use llama, mistral, qwen2 or qwen3")
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    _patch_config_for_levanter(out, family)
+    return out
+
+
+def _patch_config_for_levanter(out: Path, family: str) -> None:
+    """levanter's Qwen2 reader takes biases from a `no_bias` flag that HF configs do not carry."""
+    if family != "qwen2":
+        return
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    config.setdefault("no_bias", False)
+    path.write_text(json.dumps(config, indent=2))
