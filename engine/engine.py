@@ -1,0 +1,166 @@
+"""The engine: add requests, abort them, and step.
+
+One request's path: `add_request` validates it and queues a `Sequence`; each `step()` asks the
+scheduler for a plan (which sequences run, how many tokens each), lets the runner compute and
+sample, advances every row, and returns one `TokenDelta` per sequence that produced a token (plus
+one per aborted request). A finished or aborted sequence returns all its pages at once.
+
+Single-threaded by design: `AsyncEngine` drives it from one background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Optional
+
+from engine.config import EngineConfig
+from engine.pages import PageAllocator
+from engine.request import (
+    EngineStats,
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+    TokenDelta,
+)
+from engine.runner import ModelRunner, RowResult
+from engine.scheduler import Row, Scheduler, SchedulerConfig, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.max_model_len = self.runner.max_model_len
+        self.allocator = PageAllocator(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                prefill_chunk=config.prefill_chunk,
+                max_prefill_rows=self.runner.max_prefill_rows,
+                max_model_len=self.max_model_len,
+            ),
+            self.allocator,
+        )
+        self.eos_token_ids = frozenset(self.runner.info.eos_token_ids)
+        self.vocab_size = self.runner.vocab_size
+        self._sequences: dict[str, Sequence] = {}
+        self._aborted: list[str] = []
+        self._seeds = random.Random(config.seed)
+        self._num_steps = 0
+        self._last_batch = 0
+        self._max_batch = 0
+        self.warmup_seconds: Optional[float] = self.runner.warmup() if config.warmup else None
+
+    # ---- the surface ----
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if this request can never be served. Thread-safe (reads config)."""
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion). "
+                "Please reduce the length of the prompt or of max_tokens.",
+                "max_tokens",
+            )
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"{name} names token id {bad}, outside the vocabulary [0, {self.vocab_size})", name)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.validate(prompt_ids, params)
+        if request_id in self._sequences:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
+        seq = Sequence(request_id, list(prompt_ids), params, seed)
+        seq.prompt_logprobs = [None] * len(prompt_ids)
+        self._sequences[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's pages now; its stream ends with an `abort` delta at the next step."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq)
+            self._aborted.append(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self._aborted) or self.scheduler.has_work()
+
+    def step(self) -> list[TokenDelta]:
+        deltas = [TokenDelta(rid, [], finish_reason=FinishReason.ABORT) for rid in self._aborted]
+        self._aborted.clear()
+        if not self.scheduler.has_work():
+            return deltas
+        plan = self.scheduler.schedule()
+        if not plan.rows:
+            return deltas
+        results = self.runner.execute(plan)
+        for row, result in zip(plan.rows, results):
+            delta = self._advance(row, result)
+            if delta is not None:
+                deltas.append(delta)
+        self._num_steps += 1
+        self._last_batch = len(plan.rows)
+        self._max_batch = max(self._max_batch, self._last_batch)
+        return deltas
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_pages=self.allocator.num_free,
+            num_pages=self.allocator.num_pages - 1,
+            prefix_cache_queries=self.scheduler.prefix_queries,
+            prefix_cache_hits=self.scheduler.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self._num_steps,
+            last_batch_size=self._last_batch,
+            max_batch_size=self._max_batch,
+            max_model_len=self.max_model_len,
+        )
+
+    # ---- internals ----
+
+    def _advance(self, row: Row, result: RowResult) -> Optional[TokenDelta]:
+        seq = row.seq
+        seq.num_computed += row.length
+        for k, logprob in enumerate(result.prompt_logprobs):
+            seq.prompt_logprobs[row.start + 1 + k] = logprob
+        if not row.samples:
+            return None
+        seq.output_ids.append(result.token)
+        delta = TokenDelta(seq.request_id, [result.token],
+                           logprobs=None if result.logprob is None else [result.logprob],
+                           finish_reason=self._finish_reason(seq))
+        if not seq.sent_first:
+            seq.sent_first = True
+            delta.num_prompt_tokens = len(seq.prompt_ids)
+            delta.num_cached_tokens = seq.num_cached_prompt
+            if seq.params.prompt_logprobs is not None:
+                delta.prompt_logprobs = list(seq.prompt_logprobs)
+        if delta.finished:
+            self._sequences.pop(seq.request_id, None)
+            self.scheduler.finish(seq)
+        return delta
+
+    def _finish_reason(self, seq: Sequence) -> Optional[FinishReason]:
+        params, last, generated = seq.params, seq.output_ids[-1], len(seq.output_ids)
+        if generated >= params.min_tokens and (
+            last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids)
+        ):
+            return FinishReason.STOP
+        if generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+

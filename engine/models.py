@@ -1,0 +1,130 @@
+"""Loading local Hugging Face checkpoints into levanter models, one entry per model family.
+
+A family is a (config.json `model_type`, levanter config class) pair; levanter's HF converter reads
+the safetensors weights. Loading happens under the engine's device mesh (levanter needs one) and
+fully offline: the path is made absolute so it is never mistaken for a hub repo id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax.numpy as jnp  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+
+def _families() -> dict:
+    from levanter.models.llama import LlamaConfig
+    from levanter.models.mistral import MistralConfig
+    from levanter.models.qwen import Qwen3Config, QwenConfig
+
+    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": QwenConfig, "qwen3": Qwen3Config}
+
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know about a loaded model besides its weights."""
+
+    family: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir).expanduser().absolute() / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path.parent} is not a Hugging Face checkpoint directory: it has no config.json")
+    return json.loads(path.read_text())
+
+
+def model_info(model_dir: str | Path) -> ModelInfo:
+    """Read sizes and EOS ids from config.json / generation_config.json (no weights, no jax work)."""
+    hf = read_hf_config(model_dir)
+    family = hf.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"model_type {family!r} in {model_dir}/config.json is not supported; "
+            f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    return ModelInfo(
+        family=family,
+        num_layers=hf["num_hidden_layers"],
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        eos_token_ids=_eos_ids(Path(model_dir), hf),
+    )
+
+
+def _eos_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    generation = model_dir.expanduser().absolute() / "generation_config.json"
+    for source in (hf, json.loads(generation.read_text()) if generation.is_file() else {}):
+        eos = source.get("eos_token_id")
+        for token in eos if isinstance(eos, list) else [eos]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    return tuple(ids)
+
+
+def load_model(model_dir: str | Path, dtype: str):
+    """Load the levanter LM-head model for `model_dir` in `dtype` ("float32" or "bfloat16").
+
+    Call under the engine's mesh (`haliax.partitioning.set_mesh` / axis mapping context).
+    """
+    from levanter.compat.hf_checkpoints import HFCheckpointConverter
+    from transformers import AutoTokenizer
+
+    path = str(Path(model_dir).expanduser().absolute())
+    info = model_info(path)
+    config_cls = _families()[info.family]
+    hf_config = read_hf_config(path)
+    if info.family == "qwen2":  # levanter's Qwen2 reader takes biases from `no_bias`
+        hf_config.setdefault("no_bias", False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    converter = HFCheckpointConverter(config_cls, reference_checkpoint=path, tokenizer=tokenizer)
+    lev_config = converter.config_from_hf_config(converter.HfConfigClass(**_hf_kwargs(hf_config)))
+    model = converter.load_pretrained(
+        lev_config.model_type,
+        ref=path,
+        config=lev_config,
+        resize_vocab_to_match_tokenizer=False,
+        dtype=jnp.dtype(dtype),
+    )
+    model = cast_floating(model, jnp.dtype(dtype))  # levanter keeps a bf16 checkpoint in bf16
+    logger.info("loaded %s checkpoint %s (%d layers, %s)", info.family, path, info.num_layers, dtype)
+    return model, info
+
+
+def cast_floating(model, dtype):
+    """Cast every floating-point weight of `model` to `dtype`."""
+    import equinox as eqx
+    import jax
+
+    def cast(leaf):
+        if eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != dtype:
+            return leaf.astype(dtype)
+        return leaf
+
+    return jax.tree_util.tree_map(cast, model)
+
+
+def _hf_kwargs(hf_config: dict) -> dict:
+    return {k: v for k, v in hf_config.items() if k not in ("architectures", "transformers_version")}

@@ -1,0 +1,149 @@
+"""One forward pass of a levanter Llama-family model over a ragged batch, with a paged KV cache.
+
+The weights and per-layer modules (norms, projections, rotary embeddings, MLP) are levanter's; this
+module replaces only the attention kernel and the cache write, because levanter's reference
+`ragged_paged_attention` loops over every token and page block, which on CPU costs far more than
+the matmuls. Here attention is two dense, masked einsums:
+
+- the decode group: `Sd` sequences with one new token each, attending to their `L` pages;
+- the prefill group: `Sp` rows of up to `C` prompt tokens, attending causally to their `L` pages.
+
+Token layout of a step (`T = Sd + Sp * C` tokens): the decode tokens first, then each prefill row's
+chunk, padded to `C`. Every token writes its key/value to `kv_dest` (a flat slot index,
+page * page_size + slot) before attention reads the pages, so a row sees its own chunk. Padding
+tokens write to page 0, a scratch page the allocator never hands out.
+
+Layers run under one `haliax.scan`, so compile time does not grow with depth; the cache is carried
+through the scan and updated in place.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+
+NEG_INF = -1e30
+
+
+class KVCache(eqx.Module):
+    """Keys and values of every layer: f[layer, page * page_size + slot, kv_head, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+    page_size: int = eqx.field(static=True)
+
+    @staticmethod
+    def init(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
+        shape = (num_layers, num_pages * page_size, kv_heads, head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_size)
+
+
+class StepInputs(eqx.Module):
+    """The arrays of one step; shapes are fixed by the runner's bucket (Sd, Sp, L)."""
+
+    tokens: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    kv_dest: jax.Array  # i32[T] flat slot per token; padding -> scratch page 0
+    dec_pages: jax.Array  # i32[Sd, L] page table of decode rows (padding -> 0)
+    dec_lens: jax.Array  # i32[Sd] tokens in cache after this step (0 for padding rows)
+    pre_pages: jax.Array  # i32[Sp, L]
+    pre_lens: jax.Array  # i32[Sp] tokens in cache after this step
+    pre_start: jax.Array  # i32[Sp] position of the row's first token
+    sample_index: jax.Array  # i32[R = Sd + Sp] token whose logits each row samples from
+
+
+def forward(model, cache: KVCache, inputs: StepInputs) -> tuple[NamedArray, KVCache]:
+    """Run every layer over the step's tokens. Returns final hidden states (position, embed)
+    and the updated cache."""
+    Pos = hax.Axis("position", inputs.tokens.shape[0])
+    x = model.embeddings.embed(hax.named(inputs.tokens, Pos))
+    pos_ids = hax.named(inputs.positions, Pos)
+
+    def layer_step(carry, layer):
+        x, k_all, v_all, index = carry
+        x, k_all, v_all = _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs, cache.page_size)
+        return (x, k_all, v_all, index + 1), None
+
+    init = (x, cache.k, cache.v, jnp.int32(0))
+    (x, k_all, v_all, _), _ = hax.scan(layer_step, "layer")(init, model.transformer.layers.stacked)
+    x = model.transformer.norm(x)
+    return x, KVCache(k_all, v_all, cache.page_size)
+
+
+def logits_at(model, hidden: NamedArray, index: jax.Array) -> NamedArray:
+    """Logits (row, vocab) of the tokens at `index` (a gather before the vocabulary matmul)."""
+    rows = hidden["position", hax.named(index, "row")]
+    if model.lm_head is not None:
+        return model.lm_head(rows, key=None)
+    return model.embeddings.unembed(rows)
+
+
+def _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs: StepInputs, page_size: int):
+    residual = x
+    h = layer.input_layernorm(x)
+    attn_out, k_all, v_all = _attention(layer.self_attn, h, k_all, v_all, index, pos_ids, inputs, page_size)
+    if getattr(layer, "post_attn_layernorm", None) is not None:
+        attn_out = layer.post_attn_layernorm(attn_out)
+    x = residual + attn_out
+    residual = x
+    mlp_out = layer.mlp(layer.post_attention_layernorm(x))
+    if getattr(layer, "post_mlp_layernorm", None) is not None:
+        mlp_out = layer.post_mlp_layernorm(mlp_out)
+    return residual + mlp_out, k_all, v_all
+
+
+def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, page_size: int):
+    q, k, v = attn._compute_qkv(h, key=None, pos_ids=pos_ids)
+    q_arr = q.rearrange(("position", "kv_head", "q_heads_per_group", "head_size")).array
+    k_arr = k.rearrange(("position", "kv_head", "head_size")).array.astype(k_all.dtype)
+    v_arr = v.rearrange(("position", "kv_head", "head_size")).array.astype(v_all.dtype)
+    k_all = k_all.at[index, inputs.kv_dest].set(k_arr)
+    v_all = v_all.at[index, inputs.kv_dest].set(v_arr)
+
+    scale = attn.config.scaling_factor or 1.0 / (q_arr.shape[-1] ** 0.5)
+    num_dec = inputs.dec_pages.shape[0]
+    q_arr = q_arr * jnp.asarray(scale, q_arr.dtype)
+    out = [] if num_dec == 0 else [_decode_attention(q_arr[:num_dec], k_all, v_all, index, inputs, page_size)]
+    if inputs.pre_pages.shape[0]:
+        out.append(_prefill_attention(q_arr[num_dec:], k_all, v_all, index, inputs, page_size))
+    o = jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]
+    o = hax.named(o, ("position", "kv_head", "q_heads_per_group", "head_size"))
+    o = o.flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(h.dtype)
+    return attn.o_proj(o, key=None), k_all, v_all
+
+
+def _gather_pages(k_all, v_all, index, pages, page_size):
+    """Keys/values of each row's pages: f[row, L * page_size, kv_head, head_dim]."""
+    slots = (pages[:, :, None] * page_size + jnp.arange(page_size)[None, None, :]).reshape(pages.shape[0], -1)
+    return k_all[index, slots], v_all[index, slots]
+
+
+def _decode_attention(q, k_all, v_all, index, inputs: StepInputs, page_size: int):
+    """q: f[Sd, kv_head, group, head_dim] (pre-scaled), one query per row at position dec_lens - 1."""
+    k, v = _gather_pages(k_all, v_all, index, inputs.dec_pages, page_size)
+    scores = jnp.einsum("shgd,skhd->shgk", q, k, preferred_element_type=jnp.float32)
+    visible = jnp.arange(k.shape[1])[None, :] < inputs.dec_lens[:, None]  # [Sd, K]
+    return _softmax_combine(scores, visible[:, None, None, :], v, "shgk,skhd->shgd")
+
+
+def _prefill_attention(q, k_all, v_all, index, inputs: StepInputs, page_size: int):
+    """q: f[Sp * C, kv_head, group, head_dim] (pre-scaled); row r's token j is at pre_start[r] + j."""
+    rows = inputs.pre_pages.shape[0]
+    q = q.reshape(rows, -1, *q.shape[1:])  # [Sp, C, h, g, d]
+    k, v = _gather_pages(k_all, v_all, index, inputs.pre_pages, page_size)
+    scores = jnp.einsum("schgd,skhd->shgck", q, k, preferred_element_type=jnp.float32)
+    q_pos = inputs.pre_start[:, None] + jnp.arange(q.shape[1])[None, :]  # [Sp, C]
+    visible = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # causal, within the row
+    out = _softmax_combine(scores, visible[:, None, None, :, :], v, "shgck,skhd->schgd")
+    return out.reshape(-1, *out.shape[2:])
+
+
+def _softmax_combine(scores, visible, v, equation):
+    """Masked softmax in float32, then the weighted sum of values. Rows with nothing visible
+    (padding) get finite garbage that the caller never reads."""
+    scores = jnp.where(visible, scores, NEG_INF)
+    weights = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum(equation, weights.astype(v.dtype), v, preferred_element_type=jnp.float32)

@@ -1,0 +1,304 @@
+"""The one module that touches the device: model weights, the KV cache and the jitted step.
+
+A step turns the scheduler's plan into fixed-shape arrays, runs the model over them and samples:
+
+    plan -> StepInputs (padded to a bucket) -> forward (donates the cache) -> sample -> host
+
+Shapes come from a small set of buckets so that XLA compiles each once:
+- decode rows `Sd` and prefill rows `Sp` round up to powers of two; a step that has both pads
+  its decode group to the maximum, so mixed steps add only one shape per `Sp`;
+- pages per row `L` round up to powers of two from `min_bucket_pages`.
+Warm-up compiles every (Sd, Sp, L) bucket at start and logs the time. The sampler's variants
+(penalties, top-k/p filtering) and prompt logprobs compile on first use.
+
+The jitted functions are pure functions of (model, cache, arrays) under a haliax device mesh, so
+that sharding the model over a mesh of several devices is a change of mesh and axis mapping only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+import time
+from typing import Optional
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from engine.config import EngineConfig
+from engine.models import ModelInfo, load_model
+from engine.paged_model import KVCache, StepInputs, forward, logits_at
+from engine.pages import SCRATCH_PAGE
+from engine.request import MAX_TOP_LOGPROBS, TokenLogprob
+from engine.sampler import SampleOutput, SamplingInputs, sample, token_logprobs
+from engine.scheduler import Plan, Row
+
+logger = logging.getLogger(__name__)
+
+U32 = 2**32
+
+
+@functools.partial(jax.jit, donate_argnums=(1,))
+def _forward_step(model, cache: KVCache, inputs: StepInputs):
+    hidden, cache = forward(model, cache, inputs)
+    return logits_at(model, hidden, inputs.sample_index).array, hidden, cache
+
+
+@functools.partial(jax.jit, static_argnames=("penalize", "filter"))
+def _sample_step(logits, inputs: SamplingInputs, penalize: bool, filter: bool) -> SampleOutput:
+    return sample(logits, inputs, penalize=penalize, filter=filter)
+
+
+@jax.jit
+def _prompt_logprobs_step(model, hidden, index, targets):
+    logits = logits_at(model, hidden, index).array
+    return token_logprobs(logits, targets)
+
+
+@dataclasses.dataclass
+class RowResult:
+    """What one row of a step produced (meaningful for `token` only when the row samples)."""
+
+    token: int
+    logprob: Optional[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob]
+    """For rows of a sequence that asked for prompt logprobs: one per prompt token this row
+    predicts (tokens start+1 .. of the prompt)."""
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+        with self._device_context():
+            self.model, self.info = load_model(config.model, config.dtype)
+        self.max_model_len = min(config.max_model_len or min(self.info.max_position_embeddings, 4096),
+                                 self.info.max_position_embeddings)
+        self.page_size = config.page_size
+        self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
+        self.num_pages = config.num_pages or 1 + config.max_num_seqs * self.max_pages_per_seq
+        self.max_prefill_rows = _pow2(max(1, config.max_num_batched_tokens // config.prefill_chunk))
+        self.max_decode_rows = _pow2(config.max_num_seqs)
+        self.min_bucket_pages = min(self.max_pages_per_seq, _pow2(-(-256 // self.page_size)))
+        self.cache = self._init_cache()
+        self.eos_ids = np.array(self.info.eos_token_ids, np.int32)
+        self.vocab_size = self._vocab_size()
+
+    # ---- public ----
+
+    def warmup(self) -> float:
+        """Compile every shape bucket; returns the seconds it took."""
+        start = time.perf_counter()
+        buckets = self.buckets()
+        for sd, sp, pages in buckets:
+            self._run_empty(sd, sp, pages)
+        seconds = time.perf_counter() - start
+        logger.info("warm-up compiled %d buckets in %.1f s", len(buckets), seconds)
+        return seconds
+
+    def buckets(self) -> list[tuple[int, int, int]]:
+        sd = [1 << i for i in range(self.max_decode_rows.bit_length())]
+        sp = [1 << i for i in range(self.max_prefill_rows.bit_length())]
+        shapes = [(d, 0) for d in sd] + [(0, p) for p in sp] + [(self.max_decode_rows, p) for p in sp]
+        return [(d, p, pages) for (d, p), pages in itertools.product(shapes, self._page_buckets())]
+
+    def execute(self, plan: Plan) -> list[RowResult]:
+        """Run one step; results follow `plan.rows` order."""
+        sd, sp, pages = self._bucket(plan)
+        with self._device_context():
+            inputs = self._step_inputs(plan, sd, sp, pages)
+            logits, hidden, self.cache = _forward_step(self.model, self.cache, inputs)
+            sampling, penalize, filter = self._sampling_inputs(plan, sd, sp)
+            out = _sample_step(logits, sampling, penalize=penalize, filter=filter)
+            prompt_lps = self._prompt_logprobs(plan, sd, hidden)
+            out = jax.device_get(out)
+        results = [self._row_result(row, i, out, []) for i, row in enumerate(plan.decode)]
+        results += [self._row_result(row, sd + r, out, prompt_lps.get(r, [])) for r, row in enumerate(plan.prefill)]
+        return results
+
+    # ---- shapes ----
+
+    def _page_buckets(self) -> list[int]:
+        buckets, n = [], self.min_bucket_pages
+        while n < self.max_pages_per_seq:
+            buckets.append(n)
+            n *= 2
+        return buckets + [self.max_pages_per_seq]
+
+    def _bucket(self, plan: Plan) -> tuple[int, int, int]:
+        n_dec, n_pre = len(plan.decode), len(plan.prefill)
+        sp = _pow2(n_pre) if n_pre else 0
+        sd = (self.max_decode_rows if sp else _pow2(n_dec)) if n_dec else 0
+        needed = max(-(-(row.start + row.length) // self.page_size) for row in plan.rows)
+        pages = next(b for b in self._page_buckets() if b >= needed)
+        return sd, sp, pages
+
+    # ---- host-side arrays ----
+
+    def _step_inputs(self, plan: Plan, sd: int, sp: int, num_pages: int) -> StepInputs:
+        chunk = self.config.prefill_chunk
+        total = sd + sp * chunk
+        tokens = np.zeros(total, np.int32)
+        positions = np.zeros(total, np.int32)
+        dest = np.full(total, SCRATCH_PAGE * self.page_size, np.int32)
+        sample_index = np.zeros(sd + sp, np.int32)
+        dec_pages, dec_lens = np.zeros((sd, num_pages), np.int32), np.zeros(sd, np.int32)
+        pre_pages, pre_lens, pre_start = (np.zeros((sp, num_pages), np.int32), np.zeros(sp, np.int32),
+                                          np.zeros(sp, np.int32))
+        for i, row in enumerate(plan.decode):
+            self._fill_row(row, i, tokens, positions, dest)
+            dec_pages[i, : len(row.seq.pages)] = row.seq.pages[:num_pages]
+            dec_lens[i] = row.start + 1
+            sample_index[i] = i
+        for r, row in enumerate(plan.prefill):
+            offset = sd + r * chunk
+            self._fill_row(row, offset, tokens, positions, dest)
+            pre_pages[r, : len(row.seq.pages)] = row.seq.pages[:num_pages]
+            pre_lens[r], pre_start[r] = row.start + row.length, row.start
+            sample_index[sd + r] = offset + row.length - 1
+        return StepInputs(*map(jnp.asarray, (tokens, positions, dest, dec_pages, dec_lens, pre_pages, pre_lens,
+                                             pre_start, sample_index)))
+
+    def _fill_row(self, row: Row, offset: int, tokens, positions, dest) -> None:
+        span = slice(offset, offset + row.length)
+        pos = np.arange(row.start, row.start + row.length)
+        tokens[span] = row.seq.token_ids[row.start : row.start + row.length]
+        positions[span] = pos
+        dest[span] = np.asarray(row.seq.pages)[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def _sampling_inputs(self, plan: Plan, sd: int, sp: int) -> tuple[SamplingInputs, bool, bool]:
+        n = sd + sp
+        rows = [(i, row) for i, row in enumerate(plan.decode)] + [(sd + r, row) for r, row in enumerate(plan.prefill)]
+        temperature, top_p, min_p = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.float32)
+        top_k, seed, position = np.zeros(n, np.int32), np.zeros(n, np.uint32), np.zeros(n, np.int32)
+        for i, row in rows:
+            params = row.seq.params
+            temperature[i], top_k[i], top_p[i], min_p[i] = params.temperature, params.top_k, params.top_p, params.min_p
+            seed[i], position[i] = row.seq.seed % U32, row.seq.num_tokens
+        penalize = any(self._needs_dense(row) for _, row in rows)
+        filter = any(row.seq.params.needs_filtering and not row.seq.params.greedy for _, row in rows)
+        inputs = SamplingInputs(*map(jnp.asarray, (temperature, top_k, top_p, min_p, seed, position)))
+        if penalize:
+            inputs = dataclasses.replace(inputs, **self._dense_inputs(rows, n))
+        return inputs, penalize, filter
+
+    def _needs_dense(self, row: Row) -> bool:
+        seq = row.seq
+        return seq.params.needs_penalties or len(seq.output_ids) < seq.params.min_tokens
+
+    def _dense_inputs(self, rows: list[tuple[int, Row]], n: int) -> dict:
+        vocab = self.vocab_size
+        presence, frequency, repetition = np.zeros(n, np.float32), np.zeros(n, np.float32), np.ones(n, np.float32)
+        counts, prompt_mask = np.zeros((n, vocab), np.float32), np.zeros((n, vocab), bool)
+        bias = np.zeros((n, vocab), np.float32)
+        for i, row in rows:
+            seq, params = row.seq, row.seq.params
+            presence[i], frequency[i], repetition[i] = (params.presence_penalty, params.frequency_penalty,
+                                                         params.repetition_penalty)
+            if seq.output_ids:
+                counts[i] = np.bincount(np.asarray(seq.output_ids) % vocab, minlength=vocab)
+            if params.repetition_penalty != 1.0:
+                prompt_mask[i, np.asarray(seq.prompt_ids) % vocab] = True
+            for token, value in params.logit_bias:
+                bias[i, token] += value
+            if len(seq.output_ids) < params.min_tokens:
+                bias[i, [t for t in (*self.info.eos_token_ids, *params.stop_token_ids) if t < vocab]] = -np.inf
+        arrays = dict(presence=presence, frequency=frequency, repetition=repetition, output_counts=counts,
+                      prompt_mask=prompt_mask, bias=bias)
+        return {k: jnp.asarray(v) for k, v in arrays.items()}
+
+    # ---- prompt logprobs ----
+
+    def _prompt_logprobs(self, plan: Plan, sd: int, hidden) -> dict[int, tuple]:
+        """For prefill rows of sequences that asked for prompt logprobs: logprobs of the prompt
+        tokens each row's positions predict. Keyed by prefill row index."""
+        wanted = [(r, row) for r, row in enumerate(plan.prefill) if row.seq.params.prompt_logprobs is not None]
+        if not wanted:
+            return {}
+        chunk, index, targets, owners = self.config.prefill_chunk, [], [], []
+        for r, row in wanted:
+            prompt = row.seq.prompt_ids
+            for j in range(row.length):
+                if row.start + j + 1 < len(prompt):
+                    index.append(sd + r * chunk + j)
+                    targets.append(prompt[row.start + j + 1])
+                    owners.append(r)
+        if not index:
+            return {}
+        size = _pow2(len(index))
+        pad = size - len(index)
+        chosen, top_ids, top_lps = jax.device_get(_prompt_logprobs_step(
+            self.model, hidden, jnp.asarray(index + [0] * pad, jnp.int32), jnp.asarray(targets + [0] * pad, jnp.int32)))
+        result: dict[int, list] = {}
+        for k, r in enumerate(owners):
+            top_n = plan.prefill[r].seq.params.prompt_logprobs
+            result.setdefault(r, []).append(_token_logprob(targets[k], chosen[k], top_ids[k], top_lps[k], top_n))
+        return result
+
+    def _row_result(self, row: Row, index: int, out, prompt_lps: list) -> RowResult:
+        token = int(out.tokens[index])
+        k = row.seq.params.logprobs
+        logprob = None if k is None else _token_logprob(token, out.logprobs[index], out.top_ids[index],
+                                                        out.top_logprobs[index], k)
+        return RowResult(token, logprob, prompt_lps)
+
+    # ---- device ----
+
+    def _device_context(self):
+        return _MeshContext(self.mesh)
+
+    def _init_cache(self) -> KVCache:
+        info: ModelInfo = self.info
+        dtype = jnp.dtype(self.config.dtype)
+        with self._device_context():
+            return KVCache.init(info.num_layers, self.num_pages, self.page_size, info.num_kv_heads, info.head_dim, dtype)
+
+    def _vocab_size(self) -> int:
+        return self.model.Vocab.size
+
+    def _run_empty(self, sd: int, sp: int, num_pages: int) -> None:
+        """Run a step of padding only (writes go to the scratch page) to compile its shapes."""
+        chunk = self.config.prefill_chunk
+        zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+        inputs = StepInputs(zeros(sd + sp * chunk), zeros(sd + sp * chunk), zeros(sd + sp * chunk),
+                            zeros(sd, num_pages), zeros(sd), zeros(sp, num_pages), zeros(sp), zeros(sp),
+                            zeros(sd + sp))
+        n = sd + sp
+        sampling = SamplingInputs(jnp.zeros(n), zeros(n), jnp.ones(n), jnp.zeros(n), jnp.zeros(n, jnp.uint32), zeros(n))
+        with self._device_context():
+            logits, _, self.cache = _forward_step(self.model, self.cache, inputs)
+            jax.block_until_ready(_sample_step(logits, sampling, penalize=False, filter=False))
+
+
+class _MeshContext:
+    """Enter the device mesh and an empty axis mapping (single device: everything replicated)."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+
+    def __enter__(self):
+        self._mesh_cm = hax.partitioning.set_mesh(self.mesh)
+        self._axes_cm = hax.axis_mapping({})
+        self._mesh_cm.__enter__()
+        self._axes_cm.__enter__()
+
+    def __exit__(self, *exc):
+        self._axes_cm.__exit__(*exc)
+        self._mesh_cm.__exit__(*exc)
+
+
+def _token_logprob(token: int, logprob, top_ids, top_lps, k: int) -> TokenLogprob:
+    top = tuple((int(t), float(lp)) for t, lp in zip(top_ids[:k], top_lps[:k]))
+    return TokenLogprob(int(token), float(logprob), top)
+
+
+__all__ = ["ModelRunner", "RowResult", "MAX_TOP_LOGPROBS"]

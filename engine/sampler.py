@@ -1,0 +1,95 @@
+"""Token sampling on device: penalties, bias, temperature, top-k / top-p / min-p, logprobs.
+
+Every row draws its randomness from a key folded from (its request's seed, the position of the
+token being sampled), so a seeded request samples the same tokens whatever else is in the batch,
+and a preempted request that is recomputed samples them again.
+
+Logprobs are those of the model's own distribution (log-softmax of the raw logits), before
+penalties, bias and temperature, as vLLM reports them.
+
+Two switches are static (each a separate compiled variant, built on first use): `penalize` (dense
+per-row arrays for presence/frequency/repetition penalties, logit bias and min_tokens) and
+`filter` (a sort over the vocabulary for top-k / top-p / min-p).
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from engine.request import MAX_TOP_LOGPROBS
+
+
+class SamplingInputs(eqx.Module):
+    """Per-row sampling parameters, f/i[R]; the dense arrays are None unless `penalize`."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    seed: jax.Array  # u32[R]
+    position: jax.Array  # i32[R] position of the token being sampled
+    presence: jax.Array | None = None
+    frequency: jax.Array | None = None
+    repetition: jax.Array | None = None
+    output_counts: jax.Array | None = None  # f32[R, V] occurrences in the output so far
+    prompt_mask: jax.Array | None = None  # bool[R, V] token occurs in the prompt
+    bias: jax.Array | None = None  # f32[R, V] logit bias; -inf blocks EOS before min_tokens
+
+
+class SampleOutput(eqx.Module):
+    tokens: jax.Array  # i32[R]
+    logprobs: jax.Array  # f32[R] of the chosen token
+    top_ids: jax.Array  # i32[R, MAX_TOP_LOGPROBS]
+    top_logprobs: jax.Array  # f32[R, MAX_TOP_LOGPROBS]
+
+
+def sample(logits: jax.Array, inputs: SamplingInputs, *, penalize: bool, filter: bool) -> SampleOutput:
+    logits = logits.astype(jnp.float32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    adjusted = _penalize(logits, inputs) if penalize else logits
+    greedy = jnp.argmax(adjusted, axis=-1)
+    scaled = adjusted / jnp.maximum(inputs.temperature, 1e-5)[:, None]
+    noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(inputs.seed, inputs.position, logits.shape[-1])
+    drawn = _filtered_draw(scaled, noise, inputs) if filter else jnp.argmax(scaled + noise, axis=-1)
+    tokens = jnp.where(inputs.temperature == 0.0, greedy, drawn).astype(jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Logprob of `targets` under `logits` (f[N, V]) and the top alternatives (prompt logprobs)."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
+    return chosen, top_ids.astype(jnp.int32), top_logprobs
+
+
+def _gumbel(seed, position, vocab: int):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), seed), position)
+    return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+
+def _penalize(logits, inputs: SamplingInputs):
+    seen = (inputs.output_counts > 0) | inputs.prompt_mask
+    rep = inputs.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - inputs.frequency[:, None] * inputs.output_counts
+    logits = logits - inputs.presence[:, None] * (inputs.output_counts > 0)
+    return logits + inputs.bias
+
+
+def _filtered_draw(scaled, noise, inputs: SamplingInputs):
+    """Gumbel-max over the tokens that survive top-k, top-p and min-p (in sorted order)."""
+    order = jnp.argsort(-scaled, axis=-1)
+    ranked = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    rank = jnp.arange(scaled.shape[-1])[None, :]
+    keep = (inputs.top_k[:, None] == 0) | (rank < inputs.top_k[:, None])
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < inputs.top_p[:, None]  # the token crossing top_p stays
+    keep &= probs >= inputs.min_p[:, None] * probs[:, :1]
+    ranked_noise = jnp.take_along_axis(noise, order, axis=-1)
+    choice = jnp.argmax(jnp.where(keep, ranked + ranked_noise, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
