@@ -100,6 +100,8 @@ def load_model(model_dir: str | Path, dtype: str):
         hf_config.setdefault("no_bias", False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     converter = HFCheckpointConverter(config_cls, reference_checkpoint=path, tokenizer=tokenizer)
+    if info.family == "qwen2":
+        _fill_missing_qwen2_biases(converter, hf_config)
     lev_config = converter.config_from_hf_config(converter.HfConfigClass(**_hf_kwargs(hf_config)))
     model = converter.load_pretrained(
         lev_config.model_type,
@@ -111,6 +113,29 @@ def load_model(model_dir: str | Path, dtype: str):
     model = cast_floating(model, jnp.dtype(dtype))  # levanter keeps a bf16 checkpoint in bf16
     logger.info("loaded %s checkpoint %s (%d layers, %s)", info.family, path, info.num_layers, dtype)
     return model, info
+
+
+def _fill_missing_qwen2_biases(converter, hf_config: dict) -> None:
+    """HF Qwen2 has biases on q/k/v only; levanter's Qwen2 puts one on every linear and norm. Zero
+    biases for the others make the two the same function."""
+    import numpy as np
+
+    load = converter.load_state_dict
+    hidden, inter = hf_config["hidden_size"], hf_config["intermediate_size"]
+    shapes = {"mlp.gate_proj": inter, "mlp.up_proj": inter, "mlp.down_proj": hidden, "self_attn.o_proj": hidden,
+              "input_layernorm": hidden, "post_attention_layernorm": hidden}
+
+    def load_with_zero_biases(ref=None, dtype=None):
+        state = load(ref, dtype)
+        for layer in range(hf_config["num_hidden_layers"]):
+            for name, size in shapes.items():
+                key = f"model.layers.{layer}.{name}.bias"
+                if key not in state:
+                    state[key] = np.zeros(size, np.asarray(state[f"model.layers.{layer}.{name}.weight"]).dtype)
+        state.setdefault("model.norm.bias", np.zeros(hidden, np.asarray(state["model.norm.weight"]).dtype))
+        return state
+
+    object.__setattr__(converter, "load_state_dict", load_with_zero_biases)
 
 
 def cast_floating(model, dtype):

@@ -68,7 +68,8 @@ def forward(model, cache: KVCache, inputs: StepInputs) -> tuple[NamedArray, KVCa
         return (x, k_all, v_all, index + 1), None
 
     init = (x, cache.k, cache.v, jnp.int32(0))
-    (x, k_all, v_all, _), _ = hax.scan(layer_step, "layer")(init, model.transformer.layers.stacked)
+    layers = model.transformer.layers
+    (x, k_all, v_all, _), _ = hax.scan(layer_step, layers.Block)(init, layers.stacked)
     x = model.transformer.norm(x)
     return x, KVCache(k_all, v_all, cache.page_size)
 

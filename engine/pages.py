@@ -5,7 +5,9 @@ Invariants:
 - A page is *held* while its reference count is positive; `num_free` counts the others.
 - A full page can carry a prefix hash: a hash of every token from the sequence start to the page's
   end. Such a page stays findable after its last holder lets go, until the allocator needs it
-  again; free pages are reused least-recently-freed first, so recently used prefixes survive.
+  again. Unheld pages without a hash are reused first (they hold nothing findable); cached ones
+  are evicted least-recently-freed first, so recently used prefixes survive.
+- Hashes and pages map one to one: a page carries at most one hash, a hash names at most one page.
 - When no request holds a page, `num_free == num_pages - 1`.
 """
 
@@ -65,14 +67,17 @@ class PageAllocator:
         return pages
 
     def free(self, pages: Iterable[int]) -> None:
-        """Drop one reference to each page; unheld pages go to the back of the reuse order.
-        Pages are freed in reverse so a sequence's tail is reused before its shared prefix."""
+        """Drop one reference to each page. Unheld cached pages go to the back of the reuse order,
+        unheld uncached ones to the front. Pages are freed in reverse so a sequence's tail is
+        reused before its shared prefix."""
         for page in reversed(list(pages)):
             if self._ref_counts[page] <= 0:
                 raise RuntimeError(f"page {page} freed more often than it was allocated")
             self._ref_counts[page] -= 1
             if self._ref_counts[page] == 0:
                 self._free[page] = None
+                if page not in self._hash_of_page:
+                    self._free.move_to_end(page, last=False)
 
     def match_prefix(self, hashes: Sequence[int]) -> list[int]:
         """Take a reference to the cached pages matching `hashes` from the first one on, stopping
@@ -92,8 +97,9 @@ class PageAllocator:
         return pages
 
     def register(self, page: int, page_hash: int) -> None:
-        """Make a full, held page findable by its prefix hash (first writer wins)."""
-        if not self.enable_prefix_caching or page_hash in self._page_of_hash:
+        """Make a full, held page findable by its prefix hash (first writer wins; a page keeps
+        its first hash until it is reallocated)."""
+        if not self.enable_prefix_caching or page_hash in self._page_of_hash or page in self._hash_of_page:
             return
         self._page_of_hash[page_hash] = page
         self._hash_of_page[page] = page_hash

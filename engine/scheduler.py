@@ -6,8 +6,12 @@ reading their prompt, then new sequences from the waiting queue (chunked prefill
 batch. A row whose chunk reaches the end of the sequence's tokens samples the next token.
 
 When a running sequence needs a page and none is free, the newest running sequence is preempted:
-its pages are freed and it goes back to the front of the queue, to be recomputed (prompt and output
-so far) later. Waiting sequences never preempt running ones.
+its pages are freed, any row it already had in the plan is dropped, and it goes back to the front
+of the queue, to be recomputed (prompt and output so far) later. Waiting sequences never preempt
+running ones, and none is admitted in a step that preempted.
+
+Full pages are offered to the prefix cache when the plan that fills them is final (so a sibling
+admitted in the same step can share them), never for a row that was dropped.
 """
 
 from __future__ import annotations
@@ -66,7 +70,9 @@ class Sequence:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs is not None and self.num_computed < len(self.prompt_ids)
+        """Whether computing from `num_computed` on still predicts prompt tokens (the last prompt
+        position predicts the first output token, not a prompt token)."""
+        return self.params.prompt_logprobs is not None and self.num_computed + 1 < len(self.prompt_ids)
 
 
 @dataclasses.dataclass
@@ -76,11 +82,12 @@ class Row:
     seq: Sequence
     start: int
     length: int
+    samples: bool = dataclasses.field(init=False)
+    """Whether this step produces the sequence's next token (the row reaches the end of the
+    sequence's tokens). Fixed when the row is made, so it still holds after the token is appended."""
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step produces the sequence's next token."""
-        return self.start + self.length == self.seq.num_tokens
+    def __post_init__(self):
+        self.samples = self.start + self.length == self.seq.num_tokens
 
 
 @dataclasses.dataclass
@@ -88,8 +95,9 @@ class Plan:
     decode: list[Row]
     """Rows of one token each."""
     prefill: list[Row]
-    """Rows of several tokens (at most the prefill chunk)."""
+    """Rows of several tokens (at most the prefill chunk), and rows that yield prompt logprobs."""
     preempted: list[Sequence]
+    """Sequences preempted while planning; none of them has a row in this plan."""
 
     @property
     def rows(self) -> list[Row]:
@@ -113,9 +121,22 @@ class SchedulerConfig:
     max_model_len: int
     """Tokens (prompt + output) of one sequence at most."""
 
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "max_prefill_rows", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
+        pages_per_seq = -(-config.max_model_len // allocator.page_size)
+        if pages_per_seq > allocator.num_pages - 1:
+            # Otherwise a long sequence preempts itself forever.
+            raise ValueError(
+                f"{allocator.num_pages - 1} KV pages of {allocator.page_size} tokens cannot hold one sequence of "
+                f"max_model_len={config.max_model_len} tokens; raise num_pages to at least {pages_per_seq + 1} "
+                "or lower max_model_len"
+            )
         self.config = config
         self.allocator = allocator
         self.page_size = allocator.page_size
@@ -143,27 +164,41 @@ class Scheduler:
 
     def schedule(self) -> Plan:
         plan = Plan(decode=[], prefill=[], preempted=[])
-        budget = self.config.max_num_batched_tokens
-        # Decodes first (one token each), then running prompts, oldest first within each.
-        for decoding in (True, False):
-            for seq in [s for s in self.running if (s.num_pending == 1) == decoding]:
-                if seq.status is not Status.RUNNING or budget == 0:
-                    continue
-                if not decoding and len(plan.prefill) == self.config.max_prefill_rows:
-                    break
-                length = min(seq.num_pending, self.config.prefill_chunk, budget)
-                if self._reserve_running(seq, length, plan):
-                    self._add_row(plan, Row(seq, seq.num_computed, length))
-                    budget -= length
-        self._admit_waiting(plan, budget)
+        budget = self._schedule_running(plan)
+        for row in plan.rows:  # final now: no row of this plan can be dropped any more
+            self._register_full_pages(row.seq, row.start + row.length)
+        if not plan.preempted:
+            self._admit_waiting(plan, budget)
         return plan
 
     # ---- internals ----
 
+    def _schedule_running(self, plan: Plan) -> int:
+        """Decodes first (one token each), then running prompts' chunks, oldest first within each.
+        Returns the budget left."""
+        budget = self.config.max_num_batched_tokens
+        for decoding in (True, False):
+            for seq in [s for s in self.running if (s.num_pending == 1) == decoding]:
+                if seq.status is not Status.RUNNING or budget == 0:
+                    continue
+                length = min(seq.num_pending, self.config.prefill_chunk, budget)
+                if self._is_prefill(seq, length) and len(plan.prefill) == self.config.max_prefill_rows:
+                    continue
+                num_preempted = len(plan.preempted)
+                reserved = self._reserve_running(seq, length, plan)
+                if len(plan.preempted) > num_preempted:  # victims' rows were dropped: their tokens are back
+                    budget = self.config.max_num_batched_tokens - plan.num_tokens
+                if reserved:
+                    self._add_row(plan, Row(seq, seq.num_computed, length))
+                    budget -= length
+        return budget
+
     def _admit_waiting(self, plan: Plan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_pending > 1 and len(plan.prefill) == self.config.max_prefill_rows:
+            # The cache can only shorten the row, so this check errs on the side of waiting.
+            upper = min(seq.num_pending, self.config.prefill_chunk, budget)
+            if self._is_prefill(seq, upper) and len(plan.prefill) == self.config.max_prefill_rows:
                 return
             fresh = not seq.pages
             if fresh:
@@ -179,22 +214,27 @@ class Scheduler:
             if not seq.admitted:
                 seq.admitted = True
                 seq.num_cached_prompt = seq.num_computed
-                self.prefix_queries += seq.num_tokens
-                self.prefix_hits += seq.num_computed
+                if self._uses_prefix_cache(seq):
+                    self.prefix_queries += seq.num_tokens
+                    self.prefix_hits += seq.num_computed
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             self._add_row(plan, Row(seq, seq.num_computed, length))
+            self._register_full_pages(seq, seq.num_computed + length)  # an n>1 sibling may match them next
             budget -= length
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Start `seq` from the longest cached prefix, keeping at least one token to compute (its
         logits produce the next token). Prompt logprobs need every prompt position computed."""
-        if seq.params.prompt_logprobs is None:
+        if self._uses_prefix_cache(seq):
             usable_pages = (seq.num_tokens - 1) // self.page_size
             seq.pages = self.allocator.match_prefix(self._hashes(seq, usable_pages))
             seq.num_registered_pages = len(seq.pages)
             seq.num_computed = len(seq.pages) * self.page_size
+
+    def _uses_prefix_cache(self, seq: Sequence) -> bool:
+        return self.allocator.enable_prefix_caching and seq.params.prompt_logprobs is None
 
     def _reserve_running(self, seq: Sequence, length: int, plan: Plan) -> bool:
         """Make room for `length` more tokens of a running sequence, preempting the newest running
@@ -209,6 +249,9 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, plan: Plan) -> None:
+        """Free all of `seq`'s pages and requeue it at the front; drop its row if it has one."""
+        plan.decode = [row for row in plan.decode if row.seq is not seq]
+        plan.prefill = [row for row in plan.prefill if row.seq is not seq]
         self.running.remove(seq)
         self.allocator.free(seq.pages)
         seq.pages, seq.num_computed, seq.num_registered_pages = [], 0, 0
@@ -221,14 +264,21 @@ class Scheduler:
         total = -(-(seq.num_computed + length) // self.page_size)
         return max(0, total - len(seq.pages))
 
+    @staticmethod
+    def _is_prefill(seq: Sequence, length: int) -> bool:
+        """Rows of several tokens, and rows that yield prompt logprobs (computed for prefill rows
+        only), go to the prefill group."""
+        return length > 1 or seq.wants_prompt_logprobs
+
     def _add_row(self, plan: Plan, row: Row) -> None:
-        (plan.decode if row.length == 1 and not row.seq.wants_prompt_logprobs else plan.prefill).append(row)
-        self._register_full_pages(row.seq, row.start + row.length)
+        (plan.prefill if self._is_prefill(row.seq, row.length) else plan.decode).append(row)
 
     def _register_full_pages(self, seq: Sequence, end: int) -> None:
-        """Offer the pages this step fills to the prefix cache right away. Within a step every
-        layer writes all new keys/values before any attention reads them, so a sequence admitted
-        later in the same step (an n>1 sibling) may already read these pages."""
+        """Offer the pages this step fills to the prefix cache once the row is final. Within a
+        step every layer writes all new keys/values before any attention reads them, so a
+        sequence admitted later in the same step (an n>1 sibling) may already read these pages."""
+        if not self.allocator.enable_prefix_caching:
+            return
         full = end // self.page_size
         hashes = self._hashes(seq, full)
         for i in range(seq.num_registered_pages, full):

@@ -115,10 +115,22 @@ def make_checkpoint(
         raise ValueError(f"unknown family {family!r}; use llama, mistral, qwen2 or qwen3")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    _randomize_biases(model, initializer_range)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     _patch_config_for_levanter(out, family)
     return out
+
+
+def _randomize_biases(model, scale: float) -> None:
+    """transformers initialises biases (Qwen2's q/k/v) to zero; random ones make parity tests
+    check that they are loaded."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, scale)
 
 
 def _patch_config_for_levanter(out: Path, family: str) -> None:

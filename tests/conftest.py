@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny random checkpoints, made once per test session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny_models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    """`checkpoint_factory(family, **sizes)` -> directory of a tiny random checkpoint (cached)."""
+    made: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", **kwargs) -> Path:
+        key = (family, tuple(sorted(kwargs.items())))
+        if key not in made:
+            made[key] = tiny_models.make_checkpoint(tmp_path_factory.mktemp(f"ckpt-{family}"), family, **kwargs)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoint_factory) -> Path:
+    return checkpoint_factory("llama")

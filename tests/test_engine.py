@@ -1,0 +1,230 @@
+"""The engine against transformers, the reference implementation, on tiny random checkpoints.
+
+Each engine here is configured so that 8 requests must queue (4 sequence slots), must chunk (a
+token budget below the longest prompt) and must preempt (a small page pool).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.request import FinishReason, InvalidRequestError, SamplingParams
+
+PROMPT_LENGTHS = [3, 7, 12, 20, 33, 50, 9, 17]
+NEW_TOKENS = 32
+
+TIGHT = dict(max_num_seqs=4, max_num_batched_tokens=24, prefill_chunk=16, page_size=4, num_pages=40,
+             max_model_len=128, warmup=False)
+
+
+def make_prompts(lengths=PROMPT_LENGTHS, seed=0, vocab=400) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, vocab, size=n)] for n in lengths]
+
+
+def run_to_completion(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]):
+    """Add every request, step until idle; returns {id: list of deltas}."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    deltas = {rid: [] for rid in requests}
+    while engine.has_work():
+        for delta in engine.step():
+            deltas[delta.request_id].append(delta)
+    return deltas
+
+
+def tokens_of(deltas) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def assert_all_pages_free(engine: LLMEngine) -> None:
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_free_pages == stats.num_pages
+    assert stats.kv_cache_usage == 0.0
+
+
+def hf_greedy(model_dir, prompt: list[int], new_tokens: int, **generate_kwargs):
+    """transformers' greedy tokens and the log-softmax logprob of each."""
+    model = _hf_model(str(model_dir))
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True, **generate_kwargs)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+_HF_MODELS: dict[str, transformers.PreTrainedModel] = {}
+
+
+def _hf_model(path: str):
+    if path not in _HF_MODELS:
+        _HF_MODELS[path] = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return _HF_MODELS[path]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
+def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family):
+    model_dir = checkpoint_factory(family)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **TIGHT))
+    prompts = make_prompts()
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    deltas = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+
+    stats = engine.stats()
+    assert stats.num_preemptions >= 1, "the page pool was meant to force a preemption"
+    assert stats.max_batch_size == 4
+    for i, prompt in enumerate(prompts):
+        want_tokens, want_logprobs = hf_greedy(model_dir, prompt, NEW_TOKENS)
+        got = deltas[str(i)]
+        assert tokens_of(got) == want_tokens, f"prompt {i} (length {len(prompt)})"
+        got_logprobs = [lp.logprob for d in got for lp in d.logprobs]
+        np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-3)
+        assert got[-1].finish_reason is FinishReason.LENGTH
+        assert [d.finish_reason for d in got[:-1]] == [None] * (NEW_TOKENS - 1)
+        assert got[0].num_prompt_tokens == len(prompt)
+    assert_all_pages_free(engine)
+
+
+@pytest.fixture(scope="module")
+def llama_engine(llama_dir):
+    return LLMEngine(EngineConfig(model=str(llama_dir), **TIGHT))
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_batch(llama_engine):
+    prompt = make_prompts([11], seed=1)[0]
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = tokens_of(run_to_completion(llama_engine, {"a": (prompt, seeded)})["a"])
+
+    others = {f"o{i}": (p, SamplingParams(max_tokens=20, temperature=0.7 + 0.1 * i, top_k=5 * i, ignore_eos=True))
+              for i, p in enumerate(make_prompts([5, 9, 14, 21, 30, 6, 40], seed=2))}
+    batched = run_to_completion(llama_engine, {**others, "a": (prompt, seeded)})
+    assert tokens_of(batched["a"]) == alone
+
+    other_seed = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=99, ignore_eos=True)
+    assert tokens_of(run_to_completion(llama_engine, {"b": (prompt, other_seed)})["b"]) != alone
+    assert_all_pages_free(llama_engine)
+
+
+def test_abort_mid_generation_returns_every_page(llama_engine):
+    prompts = make_prompts([10, 20, 30], seed=3)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        llama_engine.add_request(f"r{i}", prompt, params)
+    produced = {f"r{i}": 0 for i in range(3)}
+    while produced["r1"] < 5:
+        for delta in llama_engine.step():
+            produced[delta.request_id] += len(delta.token_ids)
+    held_before = llama_engine.stats().num_pages - llama_engine.stats().num_free_pages
+    pages_of_r1 = len(llama_engine.scheduler.running[1].pages)
+    llama_engine.abort("r1")
+    assert llama_engine.stats().num_pages - llama_engine.stats().num_free_pages == held_before - pages_of_r1
+    final = [d for d in llama_engine.step() if d.request_id == "r1"]
+    assert [(d.token_ids, d.finish_reason) for d in final] == [([], FinishReason.ABORT)]
+    llama_engine.abort("r0")
+    llama_engine.abort("r2")
+    while llama_engine.has_work():
+        llama_engine.step()
+    assert_all_pages_free(llama_engine)
+
+
+def test_n4_siblings_share_their_prompt_pages(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=4, max_num_batched_tokens=64,
+                                    prefill_chunk=32, page_size=4, num_pages=64, max_model_len=64, warmup=False))
+    prompt = make_prompts([14], seed=4)[0]  # 3 full pages + 2 tokens
+    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"s{i}", prompt, params)
+    for _ in range(4):  # two prefill rows per step: all four run after two steps
+        engine.step()
+        if len(engine.scheduler.running) == 4:
+            break
+    pages = [seq.pages for seq in engine.scheduler.running]
+    assert len(pages) == 4
+    assert all(p[:3] == pages[0][:3] for p in pages), "siblings hold the same three prompt pages"
+    assert [engine.allocator.ref_count(page) for page in pages[0][:3]] == [4, 4, 4]
+    assert len({p[3] for p in pages}) == 4, "each sibling writes its own last, partial page"
+    assert engine.stats().prefix_cache_hits == 3 * 12
+    while engine.has_work():
+        engine.step()
+    assert_all_pages_free(engine)
+
+
+def test_repeated_prefix_is_served_from_cache_with_identical_output(llama_engine):
+    prompt = make_prompts([13], seed=5)[0]  # 3 full pages of 4 + 1 token
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    first = run_to_completion(llama_engine, {"p1": (prompt, params)})["p1"]
+    hits_before = llama_engine.stats().prefix_cache_hits
+    second = run_to_completion(llama_engine, {"p2": (prompt, params)})["p2"]
+    assert llama_engine.stats().prefix_cache_hits - hits_before == 12
+    assert second[0].num_cached_tokens == 12 and first[0].num_cached_tokens == 0
+    assert tokens_of(second) == tokens_of(first)
+    assert_all_pages_free(llama_engine)
+
+
+def test_prompt_logprobs_equal_transformers(llama_engine, llama_dir):
+    prompt = make_prompts([21], seed=6)[0]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2)
+    deltas = run_to_completion(llama_engine, {"e": (prompt, params)})["e"]
+    got = deltas[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(prompt)
+    logits = _hf_model(str(llama_dir))(torch.tensor([prompt])).logits[0]
+    want = torch.log_softmax(logits, -1)
+    for i in range(1, len(prompt)):
+        assert got[i].token_id == prompt[i]
+        assert abs(got[i].logprob - want[i - 1, prompt[i]].item()) < 1e-3
+        top = torch.topk(want[i - 1], 2)
+        assert [t for t, _ in got[i].top] == top.indices.tolist()
+
+
+def test_stop_token_ids_min_tokens_and_eos(llama_engine):
+    prompt = make_prompts([9], seed=7)[0]
+    free_run = tokens_of(run_to_completion(
+        llama_engine, {"f": (prompt, SamplingParams(max_tokens=20, ignore_eos=True))})["f"])
+    stop_at = free_run[5]
+    first_index = free_run.index(stop_at)
+    stopped = run_to_completion(llama_engine, {"s": (prompt, SamplingParams(max_tokens=20, stop_token_ids=(stop_at,)))})
+    assert tokens_of(stopped["s"]) == free_run[: first_index + 1]
+    assert stopped["s"][-1].finish_reason is FinishReason.STOP
+    # min_tokens blocks the stop token until that many tokens exist
+    late = run_to_completion(llama_engine, {"m": (prompt, SamplingParams(max_tokens=20, min_tokens=first_index + 2,
+                                                                          stop_token_ids=(stop_at,)))})
+    late_tokens = tokens_of(late["m"])
+    assert stop_at not in late_tokens[: first_index + 2]
+    assert late_tokens[: first_index] == free_run[:first_index]
+    assert_all_pages_free(llama_engine)
+
+
+def test_repetition_penalty_equals_transformers(llama_engine, llama_dir):
+    prompt = make_prompts([15], seed=8)[0]
+    params = SamplingParams(max_tokens=16, repetition_penalty=1.5, ignore_eos=True)
+    got = tokens_of(run_to_completion(llama_engine, {"rp": (prompt, params)})["rp"])
+    want, _ = hf_greedy(llama_dir, prompt, 16, repetition_penalty=1.5)
+    assert got == want
+
+
+def test_logit_bias_forces_a_token_and_top_k_1_is_greedy(llama_engine):
+    prompt = make_prompts([6], seed=9)[0]
+    forced = run_to_completion(llama_engine, {"b": (prompt, SamplingParams(max_tokens=5, logit_bias=((42, 100.0),),
+                                                                           ignore_eos=True))})["b"]
+    assert tokens_of(forced) == [42] * 5
+    greedy = tokens_of(run_to_completion(llama_engine, {"g": (prompt, SamplingParams(max_tokens=8, ignore_eos=True))})["g"])
+    top1 = run_to_completion(llama_engine, {"k": (prompt, SamplingParams(max_tokens=8, temperature=2.0, top_k=1,
+                                                                         seed=5, ignore_eos=True))})["k"]
+    assert tokens_of(top1) == greedy
+
+
+def test_requests_that_cannot_fit_are_refused_with_the_numbers(llama_engine):
+    with pytest.raises(InvalidRequestError, match=r"maximum context length is 128 tokens.*130 tokens \(30 in the "
+                                                  r"prompt, 100 for the completion\)"):
+        llama_engine.add_request("long", list(range(3, 33)), SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llama_engine.add_request("oov", [1, 10_000], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llama_engine.add_request("empty", [], SamplingParams())
+    assert not llama_engine.has_work()
