@@ -8,8 +8,8 @@ Shapes come from a small set of buckets so that XLA compiles each once:
 - decode rows `Sd` and prefill rows `Sp` round up to powers of two; a step that has both pads
   its decode group to the maximum, so mixed steps add only one shape per `Sp`;
 - pages per row `L` round up to powers of two from `min_bucket_pages`.
-Warm-up compiles every (Sd, Sp, L) bucket at start and logs the time. The sampler's variants
-(penalties, top-k/p filtering) and prompt logprobs compile on first use.
+Warm-up compiles every (Sd, Sp, L) bucket at start, with the common sampler variants, and logs
+the time; the rarer variants (penalties, top-k/p filtering) and prompt logprobs compile on first use.
 
 The jitted functions are pure functions of (model, cache, arrays) under a haliax device mesh, so
 that sharding the model over a mesh of several devices is a change of mesh and axis mapping only.
@@ -22,7 +22,7 @@ import functools
 import itertools
 import logging
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import haliax as hax
 import jax
@@ -49,15 +49,27 @@ def _forward_step(model, cache: KVCache, inputs: StepInputs):
     return logits_at(model, hidden, inputs.sample_index).array, hidden, cache
 
 
-@functools.partial(jax.jit, static_argnames=("penalize", "filter"))
-def _sample_step(logits, inputs: SamplingInputs, penalize: bool, filter: bool) -> SampleOutput:
-    return sample(logits, inputs, penalize=penalize, filter=filter)
+@functools.partial(jax.jit, static_argnames=("variant",))
+def _sample_step(logits, inputs: SamplingInputs, variant: "SamplerVariant") -> SampleOutput:
+    return sample(logits, inputs, **variant._asdict())
+
+
+class SamplerVariant(NamedTuple):
+    """Static switches of the sampler (see engine.sampler)."""
+
+    random: bool = False
+    logprobs: bool = False
+    penalize: bool = False
+    filter: bool = False
 
 
 @jax.jit
 def _prompt_logprobs_step(model, hidden, index, targets):
     logits = logits_at(model, hidden, index).array
     return token_logprobs(logits, targets)
+
+
+WARM_SAMPLER_VARIANTS = (SamplerVariant(), SamplerVariant(random=True), SamplerVariant(random=True, logprobs=True))
 
 
 @dataclasses.dataclass
@@ -117,8 +129,8 @@ class ModelRunner:
         with self._device_context():
             inputs = self._step_inputs(plan, sd, sp, pages)
             logits, hidden, self.cache = _forward_step(self.model, self.cache, inputs)
-            sampling, penalize, filter = self._sampling_inputs(plan, sd, sp)
-            out = _sample_step(logits, sampling, penalize=penalize, filter=filter)
+            sampling, variant = self._sampling_inputs(plan, sd, sp)
+            out = _sample_step(logits, sampling, variant)
             prompt_lps = self._prompt_logprobs(plan, sd, hidden)
             out = jax.device_get(out)
         results = [self._row_result(row, i, out, []) for i, row in enumerate(plan.decode)]
@@ -175,7 +187,7 @@ class ModelRunner:
         positions[span] = pos
         dest[span] = np.asarray(row.seq.pages)[pos // self.page_size] * self.page_size + pos % self.page_size
 
-    def _sampling_inputs(self, plan: Plan, sd: int, sp: int) -> tuple[SamplingInputs, bool, bool]:
+    def _sampling_inputs(self, plan: Plan, sd: int, sp: int) -> tuple[SamplingInputs, SamplerVariant]:
         n = sd + sp
         rows = [(i, row) for i, row in enumerate(plan.decode)] + [(sd + r, row) for r, row in enumerate(plan.prefill)]
         temperature, top_p, min_p = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.float32)
@@ -184,12 +196,17 @@ class ModelRunner:
             params = row.seq.params
             temperature[i], top_k[i], top_p[i], min_p[i] = params.temperature, params.top_k, params.top_p, params.min_p
             seed[i], position[i] = row.seq.seed % U32, row.seq.num_tokens
-        penalize = any(self._needs_dense(row) for _, row in rows)
-        filter = any(row.seq.params.needs_filtering and not row.seq.params.greedy for _, row in rows)
+        params = [row.seq.params for _, row in rows]
+        variant = SamplerVariant(
+            random=any(not p.greedy for p in params),
+            logprobs=any(p.logprobs is not None for p in params),
+            penalize=any(self._needs_dense(row) for _, row in rows),
+            filter=any(p.needs_filtering and not p.greedy for p in params),
+        )
         inputs = SamplingInputs(*map(jnp.asarray, (temperature, top_k, top_p, min_p, seed, position)))
-        if penalize:
+        if variant.penalize:
             inputs = dataclasses.replace(inputs, **self._dense_inputs(rows, n))
-        return inputs, penalize, filter
+        return inputs, variant
 
     def _needs_dense(self, row: Row) -> bool:
         seq = row.seq
@@ -276,7 +293,8 @@ class ModelRunner:
         sampling = SamplingInputs(jnp.zeros(n), zeros(n), jnp.ones(n), jnp.zeros(n), jnp.zeros(n, jnp.uint32), zeros(n))
         with self._device_context():
             logits, _, self.cache = _forward_step(self.model, self.cache, inputs)
-            jax.block_until_ready(_sample_step(logits, sampling, penalize=False, filter=False))
+            for variant in WARM_SAMPLER_VARIANTS:
+                jax.block_until_ready(_sample_step(logits, sampling, variant))
 
 
 class _MeshContext:

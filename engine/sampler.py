@@ -7,9 +7,13 @@ and a preempted request that is recomputed samples them again.
 Logprobs are those of the model's own distribution (log-softmax of the raw logits), before
 penalties, bias and temperature, as vLLM reports them.
 
-Two switches are static (each a separate compiled variant, built on first use): `penalize` (dense
-per-row arrays for presence/frequency/repetition penalties, logit bias and min_tokens) and
-`filter` (a sort over the vocabulary for top-k / top-p / min-p).
+Sampling draws one uniform number per row and inverts the cumulative distribution, which on CPU
+costs far less than a Gumbel draw over the whole vocabulary.
+
+Four switches are static, each compiled variant built on first use (warm-up builds the common
+ones): `random` (any row samples; otherwise argmax only), `logprobs` (any row wants logprobs),
+`penalize` (dense per-row arrays for presence/frequency/repetition penalties, logit bias and
+min_tokens) and `filter` (a sort over the vocabulary for top-k / top-p / min-p).
 """
 
 from __future__ import annotations
@@ -45,18 +49,23 @@ class SampleOutput(eqx.Module):
     top_logprobs: jax.Array  # f32[R, MAX_TOP_LOGPROBS]
 
 
-def sample(logits: jax.Array, inputs: SamplingInputs, *, penalize: bool, filter: bool) -> SampleOutput:
+def sample(logits: jax.Array, inputs: SamplingInputs, *, random: bool, logprobs: bool, penalize: bool,
+           filter: bool) -> SampleOutput:
     logits = logits.astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
     adjusted = _penalize(logits, inputs) if penalize else logits
-    greedy = jnp.argmax(adjusted, axis=-1)
-    scaled = adjusted / jnp.maximum(inputs.temperature, 1e-5)[:, None]
-    noise = jax.vmap(_gumbel, in_axes=(0, 0, None))(inputs.seed, inputs.position, logits.shape[-1])
-    drawn = _filtered_draw(scaled, noise, inputs) if filter else jnp.argmax(scaled + noise, axis=-1)
-    tokens = jnp.where(inputs.temperature == 0.0, greedy, drawn).astype(jnp.int32)
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+    tokens = jnp.argmax(adjusted, axis=-1)
+    if random:
+        scaled = adjusted / jnp.maximum(inputs.temperature, 1e-5)[:, None]
+        uniform = jax.vmap(_uniform)(inputs.seed, inputs.position)
+        drawn = _filtered_draw(scaled, uniform, inputs) if filter else _draw(scaled, uniform)
+        tokens = jnp.where(inputs.temperature == 0.0, tokens, drawn)
+    tokens = tokens.astype(jnp.int32)
+    rows = logits.shape[0]
+    if not logprobs:
+        k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
+        return SampleOutput(tokens, jnp.zeros(rows), jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows, k)))
+    chosen, top_ids, top_logprobs = token_logprobs(logits, tokens)
+    return SampleOutput(tokens, chosen, top_ids, top_logprobs)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -67,9 +76,16 @@ def token_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ja
     return chosen, top_ids.astype(jnp.int32), top_logprobs
 
 
-def _gumbel(seed, position, vocab: int):
+def _uniform(seed, position):
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), seed), position)
-    return jax.random.gumbel(key, (vocab,), jnp.float32)
+    return jax.random.uniform(key, (), jnp.float32)
+
+
+def _draw(scaled, uniform):
+    """Invert the cumulative distribution of softmax(scaled) at `uniform` (one per row)."""
+    cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)
+    index = jnp.sum(cdf < (uniform * cdf[:, -1])[:, None], axis=-1)
+    return jnp.minimum(index, scaled.shape[-1] - 1)
 
 
 def _penalize(logits, inputs: SamplingInputs):
@@ -81,8 +97,8 @@ def _penalize(logits, inputs: SamplingInputs):
     return logits + inputs.bias
 
 
-def _filtered_draw(scaled, noise, inputs: SamplingInputs):
-    """Gumbel-max over the tokens that survive top-k, top-p and min-p (in sorted order)."""
+def _filtered_draw(scaled, uniform, inputs: SamplingInputs):
+    """Draw among the tokens that survive top-k, top-p and min-p, in sorted order."""
     order = jnp.argsort(-scaled, axis=-1)
     ranked = jnp.take_along_axis(scaled, order, axis=-1)
     probs = jax.nn.softmax(ranked, axis=-1)
@@ -90,6 +106,5 @@ def _filtered_draw(scaled, noise, inputs: SamplingInputs):
     keep = (inputs.top_k[:, None] == 0) | (rank < inputs.top_k[:, None])
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < inputs.top_p[:, None]  # the token crossing top_p stays
     keep &= probs >= inputs.min_p[:, None] * probs[:, :1]
-    ranked_noise = jnp.take_along_axis(noise, order, axis=-1)
-    choice = jnp.argmax(jnp.where(keep, ranked + ranked_noise, -jnp.inf), axis=-1)
+    choice = _draw(jnp.where(keep, ranked, -jnp.inf), uniform)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]

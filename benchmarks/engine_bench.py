@@ -1,0 +1,92 @@
+"""Offline engine benchmark: output tokens/s and per-step latency at several batch sizes.
+
+    .venv/bin/python benchmarks/engine_bench.py --batch 1,8,32
+
+Work: a random Llama of ~110M parameters (hidden 768, 12 layers, 12 heads / 4 KV heads,
+intermediate 2048, vocab 32000, made once under ~/.cache/jax-serve/bench-llama), `--prompt-len`
+random prompt tokens and `--new-tokens` new tokens per request with EOS ignored, all requests
+submitted at once. Compile time is excluded (the engine warms up first). Prints one row per batch
+size; each figure is the median of `--repeats` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+
+BENCH_MODEL = dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048,
+                   vocab_size=32000, max_position_embeddings=2048, initializer_range=0.02, dtype="bfloat16")
+
+
+def bench_checkpoint(path: Path) -> Path:
+    """The random ~110M Llama (bf16 safetensors), made on first use."""
+    if not (path / "config.json").is_file():
+        import tiny_models
+
+        tiny_models.make_checkpoint(path, "llama", **BENCH_MODEL)
+    return path
+
+
+def run_once(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"b{seed}-{i}", [int(t) for t in rng.integers(0, engine.vocab_size, prompt_len)], params)
+    step_times, decode_times, produced = [], [], 0
+    start = time.perf_counter()
+    while engine.has_work():
+        t0 = time.perf_counter()
+        deltas = engine.step()
+        elapsed = time.perf_counter() - t0
+        step_times.append(elapsed)
+        if engine.stats().num_waiting == 0 and all(len(d.token_ids) == 1 for d in deltas) and len(deltas) == batch:
+            decode_times.append(elapsed)
+        produced += sum(len(d.token_ids) for d in deltas)
+    total = time.perf_counter() - start
+    return {"tok_s": produced / total, "step_ms": 1000 * statistics.median(decode_times or step_times),
+            "seconds": total, "steps": len(step_times)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=Path.home() / ".cache/jax-serve/bench-llama")
+    parser.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--prefill-chunk", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    model = bench_checkpoint(args.model)
+    print(f"| batch | output tok/s | decode step ms | run s | steps |  ({args.dtype}, {args.prompt_len} in / "
+          f"{args.new_tokens} out)")
+    print("|---|---|---|---|---|")
+    for batch in [int(b) for b in args.batch.split(",")]:
+        engine = LLMEngine(EngineConfig(
+            model=str(model), dtype=args.dtype, page_size=args.page_size, max_num_seqs=batch,
+            max_num_batched_tokens=max(batch, args.max_num_batched_tokens), prefill_chunk=args.prefill_chunk,
+            max_model_len=args.prompt_len + args.new_tokens))
+        runs = [run_once(engine, batch, args.prompt_len, args.new_tokens, seed) for seed in range(args.repeats)]
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        print(f"| {batch} | {med['tok_s']:.0f} | {med['step_ms']:.1f} | {med['seconds']:.2f} | {med['steps']:.0f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
