@@ -34,6 +34,9 @@ class EngineConfig:
     """Reuse full KV pages across requests that share a prompt prefix."""
     warmup: bool = True
     """Compile every shape bucket when the engine starts (logged), not on the first request."""
+    compilation_cache_dir: Optional[str] = "~/.cache/jax-serve/xla"
+    """XLA's persistent compilation cache: a restarted replica loads its compiled buckets instead of
+    compiling them again. None disables it."""
     seed: int = 0
     """Seed for requests that bring none (each still gets its own stream of randomness)."""
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import haliax as hax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ def load_model(model_dir: str | Path, dtype: str):
         dtype=jnp.dtype(dtype),
     )
     model = cast_floating(model, jnp.dtype(dtype))  # levanter keeps a bf16 checkpoint in bf16
+    model = inputs_first(model)
     logger.info("loaded %s checkpoint %s (%d layers, %s)", info.family, path, info.num_layers, dtype)
     return model, info
 
@@ -136,6 +138,22 @@ def _fill_missing_qwen2_biases(converter, hf_config: dict) -> None:
         return state
 
     object.__setattr__(converter, "load_state_dict", load_with_zero_biases)
+
+
+def inputs_first(model):
+    """Lay every linear weight out as (..., In, Out): the contracting axes major, as XLA's dot wants
+    its right operand, so no step transposes (copies) a weight. Named axes keep the math unchanged."""
+    import haliax.nn as hnn
+    import jax
+
+    def relayout(module):
+        if not isinstance(module, hnn.Linear):
+            return module
+        names = lambda spec: [a.name for a in ((spec,) if isinstance(spec, hax.Axis) else spec)]  # noqa: E731
+        order = (..., *names(module.In), *names(module.Out))
+        return dataclasses.replace(module, weight=module.weight.rearrange(order))
+
+    return jax.tree_util.tree_map(relayout, model, is_leaf=lambda x: isinstance(x, hnn.Linear))
 
 
 def cast_floating(model, dtype):

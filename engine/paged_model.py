@@ -13,8 +13,10 @@ chunk, padded to `C`. Every token writes its key/value to `kv_dest` (a flat slot
 page * page_size + slot) before attention reads the pages, so a row sees its own chunk. Padding
 tokens write to page 0, a scratch page the allocator never hands out.
 
-Layers run under one `haliax.scan`, so compile time does not grow with depth; the cache is carried
-through the scan and updated in place.
+Each layer keeps its own weight buffers (`ServingModel`) and the layer loop is unrolled: under a
+`scan` over levanter's stacked layers, XLA on CPU copies every layer's weights out of the stack on
+every step (a dynamic-slice it cannot fuse into the matmul), which tripled the weight traffic of a
+decode step. The cache is donated and updated in place.
 """
 
 from __future__ import annotations
@@ -29,16 +31,34 @@ NEG_INF = -1e30
 
 
 class KVCache(eqx.Module):
-    """Keys and values of every layer: f[layer, page * page_size + slot, kv_head, head_dim]."""
+    """Keys and values of every layer: f[layer, page, slot, kv_head, head_dim]. A page is one
+    contiguous block, so gathering a row's pages copies whole blocks."""
 
     k: jax.Array
     v: jax.Array
-    page_size: int = eqx.field(static=True)
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
 
     @staticmethod
     def init(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
-        shape = (num_layers, num_pages * page_size, kv_heads, head_dim)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_size)
+        shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+class ServingModel(eqx.Module):
+    """A levanter LM-head model re-laid-out for serving: the same modules, one per layer."""
+
+    embeddings: eqx.Module
+    layers: tuple
+    norm: eqx.Module
+    lm_head: eqx.Module | None
+
+    @staticmethod
+    def from_levanter(model) -> "ServingModel":
+        layers = tuple(jax.tree_util.tree_map(jnp.copy, layer) for layer in model.transformer.layers.unstacked())
+        return ServingModel(model.embeddings, layers, model.transformer.norm, model.lm_head)
 
 
 class StepInputs(eqx.Module):
@@ -55,26 +75,19 @@ class StepInputs(eqx.Module):
     sample_index: jax.Array  # i32[R = Sd + Sp] token whose logits each row samples from
 
 
-def forward(model, cache: KVCache, inputs: StepInputs) -> tuple[NamedArray, KVCache]:
+def forward(model: ServingModel, cache: KVCache, inputs: StepInputs) -> tuple[NamedArray, KVCache]:
     """Run every layer over the step's tokens. Returns final hidden states (position, embed)
     and the updated cache."""
     Pos = hax.Axis("position", inputs.tokens.shape[0])
     x = model.embeddings.embed(hax.named(inputs.tokens, Pos))
     pos_ids = hax.named(inputs.positions, Pos)
-
-    def layer_step(carry, layer):
-        x, k_all, v_all, index = carry
+    k_all, v_all = cache.k, cache.v
+    for index, layer in enumerate(model.layers):
         x, k_all, v_all = _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs, cache.page_size)
-        return (x, k_all, v_all, index + 1), None
-
-    init = (x, cache.k, cache.v, jnp.int32(0))
-    layers = model.transformer.layers
-    (x, k_all, v_all, _), _ = hax.scan(layer_step, layers.Block)(init, layers.stacked)
-    x = model.transformer.norm(x)
-    return x, KVCache(k_all, v_all, cache.page_size)
+    return model.norm(x), KVCache(k_all, v_all)
 
 
-def logits_at(model, hidden: NamedArray, index: jax.Array) -> NamedArray:
+def logits_at(model: ServingModel, hidden: NamedArray, index: jax.Array) -> NamedArray:
     """Logits (row, vocab) of the tokens at `index` (a gather before the vocabulary matmul)."""
     rows = hidden["position", hax.named(index, "row")]
     if model.lm_head is not None:
@@ -101,8 +114,9 @@ def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, page_s
     q_arr = q.rearrange(("position", "kv_head", "q_heads_per_group", "head_size")).array
     k_arr = k.rearrange(("position", "kv_head", "head_size")).array.astype(k_all.dtype)
     v_arr = v.rearrange(("position", "kv_head", "head_size")).array.astype(v_all.dtype)
-    k_all = k_all.at[index, inputs.kv_dest].set(k_arr)
-    v_all = v_all.at[index, inputs.kv_dest].set(v_arr)
+    page, slot = inputs.kv_dest // page_size, inputs.kv_dest % page_size
+    k_all = k_all.at[index, page, slot].set(k_arr)
+    v_all = v_all.at[index, page, slot].set(v_arr)
 
     scale = attn.config.scaling_factor or 1.0 / (q_arr.shape[-1] ** 0.5)
     num_dec = inputs.dec_pages.shape[0]
@@ -118,8 +132,9 @@ def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, page_s
 
 def _gather_pages(k_all, v_all, index, pages, page_size):
     """Keys/values of each row's pages: f[row, L * page_size, kv_head, head_dim]."""
-    slots = (pages[:, :, None] * page_size + jnp.arange(page_size)[None, None, :]).reshape(pages.shape[0], -1)
-    return k_all[index, slots], v_all[index, slots]
+    rows = pages.shape[0]
+    k, v = k_all[index, pages], v_all[index, pages]  # [row, L, page_size, kv_head, head_dim]
+    return k.reshape(rows, -1, *k.shape[3:]), v.reshape(rows, -1, *v.shape[3:])
 
 
 def _decode_attention(q, k_all, v_all, index, inputs: StepInputs, page_size: int):

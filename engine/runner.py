@@ -22,6 +22,7 @@ import functools
 import itertools
 import logging
 import time
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 import haliax as hax
@@ -32,7 +33,7 @@ from jax.sharding import Mesh
 
 from engine.config import EngineConfig
 from engine.models import ModelInfo, load_model
-from engine.paged_model import KVCache, StepInputs, forward, logits_at
+from engine.paged_model import KVCache, ServingModel, StepInputs, forward, logits_at
 from engine.pages import SCRATCH_PAGE
 from engine.request import MAX_TOP_LOGPROBS, TokenLogprob
 from engine.sampler import SampleOutput, SamplingInputs, sample, token_logprobs
@@ -90,9 +91,13 @@ def _pow2(n: int) -> int:
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.compilation_cache_dir:
+            _enable_compilation_cache(config.compilation_cache_dir)
         self.mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
         with self._device_context():
-            self.model, self.info = load_model(config.model, config.dtype)
+            model, self.info = load_model(config.model, config.dtype)
+            self.model = ServingModel.from_levanter(model)
+            self.vocab_size = model.Vocab.size
         self.max_model_len = min(config.max_model_len or min(self.info.max_position_embeddings, 4096),
                                  self.info.max_position_embeddings)
         self.page_size = config.page_size
@@ -102,8 +107,6 @@ class ModelRunner:
         self.max_decode_rows = _pow2(config.max_num_seqs)
         self.min_bucket_pages = min(self.max_pages_per_seq, _pow2(-(-256 // self.page_size)))
         self.cache = self._init_cache()
-        self.eos_ids = np.array(self.info.eos_token_ids, np.int32)
-        self.vocab_size = self._vocab_size()
 
     # ---- public ----
 
@@ -279,22 +282,27 @@ class ModelRunner:
         with self._device_context():
             return KVCache.init(info.num_layers, self.num_pages, self.page_size, info.num_kv_heads, info.head_dim, dtype)
 
-    def _vocab_size(self) -> int:
-        return self.model.Vocab.size
-
     def _run_empty(self, sd: int, sp: int, num_pages: int) -> None:
-        """Run a step of padding only (writes go to the scratch page) to compile its shapes."""
-        chunk = self.config.prefill_chunk
-        zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-        inputs = StepInputs(zeros(sd + sp * chunk), zeros(sd + sp * chunk), zeros(sd + sp * chunk),
-                            zeros(sd, num_pages), zeros(sd), zeros(sp, num_pages), zeros(sp), zeros(sp),
-                            zeros(sd + sp))
+        """Run a step of padding only (writes go to the scratch page) to compile its shapes. The
+        arrays are made exactly as `execute` makes them, so the compiled step is the one reused."""
+        tokens = sd + sp * self.config.prefill_chunk
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         n = sd + sp
-        sampling = SamplingInputs(jnp.zeros(n), zeros(n), jnp.ones(n), jnp.zeros(n), jnp.zeros(n, jnp.uint32), zeros(n))
         with self._device_context():
+            inputs = StepInputs(*map(jnp.asarray, (zeros(tokens), zeros(tokens), zeros(tokens), zeros(sd, num_pages),
+                                                   zeros(sd), zeros(sp, num_pages), zeros(sp), zeros(sp), zeros(n))))
+            sampling = SamplingInputs(*map(jnp.asarray, (np.zeros(n, np.float32), zeros(n), np.ones(n, np.float32),
+                                                         np.zeros(n, np.float32), np.zeros(n, np.uint32), zeros(n))))
             logits, _, self.cache = _forward_step(self.model, self.cache, inputs)
             for variant in WARM_SAMPLER_VARIANTS:
                 jax.block_until_ready(_sample_step(logits, sampling, variant))
+
+def _enable_compilation_cache(path: str) -> None:
+    """Persist compiled executables (process-wide jax setting; the same path for every engine)."""
+    directory = Path(path).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 class _MeshContext:
