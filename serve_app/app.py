@@ -1,0 +1,58 @@
+"""The Ray Serve application: one model-server deployment per model, behind one ingress.
+
+`serve run serve_app:build_app model=/path/to/checkpoint` serves a local checkpoint;
+`serve run deploy/config.yaml` serves the default model. Builder args are `AppConfig` fields
+(see serve_app.config), given flat for one model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import BackpressureConfig
+
+from serve_app.config import AppConfig, ModelConfig
+from serve_app.ingress import Ingress
+from serve_app.server import ModelServer
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve's application builder (import path `serve_app:build_app`)."""
+    config = AppConfig.from_args(args)
+    servers = {m.model_id: server_deployment(m).bind(m) for m in config.models}
+    ingress = serve.deployment(Ingress).options(
+        name="Ingress",
+        num_replicas=config.ingress_replicas,
+        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+        max_ongoing_requests=config.ingress_max_ongoing_requests,
+    )
+    return ingress.bind(config.api_key, servers)
+
+
+def server_deployment(model: ModelConfig) -> serve.Deployment:
+    """The model-server deployment of one model, placed and bounded as its config says."""
+    actor_options: dict[str, Any] = {"num_cpus": model.num_cpus}
+    if model.resources:
+        actor_options["resources"] = model.resources
+    if model.accelerator_type:
+        actor_options["accelerator_type"] = model.accelerator_type
+    if model.env_vars:
+        actor_options["runtime_env"] = {"env_vars": model.env_vars}
+    options: dict[str, Any] = dict(
+        name=model.deployment_name,
+        ray_actor_options=actor_options,
+        max_ongoing_requests=model.max_ongoing_requests,
+        max_queued_requests=model.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=model.retry_after_s),
+        health_check_period_s=model.health_check_period_s,
+    )
+    if model.autoscaling_config:
+        options["autoscaling_config"] = model.autoscaling_config
+    else:
+        options["num_replicas"] = model.num_replicas
+    if model.placement_group_bundles:
+        options["placement_group_bundles"] = model.placement_group_bundles
+        options["placement_group_strategy"] = model.placement_group_strategy
+    return serve.deployment(ModelServer).options(**options)

@@ -1,0 +1,155 @@
+"""Application configuration, from `serve run` builder args or a Serve YAML file's `args`.
+
+Flat args configure one model (`serve run serve_app:build_app model=/path max_num_seqs=8`); a
+`models:` list serves several, each at its own model-server deployment behind one ingress. Values
+may arrive as strings (command-line args); pydantic converts them. Invariant: a config that
+validates here builds an `EngineConfig` on every replica (engine fields are checked up front).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, field_validator, model_validator
+
+from engine.config import EngineConfig
+
+ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model"}
+
+
+def _json_if_str(value: Any) -> Any:
+    """Dict-valued args may come from the command line as JSON strings."""
+    return json.loads(value) if isinstance(value, str) else value
+
+
+class ModelConfig(BaseModel):
+    """One served model: its source, its engine sizes, and how its replicas are placed and bounded."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), use_attribute_docstrings=True)
+
+    model: str
+    """A local Hugging Face checkpoint directory, a local .gguf file, or a builtin alias such as
+    `smollm2-135m-instruct` (see engine.model_sources)."""
+    model_id: Optional[str] = None
+    """The name clients send as `model`. Default: the directory name (a .gguf file's stem), or the
+    alias."""
+    cache_dir: Optional[str] = None
+    """Where converted/downloaded models are kept on each replica's host (default: the engine's)."""
+    engine_cls: str = "engine.engine:LLMEngine"
+    """Import path `module:Class` of the engine core, constructed as `cls(EngineConfig)`; imported
+    lazily on the model-server replica (the serving layer never imports jax)."""
+    engine: dict[str, Any] = {}
+    """EngineConfig fields other than `model` (dtype, page_size, num_pages, max_num_seqs,
+    max_num_batched_tokens, prefill_chunk, max_model_len, enable_prefix_caching, warmup, seed).
+    They may also be given flat, next to `model`."""
+
+    num_replicas: int = Field(1, ge=1)
+    """Model-server replicas (ignored when `autoscaling_config` is set)."""
+    autoscaling_config: Optional[dict[str, Any]] = None
+    """Ray Serve autoscaling (min_replicas, max_replicas, target_ongoing_requests, ...)."""
+    num_cpus: float = Field(0.5, ge=0)
+    """Logical CPUs reserved per model-server replica (a scheduling hint; keep it small on a laptop)."""
+    resources: dict[str, float] = {}
+    """Other per-replica resources, e.g. {"TPU": 4} to pin a replica to a TPU host's chips."""
+    accelerator_type: Optional[str] = None
+    """Ray accelerator type to schedule on, e.g. "TPU-V5LITEPOD" or "TPU-V4"."""
+    placement_group_bundles: Optional[list[dict[str, float]]] = None
+    """One bundle per host for a replica that spans several hosts (a multi-host TPU slice); the
+    replica's own actor takes the first bundle."""
+    placement_group_strategy: str = "STRICT_PACK"
+    """How `placement_group_bundles` are placed (STRICT_SPREAD: one bundle per host)."""
+    env_vars: dict[str, str] = {}
+    """Environment of the model-server replicas (e.g. JAX_PLATFORMS, HF_HUB_OFFLINE)."""
+
+    max_ongoing_requests: int = Field(64, ge=1)
+    """Requests one replica serves at once (in its engine, running or waiting for a batch slot)."""
+    max_queued_requests: int = Field(256, ge=-1)
+    """Requests an ingress replica queues for this model while every server replica is at
+    `max_ongoing_requests`; beyond that clients get 429 with Retry-After. -1: unbounded."""
+    retry_after_s: float = Field(1.0, gt=0)
+    """The Retry-After sent with a 429."""
+    stream_batch_ms: float = Field(5.0, ge=0)
+    """Stream chunks produced within this window after the first travel over the Ray hop together."""
+    health_check_period_s: float = Field(10.0, gt=0)
+    """How often Ray Serve probes a replica; a replica whose engine died is restarted."""
+
+    _dict_args = field_validator("engine", "autoscaling_config", "resources", "env_vars", mode="before")(
+        classmethod(lambda cls, v: _json_if_str(v))
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_engine_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        flat = {k: v for k, v in data.items() if k in ENGINE_FIELDS}
+        rest = {k: v for k, v in data.items() if k not in ENGINE_FIELDS}
+        return {**rest, "engine": {**_json_if_str(rest.get("engine", {})), **flat}}
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        unknown = set(self.engine) - ENGINE_FIELDS
+        if unknown:
+            raise ValueError(f"unknown engine fields {sorted(unknown)}; known: {sorted(ENGINE_FIELDS)}")
+        self.engine = dataclasses.asdict(self.engine_config(self.model))  # validated and converted
+        del self.engine["model"]
+        if self.model_id is None:
+            self.model_id = default_model_id(self.model)
+        if ":" not in self.engine_cls:
+            raise ValueError(f"engine_cls must look like 'module:Class', got {self.engine_cls!r}")
+        return self
+
+    def engine_config(self, model_dir: str | Path) -> EngineConfig:
+        """The engine's config for a resolved local checkpoint directory."""
+        return TypeAdapter(EngineConfig).validate_python({**self.engine, "model": str(model_dir)})
+
+    @property
+    def deployment_name(self) -> str:
+        return "ModelServer-" + re.sub(r"[^A-Za-z0-9_.-]", "-", self.model_id)
+
+
+def default_model_id(spec: str) -> str:
+    """A checkpoint directory's name, a .gguf file's stem, or the alias itself."""
+    path = Path(spec.rstrip("/"))
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
+class AppConfig(BaseModel):
+    """The whole application: the models and the ingress in front of them."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    models: list[ModelConfig] = Field(min_length=1)
+    """The served models, each behind its own model-server deployment."""
+    api_key: Optional[SecretStr] = None
+    """When set, every /v1 route needs `Authorization: Bearer <api_key>` (/health and /metrics
+    stay open for probes and scrapers)."""
+    ingress_replicas: int = Field(1, ge=1)
+    """Ingress replicas (CPU only; each bounds its own queue of `max_queued_requests`)."""
+    ingress_num_cpus: float = Field(0.1, ge=0)
+    """Logical CPUs reserved per ingress replica."""
+    ingress_max_ongoing_requests: int = Field(1024, ge=1)
+    """Concurrent HTTP requests per ingress replica (Ray Serve's default of 5 would serialize
+    streams)."""
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> "AppConfig":
+        ids = [m.model_id for m in self.models]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"model ids must be unique, got {ids}; set model_id for each model")
+        return self
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any]) -> "AppConfig":
+        """Builder args: either `models: [...]` plus app fields, or one model's fields given flat
+        next to the app fields."""
+        if "models" in args:
+            return cls.model_validate({**args, "models": _json_if_str(args["models"])})
+        app_keys = set(cls.model_fields) - {"models"}
+        app = {k: v for k, v in args.items() if k in app_keys}
+        model = {k: v for k, v in args.items() if k not in app_keys}
+        return cls.model_validate({**app, "models": [model]})

@@ -1,0 +1,248 @@
+"""The ingress: OpenAI routes, API-key auth, model lookup and SSE framing, in front of model servers.
+
+`create_app` builds the FastAPI app over one `ModelBackend` per served model. In Ray Serve each
+backend is a `HandleBackend` (deployment handles; streams go through `.options(stream=True)`); a
+`LocalBackend` calls a `ModelServer` in the same process (tests, a single-process server).
+
+Invariants: every error a client sees has OpenAI's error body; a streamed request either fails
+before its first byte (a real HTTP status) or ends with `data: [DONE]` (after an error event if
+it failed mid-stream); a client that goes away closes its backend stream, which cancels the Ray
+call and so aborts its engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+from typing import Any, AsyncIterator, Optional, Protocol
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, SecretStr
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
+
+from serve_app.errors import (
+    APIError,
+    BadRequest,
+    MethodNotAllowed,
+    NotFound,
+    RouteNotFound,
+    Unauthorized,
+    Unavailable,
+    to_api_error,
+)
+from serve_app.metrics import render
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, parse_request
+
+BROADCAST_TIMEOUT_S = 10.0
+
+
+class ModelBackend(Protocol):
+    """How the ingress reaches the servers of one model."""
+
+    def stream(self, request: BaseModel, arrival_time: float) -> AsyncIterator[list[str]]: ...
+
+    async def respond(self, request: BaseModel, arrival_time: float) -> str: ...
+
+    async def statuses(self) -> list[Any]:
+        """One `ModelServer.status()` per live replica (an exception for one that did not answer)."""
+
+    async def metric_families(self) -> list[list]:
+        """One `ModelServer.metric_families()` per live replica."""
+
+
+class HandleBackend:
+    """A model's servers behind a Ray Serve deployment handle."""
+
+    def __init__(self, handle: DeploymentHandle):
+        self._handle = handle
+        self._streaming = handle.options(stream=True)
+
+    async def stream(self, request: BaseModel, arrival_time: float) -> AsyncIterator[list[str]]:
+        response = self._streaming.stream_chunks.remote(request, arrival_time)
+        finished = False
+        try:
+            async for batch in response:
+                yield batch
+            finished = True
+        finally:
+            if not finished:  # closes the server's generator, which aborts its engine requests
+                response.cancel()
+
+    async def respond(self, request: BaseModel, arrival_time: float) -> str:
+        response = self._handle.respond.remote(request, arrival_time)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+
+    async def statuses(self) -> list[Any]:
+        return await self._broadcast("status")
+
+    async def metric_families(self) -> list[list]:
+        return [r for r in await self._broadcast("metric_families") if isinstance(r, list)]
+
+    async def _broadcast(self, method: str) -> list[Any]:
+        """Every live replica's answer, or the exception in its place."""
+        call = self._handle.broadcast(method)
+        try:
+            return await call.results_async(timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True)
+        except TimeoutError as exc:
+            return [exc]
+
+
+class LocalBackend:
+    """A `ModelServer` in this process."""
+
+    def __init__(self, server: Any):
+        self.server = server
+
+    def stream(self, request: BaseModel, arrival_time: float) -> AsyncIterator[list[str]]:
+        return self.server.stream_chunks(request, arrival_time)
+
+    async def respond(self, request: BaseModel, arrival_time: float) -> str:
+        return await self.server.respond(request, arrival_time)
+
+    async def statuses(self) -> list[Any]:
+        return [self.server.status()]
+
+    async def metric_families(self) -> list[list]:
+        return [self.server.metric_families()]
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+
+def create_app(backends: dict[str, ModelBackend], api_key: Optional[str] = None) -> FastAPI:
+    """The OpenAI-compatible app. /v1 routes need `Authorization: Bearer <api_key>` when a key is
+    set; /health and /metrics never do."""
+    app = FastAPI(title="jax-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(APIError, lambda _, exc: error_response(exc))
+    app.add_exception_handler(HTTPException, _http_error)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorizer(api_key))])
+
+    async def serve_request(raw: Request, request_cls: type[BaseModel]) -> Response:
+        try:
+            request = parse_request(request_cls, await raw.body())
+            if request.model not in backends:
+                raise _unknown_model(request.model, backends)
+            return await _respond(backends[request.model], request)
+        except Exception as exc:
+            return error_response(to_api_error(exc))
+
+    @v1.post("/completions")
+    async def completions(raw: Request) -> Response:
+        return await serve_request(raw, CompletionRequest)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        return await serve_request(raw, ChatCompletionRequest)
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_id) for model_id in backends])
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        if model_id not in backends:
+            raise _unknown_model(model_id, backends)
+        return ModelCard(id=model_id)
+
+    @app.get("/health")
+    async def health() -> Response:
+        for model_id, backend in backends.items():
+            problem = _readiness_problem(await backend.statuses())
+            if problem:
+                return error_response(Unavailable(f"model {model_id!r} is not ready: {problem}"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        families = [f for backend in backends.values() for f in await backend.metric_families()]
+        return Response(render(families), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(v1)
+    return app
+
+
+async def _respond(backend: ModelBackend, request: Any) -> Response:
+    arrival_time = time.time()
+    if not request.stream:
+        return Response(await backend.respond(request, arrival_time), media_type="application/json")
+    chunks = backend.stream(request, arrival_time)
+    try:  # errors before the first chunk (bad prompt, full queue) get their own HTTP status
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        first = []
+    return StreamingResponse(_sse(first, chunks), media_type="text/event-stream")
+
+
+async def _sse(first: list[str], chunks: AsyncIterator[list[str]]) -> AsyncIterator[str]:
+    async with contextlib.aclosing(chunks):
+        try:
+            yield _frames(first)
+            async for batch in chunks:
+                yield _frames(batch)
+        except Exception as exc:
+            yield _frames([json.dumps(to_api_error(exc).body())])
+        yield "data: [DONE]\n\n"
+
+
+def _frames(chunks: list[str]) -> str:
+    return "".join(f"data: {chunk}\n\n" for chunk in chunks)
+
+
+def _authorizer(api_key: Optional[str]):
+    async def authorize(raw: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = raw.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise Unauthorized("no API key provided; send it as 'Authorization: Bearer <key>'")
+        if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise Unauthorized("incorrect API key provided")
+
+    return authorize
+
+
+def _unknown_model(model_id: str, backends: dict[str, ModelBackend]) -> NotFound:
+    return NotFound(f"the model {model_id!r} does not exist; served models: {sorted(backends)}", "model")
+
+
+def _readiness_problem(statuses: list[Any]) -> Optional[str]:
+    """None when at least one replica is alive, else why not."""
+    if any(isinstance(s, dict) and s["alive"] for s in statuses):
+        return None
+    if not statuses:
+        return "no model server replica is running yet (loading and warming up)"
+    return "; ".join(str(s["error"]) if isinstance(s, dict) else repr(s) for s in statuses)
+
+
+async def _http_error(raw: Request, exc: HTTPException) -> Response:
+    """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
+    route = f"{raw.method} {raw.url.path}"
+    if exc.status_code == 404:
+        return error_response(RouteNotFound(f"no route {route}"))
+    if exc.status_code == 405:
+        return error_response(MethodNotAllowed(f"method not allowed: {route}"))
+    return error_response(BadRequest(f"{exc.detail} ({route})"))
+
+
+@serve.ingress()
+class Ingress:
+    """The Ray Serve ingress deployment; its FastAPI app is built on each replica from handles."""
+
+    def __init__(self, api_key: Optional[SecretStr], servers: dict[str, DeploymentHandle]):
+        key = api_key.get_secret_value() if api_key is not None else None
+        self._app = create_app({model_id: HandleBackend(h) for model_id, h in servers.items()}, key)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self._app

@@ -1,0 +1,452 @@
+"""OpenAI request and response models.
+
+Each request class lists its fields in the order of OpenAI's API reference (required fields first,
+then alphabetical); this server's extensions come from the shared base class. Invariants of every
+request model:
+  * `null` means "the default": null-valued fields are dropped before validation;
+  * an unknown field is a 400 (`extra="forbid"`), like OpenAI's own API, so typos are never ignored;
+  * a known OpenAI field this server cannot honour yet is a 400 that says so, unless it has its
+    neutral value (e.g. `response_format={"type": "text"}`, `tools=[]`).
+Numeric ranges of sampling fields are checked once, by `engine.request.SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from engine.request import SamplingParams
+from serve_app.errors import BadRequest
+
+MAX_N = 128
+Prompt = Union[str, list[int]]
+"""One prompt: text, or token ids."""
+
+
+def invalid(param: str, message: str) -> PydanticCustomError:
+    """A validation error that names its field (also from model-level validators)."""
+    return PydanticCustomError("invalid_request", "{message}", {"message": message, "param": param})
+
+
+def parse_request(model: type[BaseModel], body: bytes) -> Any:
+    """Validate a JSON body into `model`; any problem is a `BadRequest` naming the field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        first = errors[0]
+        param = ".".join(str(p) for p in first["loc"]) or (first.get("ctx") or {}).get("param")
+        raise BadRequest("; ".join(_describe(e) for e in errors), param) from None
+
+
+def _describe(error: dict) -> str:
+    loc = ".".join(str(p) for p in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"'{loc}' is not a supported field; remove it"
+    if error["type"] in ("invalid_request", "json_invalid") or not loc:
+        return error["msg"]
+    return f"{loc}: {error['msg']}"
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+def _unsupported(supported: dict[str, tuple]):
+    """A validator rejecting values of known-but-unsupported fields, except their neutral values."""
+
+    def check(cls, value: Any, info) -> Any:
+        allowed = supported[info.field_name]
+        if value not in allowed:
+            hint = f"; only {' or '.join(repr(a) for a in allowed)} is accepted" if allowed else ""
+            raise invalid(info.field_name, f"'{info.field_name}' is not supported yet{hint}")
+        return value
+
+    return field_validator(*supported)(classmethod(check))
+
+
+def _check_stop(value: Union[str, list[str]]) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
+    if any(s == "" for s in stops):
+        raise invalid("stop", "stop strings must not be empty")
+    return stops
+
+
+def _check_logit_bias(bias: dict[str, float]) -> dict[str, float]:
+    for key, value in bias.items():
+        if not key.lstrip("-").isdigit():
+            raise invalid("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        if not -100.0 <= value <= 100.0:
+            raise invalid("logit_bias", f"logit_bias values must be in [-100, 100], got {value} for {key}")
+    return bias
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    """Send a last chunk with `usage` (and no choices)."""
+
+
+class SamplingRequest(OpenAIModel):
+    """The base of both request models: this server's extensions beyond OpenAI's fields (vLLM's
+    names and meanings), and what both endpoints share."""
+
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 disables."""
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = []
+    """Generation stops after any of these tokens (kept in the token count, not in the text)."""
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    _stop = field_validator("stop", check_fields=False)(classmethod(lambda cls, v: _check_stop(v)))
+    _logit_bias = field_validator("logit_bias", check_fields=False)(classmethod(lambda cls, v: _check_logit_bias(v)))
+
+    def sampling_params(self, **kwargs) -> SamplingParams:
+        """SamplingParams from the fields both endpoints share, plus `kwargs`; raises
+        `InvalidRequestError` (a 400) for out-of-range values."""
+        return SamplingParams(
+            min_tokens=self.min_tokens,
+            temperature=self.temperature,
+            top_k=0 if self.top_k == -1 else self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple((int(k), float(v)) for k, v in self.logit_bias.items()),
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            **kwargs,
+        )
+
+    @property
+    def stops(self) -> list[str]:
+        return list(self.stop)  # validated into a list
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options", "stream_options is only allowed when stream is true")
+
+
+# ---- requests ----
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
+
+    model: str
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    """Text, a batch of texts, token ids, or a batch of token-id lists."""
+    best_of: Optional[int] = None
+    """Only best_of == n is supported (each choice is one sample)."""
+    echo: bool = False
+    """Prepend the prompt to the text (and its token logprobs to `logprobs`, the first null)."""
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] = {}
+    logprobs: Optional[int] = None
+    """Logprobs of the chosen tokens plus this many alternatives (0-20)."""
+    max_tokens: int = Field(16, ge=0)
+    """0 (with echo) scores the prompt only: the engine makes one token, which is dropped."""
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = 0.0
+    seed: Optional[int] = None
+    """Choice i of a prompt samples with seed + i."""
+    stop: Union[str, list[str]] = []
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    suffix: Optional[str] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    user: Optional[str] = None
+    """Accepted and not used."""
+
+    _supported = _unsupported({"suffix": ()})
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            if all(isinstance(p, str) for p in value) or all(_is_token_ids(p) for p in value):
+                return value
+            if _is_token_ids(value):
+                return value
+        raise invalid(
+            "prompt",
+            "prompt must be a string, a non-empty list of strings, a non-empty list of token ids, "
+            "or a non-empty list of non-empty token-id lists",
+        )
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of < self.n:
+            raise invalid("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of is not None and self.best_of > self.n:
+            raise invalid("best_of", "best_of > n is not supported yet; set best_of to n or leave it out")
+        self._check_stream_options()
+        return self
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """The batch: one entry per prompt."""
+        if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def to_sampling_params(self) -> SamplingParams:
+        """max_tokens=0 asks the engine for one token (its minimum); the server drops it."""
+        return self.sampling_params(
+            max_tokens=max(self.max_tokens, 1),
+            logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo else None,
+        )
+
+
+def _is_token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+class ChatMessage(OpenAIModel):
+    """One message of the conversation. Content is text, or a list of text parts (joined by
+    newlines)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Union[str, list[dict[str, Any]]] = ""
+    name: Optional[str] = None
+    audio: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    tool_call_id: Any = None
+    tool_calls: Any = None
+
+    _supported = _unsupported(
+        {"audio": (), "function_call": (), "refusal": (), "tool_call_id": (), "tool_calls": ([],)}
+    )
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, value: str) -> str:
+        if value in ("tool", "function"):
+            raise invalid("role", f"messages with role '{value}' are not supported yet (no tool calling)")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: Union[str, list[dict[str, Any]]]) -> str:
+        if isinstance(value, str):
+            return value
+        texts = []
+        for part in value:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(
+                    "content", f"content parts of type {part.get('type')!r} are not supported yet; send text parts"
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+    def template_dict(self) -> dict[str, str]:
+        """The message as chat templates expect it; `developer` is the newer name of `system`."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str
+    audio: Any = None
+    frequency_penalty: float = 0.0
+    function_call: Any = None
+    functions: Any = None
+    logit_bias: dict[str, float] = {}
+    logprobs: bool = False
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    """Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are set.
+    Neither: up to the model's length limit."""
+    metadata: Any = None
+    modalities: Any = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    parallel_tool_calls: Optional[bool] = None
+    """Accepted: it changes nothing without tools."""
+    prediction: Any = None
+    presence_penalty: float = 0.0
+    reasoning_effort: Any = None
+    response_format: Any = None
+    seed: Optional[int] = None
+    """Choice i samples with seed + i."""
+    service_tier: Any = None
+    stop: Union[str, list[str]] = []
+    store: Any = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: float = 1.0
+    tool_choice: Any = None
+    tools: Any = None
+    top_logprobs: Optional[int] = None
+    """Alternatives per token (0-20); needs logprobs=true."""
+    top_p: float = 1.0
+    user: Optional[str] = None
+    """Accepted and not used."""
+    web_search_options: Any = None
+
+    _supported = _unsupported(
+        {
+            "audio": (),
+            "function_call": ("none",),
+            "functions": ([],),
+            "metadata": (),
+            "modalities": (["text"],),
+            "prediction": (),
+            "reasoning_effort": (),
+            "response_format": ({"type": "text"},),
+            "service_tier": ("auto", "default"),
+            "store": (False,),
+            "tool_choice": ("none",),
+            "tools": ([],),
+            "web_search_options": (),
+        }
+    )
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs", "top_logprobs needs logprobs=true")
+        self._check_stream_options()
+        return self
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """`default_max_tokens` applies when the request sets no limit (the room left in the
+        model's context)."""
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+
+
+# ---- responses ----
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str] = []
+    token_logprobs: list[Optional[float]] = []
+    top_logprobs: list[Optional[dict[str, float]]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(BaseModel):
+    """Both the response and each stream chunk (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[Usage] = None
+
+
+class ChatDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "jax-serve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,276 @@
+"""The model-server deployment: one tokenizer and one async engine per replica.
+
+The path of one request through a replica: the ingress sends a parsed OpenAI request; `_job` turns
+it into token ids (a chat template for chat) and one engine request per choice (n > 1 fans out as
+ids f"{rid}-{i}" with seeds seed + i); `_run` turns each engine request's token deltas into
+`ChoiceUpdate`s (incremental text, stop strings, logprobs, counts); the choices are merged and
+formatted as OpenAI chunks (batched over `stream_batch_ms`) or as one response.
+
+Invariants: everything raised to the caller is an `APIError` (it survives the Ray hop); closing a
+stream (client gone, stop string matched) aborts its engine requests, returning their KV pages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import logging
+import uuid
+from typing import Any, AsyncIterator, Optional, Union
+
+import jinja2
+from ray import serve
+from ray.serve.exceptions import RayServeException
+from transformers import AutoTokenizer
+
+from engine.async_engine import AsyncEngine
+from engine.request import SamplingParams, TokenDelta
+from serve_app.config import ModelConfig
+from serve_app.detokenize import TextStream, TokenStrings
+from serve_app.errors import BadRequest, to_api_error
+from serve_app.metrics import ServerMetrics
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.responses import (
+    ChatFormatter,
+    ChoiceCounts,
+    ChoiceUpdate,
+    CompletionFormatter,
+    TokenOut,
+    total_usage,
+)
+from serve_app.streams import merge_batches
+
+logger = logging.getLogger(__name__)
+
+OpenAIRequest = Union[CompletionRequest, ChatCompletionRequest]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptInput:
+    ids: list[int]
+    text: Optional[str] = None
+    """The prompt as the client sent it, when it was text (echoed as is)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One engine request: choice `index` of a response."""
+
+    index: int
+    request_id: str
+    prompt: PromptInput
+    params: SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A request turned into engine requests, and how to shape their output."""
+
+    samples: list[Sample]
+    n: int
+    stops: list[str]
+    echo: bool
+    drop_output: bool
+    """max_tokens=0: the one token the engine must make is not part of the answer."""
+    logprobs: bool
+    formatter: Union[CompletionFormatter, ChatFormatter]
+
+
+def import_engine_class(path: str) -> type:
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"engine_cls {path!r} cannot be imported ({exc}); set engine_cls to 'module:Class'") from exc
+
+
+def replica_name() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:  # not inside a Serve replica (tests, a single process)
+        return "local"
+
+
+class ModelServer:
+    """One replica of a model: tokenizer + async engine + metrics."""
+
+    def __init__(self, config: ModelConfig):
+        from engine.model_sources import resolve_model
+
+        model_dir = resolve_model(config.model, config.cache_dir)
+        self.model_id = config.model_id
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self._strings = TokenStrings(self.tokenizer)
+        engine_cls = import_engine_class(config.engine_cls)
+        self.engine = AsyncEngine(engine_cls(config.engine_config(model_dir)))
+        self.metrics = ServerMetrics(config.model_id, replica_name(), self.engine.stats)
+        self._window_s = config.stream_batch_ms / 1000.0
+        logger.info("model %s loaded from %s with %s", self.model_id, model_dir, config.engine_cls)
+
+    # ---- called through deployment handles ----
+
+    async def stream_chunks(self, request: OpenAIRequest, arrival_time: float) -> AsyncIterator[list[str]]:
+        """JSON chunks of a streamed response, in batches; with include_usage, a last usage chunk."""
+        try:
+            job = self._job(request)
+            finals = []
+            async for batch in merge_batches(self._runs(job, arrival_time), self._window_s):
+                finals += [u for u in batch if u.finish_reason is not None]
+                yield [job.formatter.chunk(u).model_dump_json() for u in batch]
+            if request.include_usage:
+                yield [job.formatter.usage_chunk(total_usage(finals, job.n)).model_dump_json()]
+        except Exception as exc:
+            raise to_api_error(exc) from None
+
+    async def respond(self, request: OpenAIRequest, arrival_time: float) -> str:
+        """The JSON of a whole (non-streamed) response."""
+        try:
+            job = self._job(request)
+            choices = {s.index: ChoiceUpdate(s.index) for s in job.samples}
+            async for batch in merge_batches(self._runs(job, arrival_time)):
+                for update in batch:
+                    choices[update.index].extend(update)
+            finals = [choices[i] for i in sorted(choices)]
+            return job.formatter.response(finals, total_usage(finals, job.n)).model_dump_json()
+        except Exception as exc:
+            raise to_api_error(exc) from None
+
+    def status(self) -> dict[str, Any]:
+        """For the ingress's /health."""
+        error = self.engine.error
+        return {
+            "model": self.model_id,
+            "alive": self.engine.is_alive(),
+            "error": None if error is None else repr(error),
+        }
+
+    def check_health(self) -> None:
+        """Ray Serve's periodic probe: a replica whose engine died is restarted."""
+        if not self.engine.is_alive():
+            raise RuntimeError(f"engine of {self.model_id} is dead: {self.engine.error!r}")
+
+    def metric_families(self) -> list:
+        return self.metrics.families()
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    # ---- requests to engine requests ----
+
+    def _job(self, request: OpenAIRequest) -> Job:
+        chat = isinstance(request, ChatCompletionRequest)
+        if chat:
+            prompts = [self._chat_prompt(request)]
+            params = request.to_sampling_params(default_max_tokens=self._room_after(prompts[0]))
+        else:
+            prompts = [self._completion_prompt(p) for p in request.prompts]
+            params = request.to_sampling_params()
+        self._check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
+        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        for prompt in prompts:
+            self.engine.core.validate(prompt.ids, params)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        formatter_cls = ChatFormatter if chat else CompletionFormatter
+        n = request.n
+        return Job(
+            samples=[
+                Sample(p * n + i, f"{request_id}-{p * n + i}", prompt, _seeded(params, i))
+                for p, prompt in enumerate(prompts)
+                for i in range(n)
+            ],
+            n=n,
+            stops=request.stops,
+            echo=not chat and request.echo,
+            drop_output=not chat and request.max_tokens == 0,
+            logprobs=params.logprobs is not None,
+            formatter=formatter_cls(request_id, self.model_id, self._strings, params.logprobs is not None),
+        )
+
+    def _completion_prompt(self, prompt: Union[str, list[int]]) -> PromptInput:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise BadRequest("prompt must not be empty", "prompt")
+            return PromptInput(ids, prompt)
+        self._check_token_ids(prompt, "prompt")
+        return PromptInput(list(prompt))
+
+    def _chat_prompt(self, request: ChatCompletionRequest) -> PromptInput:
+        if not self.tokenizer.chat_template:
+            raise BadRequest(f"model {self.model_id!r} has no chat template; use /v1/completions", "messages")
+        messages = [m.template_dict() for m in request.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except jinja2.TemplateError as exc:
+            raise BadRequest(f"the model's chat template rejected the messages: {exc}", "messages") from None
+        return PromptInput(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _room_after(self, prompt: PromptInput) -> int:
+        """Tokens left in the context after the prompt (at least 1, so that the engine's own
+        length check reports a prompt that does not fit)."""
+        return max(1, self.engine.stats().max_model_len - len(prompt.ids))
+
+    def _check_token_ids(self, ids: Any, param: str) -> None:
+        vocab = len(self.tokenizer)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"{param} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
+
+    # ---- engine requests to choice updates ----
+
+    def _runs(self, job: Job, arrival_time: float) -> list[AsyncIterator[ChoiceUpdate]]:
+        return [self._run(job, sample, arrival_time) for sample in job.samples]
+
+    async def _run(self, job: Job, sample: Sample, arrival_time: float) -> AsyncIterator[ChoiceUpdate]:
+        """The updates of one choice; the last one has the finish reason and counts. Returning
+        early (a stop string) or being closed aborts the engine request."""
+        tracker = self.metrics.track(sample.request_id, arrival_time)
+        echo_text, echo_offsets = self._echo(sample.prompt) if job.echo else ("", [])
+        text = TextStream(self.tokenizer, sample.prompt.ids, job.stops, start_offset=len(echo_text))
+        reason, counts = "abort", ChoiceCounts(0, 0, 0)
+        try:
+            deltas = self.engine.generate(sample.request_id, sample.prompt.ids, sample.params)
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    update = ChoiceUpdate(sample.index)
+                    if delta.num_prompt_tokens:  # the first delta
+                        counts = ChoiceCounts(delta.num_prompt_tokens, 0, delta.num_cached_tokens)
+                        if job.echo:
+                            update.extend(_echo_update(sample, delta, echo_text, echo_offsets))
+                    tracker.on_tokens(len(delta.token_ids))
+                    token_ids = [] if job.drop_output else delta.token_ids
+                    new_text, offsets = text.push(token_ids)
+                    logprobs = delta.logprobs or [None] * len(token_ids)
+                    update.text += new_text
+                    update.tokens += [TokenOut(*t) for t in zip(token_ids, logprobs, offsets)]
+                    counts.completion_tokens += len(token_ids)
+                    if delta.finished and not text.stopped:
+                        update.text += text.finish()
+                    if text.stopped or delta.finished:
+                        reason = "stop" if text.stopped else delta.finish_reason.value
+                        update.finish_reason, update.counts = reason, counts
+                        yield update
+                        return
+                    if update.text or (job.logprobs and update.tokens):
+                        yield update
+        finally:
+            tracker.finish(reason, counts.prompt_tokens, counts.completion_tokens, counts.cached_tokens)
+
+    def _echo(self, prompt: PromptInput) -> tuple[str, list[int]]:
+        """The echoed prompt text and each prompt token's offset in it."""
+        stream = TextStream(self.tokenizer)
+        text, offsets = stream.push(prompt.ids)
+        text += stream.finish()
+        return (prompt.text if prompt.text is not None else text), offsets
+
+
+def _seeded(params: SamplingParams, i: int) -> SamplingParams:
+    return params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+
+
+def _echo_update(sample: Sample, delta: TokenDelta, text: str, offsets: list[int]) -> ChoiceUpdate:
+    logprobs = delta.prompt_logprobs or [None] * len(offsets)
+    return ChoiceUpdate(sample.index, text, [TokenOut(*t) for t in zip(sample.prompt.ids, logprobs, offsets)])

@@ -1,0 +1,68 @@
+"""Interleaving several async streams into batches.
+
+A model server runs one engine request per choice (n > 1, batched prompts) and sends their output
+over one Ray streaming call. `merge_batches` interleaves the choices' streams and groups items that
+arrive within a short window, so the Ray hop is paid per batch, not per token.
+
+Invariant: when the merged stream ends (exhausted, failed, closed or cancelled), every source
+stream has been closed, so each engine request still running has been aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator, TypeVar
+
+T = TypeVar("T")
+
+_DONE = object()
+
+
+class _Failed:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+async def merge_batches(streams: list[AsyncIterator[T]], window_s: float = 0.0) -> AsyncIterator[list[T]]:
+    """Yield lists of items from all `streams`, in arrival order. After the first item of a batch
+    arrives, items arriving within `window_s` join it. A failing stream fails the merged stream,
+    after the items that arrived before its failure."""
+    queue: asyncio.Queue = asyncio.Queue()
+    pumps = [asyncio.create_task(_pump(stream, queue)) for stream in streams]
+    open_streams = len(pumps)
+    try:
+        while open_streams:
+            items = [await queue.get()]
+            if window_s > 0:
+                await asyncio.sleep(window_s)
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            batch, failure = [], None
+            for item in items:
+                if isinstance(item, _Failed):
+                    failure = item.exc
+                    break
+                if item is _DONE:
+                    open_streams -= 1
+                else:
+                    batch.append(item)
+            if batch:
+                yield batch
+            if failure is not None:
+                raise failure
+    finally:
+        for pump in pumps:
+            pump.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def _pump(stream: AsyncIterator[T], queue: asyncio.Queue) -> None:
+    try:
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                queue.put_nowait(item)
+    except Exception as exc:
+        queue.put_nowait(_Failed(exc))
+        return
+    queue.put_nowait(_DONE)

@@ -1,0 +1,84 @@
+"""serve_app.config: builder args (flat or a models list, strings from the command line) and the
+Serve config files in deploy/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve.schema import ServeDeploySchema
+
+from engine.config import EngineConfig
+from serve_app.config import AppConfig, ModelConfig, default_model_id
+
+DEPLOY = Path(__file__).parent.parent / "deploy"
+
+
+def test_flat_command_line_args_configure_one_model():
+    config = AppConfig.from_args(
+        {
+            "model": "/ckpt/my-model/",
+            "api_key": "k",
+            "max_num_seqs": "8",
+            "enable_prefix_caching": "false",
+            "num_replicas": "2",
+            "resources": '{"TPU": 4}',
+        }
+    )
+    (model,) = config.models
+    assert config.api_key.get_secret_value() == "k"
+    assert (model.model_id, model.num_replicas, model.resources) == ("my-model", 2, {"TPU": 4.0})
+    assert model.engine_config("/resolved") == EngineConfig(
+        model="/resolved", max_num_seqs=8, enable_prefix_caching=False
+    )
+    assert model.deployment_name == "ModelServer-my-model"
+
+
+def test_a_models_list_serves_several():
+    config = AppConfig.from_args(
+        {"models": [{"model": "a"}, {"model": "b", "model_id": "bee", "engine": {"dtype": "bfloat16"}}]}
+    )
+    assert [m.model_id for m in config.models] == ["a", "bee"]
+    assert config.models[1].engine_config("/x").dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "spec, model_id",
+    [("smollm2-135m-instruct", "smollm2-135m-instruct"), ("/a/b/ckpt", "ckpt"), ("models/x.Q4.gguf", "x.Q4")],
+)
+def test_default_model_ids(spec, model_id):
+    assert default_model_id(spec) == model_id
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"model": "m", "max_num_seqs": 0}, "max_num_seqs must be at least 1, got 0"),
+        ({"model": "m", "engine": {"max_num_sequences": 8}}, "unknown engine fields ['max_num_sequences']"),
+        ({"model": "m", "num_replica": 2}, "Extra inputs are not permitted"),
+        ({"model": "m", "engine_cls": "engine.engine.LLMEngine"}, "engine_cls must look like 'module:Class'"),
+        ({"models": [{"model": "a"}, {"model": "x/a"}]}, "model ids must be unique"),
+    ],
+)
+def test_bad_args_say_what_to_change(args, message):
+    with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        AppConfig.from_args(args)
+
+
+def test_defaults_are_small_and_every_field_is_documented():
+    model = ModelConfig(model="m")
+    assert (model.num_cpus, model.max_ongoing_requests, model.max_queued_requests) == (0.5, 64, 256)
+    assert model.engine_cls == "engine.engine:LLMEngine"
+    fields = {**ModelConfig.model_fields, **AppConfig.model_fields}
+    assert [name for name, field in fields.items() if not field.description] == []
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "tpu.yaml"])
+def test_deploy_configs_are_valid_serve_configs_for_the_default_model(name):
+    schema = ServeDeploySchema.model_validate(yaml.safe_load((DEPLOY / name).read_text()))
+    (app,) = schema.applications
+    assert app.import_path == "serve_app:build_app"
+    config = AppConfig.from_args(app.args)
+    assert [m.model_id for m in config.models] == ["smollm2-135m-instruct"]

@@ -1,0 +1,410 @@
+"""End to end: a real local Ray Serve application with the real engine on a tiny random checkpoint,
+driven through HTTP by the official `openai` client (and httpx where exact bytes matter).
+
+Ray Serve starts once for the whole session (`serving`) and is shut down at its end. The app has an
+API key, so every /v1 call authenticates, and small bounds (8 ongoing requests per replica, 8
+queued) so that the 429 path can be reached. (Ray Serve counts a request as queued until it is assigned to a
+replica, so a burst can be turned away even when slots are free: the queue bound must exceed the
+largest burst a test sends.) Reference outputs come from transformers running the
+same checkpoint (greedy decoding and prompt logprobs).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import types
+
+import httpx
+import pytest
+from serving_helpers import wait_for
+
+openai = pytest.importorskip("openai")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.integration
+
+API_KEY = "test-key"
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 512
+MAX_ONGOING = 8
+MAX_QUEUED = 8
+EXTRA = 14
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serving(checkpoint_factory):
+    import ray
+    from ray import serve
+
+    from serve_app import build_app
+
+    checkpoint = checkpoint_factory("llama")
+    port = free_port()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_app(
+            {
+                "model": str(checkpoint),
+                "model_id": MODEL,
+                "api_key": API_KEY,
+                "max_num_seqs": 8,
+                "max_model_len": MAX_MODEL_LEN,
+                "max_num_batched_tokens": 256,
+                "prefill_chunk": 64,
+                "max_ongoing_requests": MAX_ONGOING,
+                "max_queued_requests": MAX_QUEUED,
+                "stream_batch_ms": 5,
+            }
+        )
+        serve.run(app, name="llm", route_prefix="/")
+        base_url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: httpx.get(f"{base_url}/health").status_code == 200, 120, "a healthy app")
+        yield types.SimpleNamespace(
+            url=base_url,
+            tokenizer=transformers.AutoTokenizer.from_pretrained(checkpoint),
+            model=transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval(),
+        )
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def client(serving):
+    return openai.OpenAI(base_url=f"{serving.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def http(serving):
+    with httpx.Client(base_url=serving.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as http:
+        yield http
+
+
+# ---- references from transformers ----
+
+
+@torch.no_grad()
+def hf_greedy(serving, prompt_ids: list[int], count: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    for _ in range(count):
+        next_id = serving.model(ids).logits[0, -1].argmax()
+        ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return ids[0, len(prompt_ids) :].tolist()
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(serving, prompt_ids: list[int]) -> list[float]:
+    logprobs = torch.log_softmax(serving.model(torch.tensor([prompt_ids])).logits[0], dim=-1)
+    return [logprobs[i - 1, t].item() for i, t in enumerate(prompt_ids) if i > 0]
+
+
+def greedy_text(serving, prompt_ids: list[int], count: int) -> str:
+    return serving.tokenizer.decode(hf_greedy(serving, prompt_ids, count), skip_special_tokens=True)
+
+
+def metric(http, name: str, **labels) -> float:
+    """Sum of the samples of `name` (over replicas) whose labels include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                total += sample.value
+    return total
+
+
+def openai_error(message: str, param=None, type="invalid_request_error", code=None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---- completions and chat ----
+
+
+def test_completion_matches_transformers_with_exact_usage(serving, client):
+    prompt_ids = serving.tokenizer.encode(PROMPT)
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert response.choices[0].text == greedy_text(serving, prompt_ids, 8)
+    assert response.choices[0].finish_reason == "length"
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens, response.usage.total_tokens) == (
+        len(prompt_ids),
+        8,
+        len(prompt_ids) + 8,
+    )
+
+
+def test_list_of_prompts_gives_one_choice_each(serving, client):
+    prompts = [PROMPT, "Hello, world!"]
+    response = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    expected = [greedy_text(serving, serving.tokenizer.encode(p), 5) for p in prompts]
+    assert [(c.index, c.text) for c in response.choices] == list(enumerate(expected))
+    assert response.usage.prompt_tokens == sum(len(serving.tokenizer.encode(p)) for p in prompts)
+    assert response.usage.completion_tokens == 10
+
+
+def test_chat_matches_transformers_with_the_template_and_usage(serving, client):
+    prompt_ids = serving.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == greedy_text(serving, prompt_ids, 6)
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt_ids), 6)
+
+
+def test_streamed_completion_equals_the_full_one(client):
+    request = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**request)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **request))
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks] == [None] * (len(text_chunks) - 1) + ["length"]
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage.model_dump() == full.usage.model_dump()
+
+
+def test_streamed_chat_equals_the_full_one(client):
+    request = dict(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**request)
+    chunks = list(client.chat.completions.create(stream=True, **request))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+
+
+def test_n_choices_use_seed_plus_index_and_reproduce(client):
+    request = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    several = client.completions.create(n=3, seed=7, **request)
+    again = client.completions.create(n=3, seed=7, **request)
+    singles = [client.completions.create(seed=7 + i, **request).choices[0].text for i in range(3)]
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    assert [c.text for c in several.choices] == [c.text for c in again.choices] == singles
+    assert several.usage.completion_tokens == 24
+
+
+def test_stop_strings_cut_the_text(serving, client):
+    request = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(**request).choices[0].text
+    stop = text[6:9]
+    response = client.completions.create(stop=["never in this text \u2603", stop], **request)
+    assert response.choices[0].text == text[: text.index(stop)]
+    assert response.choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs_shapes(client):
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    assert len(logprobs.text_offset) == 6 and logprobs.text_offset[0] == 0
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 2  # greedy: the chosen token is one of the two most likely
+        assert top[token] == logprob == max(top.values())
+
+
+def test_chat_logprobs_shapes(client):
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert len(entry.top_logprobs) == 3
+        assert (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob) == (entry.token, entry.logprob)
+        assert isinstance(entry.bytes, list)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_with_logprobs_scores_the_prompt_like_transformers(serving, client, max_tokens):
+    prompt_ids = serving.tokenizer.encode(PROMPT)
+    response = client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=max_tokens, temperature=0, echo=True, logprobs=1
+    )
+    logprobs = response.choices[0].logprobs
+    assert response.choices[0].text.startswith(PROMPT)
+    assert len(logprobs.tokens) == len(prompt_ids) + max_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    reference = hf_prompt_logprobs(serving, prompt_ids)
+    assert logprobs.token_logprobs[1 : len(prompt_ids)] == pytest.approx(reference, abs=1e-3)
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt_ids), max_tokens)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+# ---- errors ----
+
+
+def test_400_for_a_prompt_that_does_not_fit(serving, http):
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 510, "max_tokens": 10})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert "510" in error["message"] and str(MAX_MODEL_LEN) in error["message"]
+
+
+def test_400_for_unsupported_fields(http):
+    response = http.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function"}]}
+    )
+    assert (response.status_code, response.json()) == (
+        400,
+        openai_error("'tools' is not supported yet; only [] is accepted", "tools"),
+    )
+
+
+def test_401_without_the_right_key(serving):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(f"{serving.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{serving.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_404_for_an_unknown_model(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-5", prompt="x")
+    assert info.value.status_code == 404
+    assert info.value.body == {
+        "message": f"the model 'gpt-5' does not exist; served models: ['{MODEL}']",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+
+
+class OpenStream:
+    """A long streamed completion (seconds of engine steps), read up to its first event and held open
+    until `close()`."""
+
+    def __init__(self, http, max_tokens: int = 480):
+        request = http.build_request(
+            "POST",
+            "/v1/completions",
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True},
+        )
+        self.response = http.send(request, stream=True)
+        assert self.response.status_code == 200
+        self.lines = self.response.iter_lines()  # dropping this iterator would close the response
+        assert next(line for line in self.lines if line).startswith("data: {")
+
+    def close(self) -> None:
+        self.response.close()
+
+
+def test_429_with_retry_after_when_the_queue_is_full(http):
+    streams = [OpenStream(http) for _ in range(MAX_ONGOING)]  # every slot of the replica is busy
+    try:
+        with concurrent.futures.ThreadPoolExecutor(EXTRA) as pool:
+            futures = [
+                pool.submit(http.post, "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+                for _ in range(EXTRA)
+            ]
+            # At most MAX_QUEUED wait in the queue; the others are turned away at once.
+            wait_for(lambda: sum(f.done() for f in futures) >= EXTRA - MAX_QUEUED, 60, "the rejections")
+            for stream in streams:
+                stream.close()  # frees the slots: the queued requests run
+            responses = [f.result() for f in futures]
+    finally:
+        for stream in streams:
+            stream.close()
+    rejected = [r for r in responses if r.status_code == 429]
+    assert len(rejected) >= EXTRA - MAX_QUEUED
+    assert all(r.status_code == 200 for r in responses if r not in rejected)
+    for response in rejected:
+        assert response.headers["retry-after"] == "1"
+        assert response.json() == openai_error(
+            "the server is at capacity (Request dropped due to backpressure (num_queued_requests=8, "
+            "max_queued_requests=8).); retry later",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+        )
+
+
+# ---- disconnects and metrics ----
+
+
+def test_a_disconnected_stream_is_aborted_and_frees_its_kv_pages(http):
+    aborted_before = metric(http, "vllm:request_success_total", finished_reason="abort")
+    stream = OpenStream(http)
+    assert metric(http, "vllm:kv_cache_usage_perc") > 0
+    stream.close()
+    wait_for(
+        lambda: metric(http, "vllm:request_success_total", finished_reason="abort") == aborted_before + 1,
+        60,
+        "the abort to be counted",
+    )
+    wait_for(lambda: metric(http, "vllm:kv_cache_usage_perc") == 0, 60, "all KV pages to be free")
+    assert metric(http, "vllm:num_requests_running") == 0
+
+
+def test_metrics_count_requests_and_tokens(serving, http):
+    before = {
+        "length": metric(http, "vllm:request_success_total", finished_reason="length"),
+        "prompt": metric(http, "vllm:prompt_tokens_total"),
+        "generated": metric(http, "vllm:generation_tokens_total"),
+        "e2e": metric(http, "vllm:e2e_request_latency_seconds_count"),
+        "ttft": metric(http, "vllm:time_to_first_token_seconds_count"),
+    }
+    for _ in range(3):
+        response = http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True}
+        )
+        assert response.status_code == 200
+    prompt_tokens = len(serving.tokenizer.encode(PROMPT))
+    assert metric(http, "vllm:request_success_total", finished_reason="length") == before["length"] + 3
+    assert metric(http, "vllm:prompt_tokens_total") == before["prompt"] + 3 * prompt_tokens
+    assert metric(http, "vllm:generation_tokens_total") == before["generated"] + 15
+    assert metric(http, "vllm:e2e_request_latency_seconds_count") == before["e2e"] + 3
+    assert metric(http, "vllm:time_to_first_token_seconds_count") == before["ttft"] + 3
+    assert metric(http, "vllm:prefix_cache_queries_total") > 0
+    text = http.get("/metrics").text
+    for name in ("vllm:inter_token_latency_seconds", "vllm:request_queue_time_seconds", "vllm:num_requests_waiting"):
+        assert f"# TYPE {name}" in text
+
+
+def test_concurrent_requests_share_engine_steps(http):
+    def request(i):
+        return http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": f"{PROMPT} {i}", "max_tokens": 32, "ignore_eos": True, "temperature": 0},
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(request, range(8)))
+    assert [r.status_code for r in responses] == [200] * 8
+    assert [r.json()["usage"]["completion_tokens"] for r in responses] == [32] * 8
+    assert metric(http, "vllm:max_batch_size") > 1
+
+
+def test_health_needs_no_key(serving):
+    response = httpx.get(f"{serving.url}/health")
+    assert (response.status_code, response.json()) == (200, {"status": "ok"})
