@@ -31,20 +31,22 @@ NEG_INF = -1e30
 
 
 class KVCache(eqx.Module):
-    """Keys and values of every layer: f[layer, page, slot, kv_head, head_dim]. A page is one
-    contiguous block, so gathering a row's pages copies whole blocks."""
+    """Keys f[layer, page, kv_head, head_dim, slot] and values f[layer, page, kv_head, slot,
+    head_dim]. A page is one contiguous block, so gathering a row's pages copies whole blocks;
+    keys keep the token position minor, as the decode reduction wants it."""
 
     k: jax.Array
     v: jax.Array
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[-1]
 
     @staticmethod
     def init(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
-        shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        k = jnp.zeros((num_layers, num_pages, kv_heads, head_dim, page_size), dtype)
+        v = jnp.zeros((num_layers, num_pages, kv_heads, page_size, head_dim), dtype)
+        return KVCache(k, v)
 
 
 class ServingModel(eqx.Module):
@@ -115,51 +117,58 @@ def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, page_s
     k_arr = k.rearrange(("position", "kv_head", "head_size")).array.astype(k_all.dtype)
     v_arr = v.rearrange(("position", "kv_head", "head_size")).array.astype(v_all.dtype)
     page, slot = inputs.kv_dest // page_size, inputs.kv_dest % page_size
-    k_all = k_all.at[index, page, slot].set(k_arr)
-    v_all = v_all.at[index, page, slot].set(v_arr)
+    k_all = k_all.at[index, page, :, :, slot].set(k_arr)
+    v_all = v_all.at[index, page, :, slot].set(v_arr)
 
     scale = attn.config.scaling_factor or 1.0 / (q_arr.shape[-1] ** 0.5)
     num_dec = inputs.dec_pages.shape[0]
-    q_arr = q_arr * jnp.asarray(scale, q_arr.dtype)
-    out = [] if num_dec == 0 else [_decode_attention(q_arr[:num_dec], k_all, v_all, index, inputs, page_size)]
+    q_arr = q_arr.astype(jnp.float32) * scale
+    out = [] if num_dec == 0 else [_decode_attention(q_arr[:num_dec], k_all, v_all, index, inputs)]
     if inputs.pre_pages.shape[0]:
-        out.append(_prefill_attention(q_arr[num_dec:], k_all, v_all, index, inputs, page_size))
+        out.append(_prefill_attention(q_arr[num_dec:], k_all, v_all, index, inputs))
     o = jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]
     o = hax.named(o, ("position", "kv_head", "q_heads_per_group", "head_size"))
     o = o.flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(h.dtype)
     return attn.o_proj(o, key=None), k_all, v_all
 
 
-def _gather_pages(k_all, v_all, index, pages, page_size):
-    """Keys/values of each row's pages: f[row, L * page_size, kv_head, head_dim]."""
-    rows = pages.shape[0]
-    k, v = k_all[index, pages], v_all[index, pages]  # [row, L, page_size, kv_head, head_dim]
-    return k.reshape(rows, -1, *k.shape[3:]), v.reshape(rows, -1, *v.shape[3:])
+def _gather_pages(k_all, v_all, index, pages):
+    """Each row's keys f32[row, kv_head, head_dim, K] and values f32[row, kv_head, K, head_dim],
+    K = pages per row * page_size: the key position is the minor axis of both reductions below."""
+    rows, num_pages = pages.shape
+    k = k_all[index, pages].transpose(0, 2, 3, 1, 4)  # [row, head, dim, L, slot]
+    v = v_all[index, pages].transpose(0, 2, 1, 3, 4)  # [row, head, L, slot, dim]
+    k = k.reshape(rows, k.shape[1], k.shape[2], -1).astype(jnp.float32)
+    v = v.reshape(rows, v.shape[1], -1, v.shape[-1]).astype(jnp.float32)
+    return k, v
 
 
-def _decode_attention(q, k_all, v_all, index, inputs: StepInputs, page_size: int):
-    """q: f[Sd, kv_head, group, head_dim] (pre-scaled), one query per row at position dec_lens - 1."""
-    k, v = _gather_pages(k_all, v_all, index, inputs.dec_pages, page_size)
-    scores = jnp.einsum("shgd,skhd->shgk", q, k, preferred_element_type=jnp.float32)
-    visible = jnp.arange(k.shape[1])[None, :] < inputs.dec_lens[:, None]  # [Sd, K]
-    return _softmax_combine(scores, visible[:, None, None, :], v, "shgk,skhd->shgd")
+def _decode_attention(q, k_all, v_all, index, inputs: StepInputs):
+    """q: f32[Sd, kv_head, group, head_dim] (pre-scaled), one query per row at position dec_lens - 1.
+
+    Written as broadcast-multiply-reduce rather than einsum: XLA on CPU runs these many tiny
+    (group x head_dim x K) matmuls several times slower than a vectorised reduction."""
+    k, v = _gather_pages(k_all, v_all, index, inputs.dec_pages)
+    scores = (q[..., None] * k[:, :, None]).sum(axis=3)  # [Sd, h, g, K]
+    visible = jnp.arange(k.shape[-1])[None, :] < inputs.dec_lens[:, None]  # [Sd, K]
+    weights = _masked_softmax(scores, visible[:, None, None, :])
+    return (weights[..., None] * v[:, :, None]).sum(axis=3)  # [Sd, h, g, d]
 
 
-def _prefill_attention(q, k_all, v_all, index, inputs: StepInputs, page_size: int):
-    """q: f[Sp * C, kv_head, group, head_dim] (pre-scaled); row r's token j is at pre_start[r] + j."""
+def _prefill_attention(q, k_all, v_all, index, inputs: StepInputs):
+    """q: f32[Sp * C, kv_head, group, head_dim] (pre-scaled); row r's token j is at pre_start[r] + j."""
     rows = inputs.pre_pages.shape[0]
     q = q.reshape(rows, -1, *q.shape[1:])  # [Sp, C, h, g, d]
-    k, v = _gather_pages(k_all, v_all, index, inputs.pre_pages, page_size)
-    scores = jnp.einsum("schgd,skhd->shgck", q, k, preferred_element_type=jnp.float32)
+    k, v = _gather_pages(k_all, v_all, index, inputs.pre_pages)
+    scores = jnp.einsum("schgd,shdk->shgck", q, k)
     q_pos = inputs.pre_start[:, None] + jnp.arange(q.shape[1])[None, :]  # [Sp, C]
-    visible = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # causal, within the row
-    out = _softmax_combine(scores, visible[:, None, None, :, :], v, "shgck,skhd->schgd")
+    visible = jnp.arange(k.shape[-1])[None, None, :] <= q_pos[:, :, None]  # causal, within the row
+    weights = _masked_softmax(scores, visible[:, None, None, :, :])
+    out = jnp.einsum("shgck,shkd->schgd", weights, v)
     return out.reshape(-1, *out.shape[2:])
 
 
-def _softmax_combine(scores, visible, v, equation):
-    """Masked softmax in float32, then the weighted sum of values. Rows with nothing visible
-    (padding) get finite garbage that the caller never reads."""
-    scores = jnp.where(visible, scores, NEG_INF)
-    weights = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum(equation, weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+def _masked_softmax(scores, visible):
+    """Softmax over the last axis where visible. Rows with nothing visible (padding) get finite
+    garbage that the caller never reads."""
+    return jax.nn.softmax(jnp.where(visible, scores, NEG_INF), axis=-1)
