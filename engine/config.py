@@ -32,6 +32,10 @@ class EngineConfig:
     """Prompt + output tokens per sequence. None: the model's max_position_embeddings, capped at 4096."""
     enable_prefix_caching: bool = True
     """Reuse full KV pages across requests that share a prompt prefix."""
+    scan_layers: bool = False
+    """Run the layers as one `scan` instead of an unrolled loop: compile time stops growing with
+    depth (deep models warm up in a fraction of the time), but on CPU each step copies every
+    layer's weights, which slows small-batch decoding (see engine/paged_model.py)."""
     warmup: bool = True
     """Compile every shape bucket when the engine starts (logged), not on the first request."""
     compilation_cache_dir: Optional[str] = "~/.cache/jax-serve/xla"

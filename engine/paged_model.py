@@ -13,10 +13,13 @@ chunk, padded to `C`. Every token writes its key/value to `kv_dest` (a flat slot
 page * page_size + slot) before attention reads the pages, so a row sees its own chunk. Padding
 tokens write to page 0, a scratch page the allocator never hands out.
 
-Each layer keeps its own weight buffers (`ServingModel`) and the layer loop is unrolled: under a
-`scan` over levanter's stacked layers, XLA on CPU copies every layer's weights out of the stack on
-every step (a dynamic-slice it cannot fuse into the matmul), which tripled the weight traffic of a
-decode step. The cache is donated and updated in place.
+Two layer loops (`ServingModel.from_levanter(model, scan_layers)`):
+- unrolled (default): each layer keeps its own weight buffers. Fastest steps on CPU, but compile
+  time grows with depth.
+- scanned: one `haliax.scan` over levanter's stacked layers; compile time independent of depth,
+  but XLA on CPU copies every layer's weights out of the stack on every step (a dynamic-slice it
+  cannot fuse into the matmul), which about triples the weight traffic of a batch-1 step.
+The cache is donated and updated in place either way.
 """
 
 from __future__ import annotations
@@ -50,16 +53,19 @@ class KVCache(eqx.Module):
 
 
 class ServingModel(eqx.Module):
-    """A levanter LM-head model re-laid-out for serving: the same modules, one per layer."""
+    """A levanter LM-head model's modules, arranged for serving: `layers` is a tuple of per-layer
+    modules (unrolled loop) or levanter's `Stacked` layers (scanned loop)."""
 
     embeddings: eqx.Module
-    layers: tuple
+    layers: tuple | eqx.Module
     norm: eqx.Module
     lm_head: eqx.Module | None
 
     @staticmethod
-    def from_levanter(model) -> "ServingModel":
-        layers = tuple(jax.tree_util.tree_map(jnp.copy, layer) for layer in model.transformer.layers.unstacked())
+    def from_levanter(model, scan_layers: bool = False) -> "ServingModel":
+        layers = model.transformer.layers
+        if not scan_layers:
+            layers = tuple(jax.tree_util.tree_map(jnp.copy, layer) for layer in layers.unstacked())
         return ServingModel(model.embeddings, layers, model.transformer.norm, model.lm_head)
 
 
@@ -84,8 +90,17 @@ def forward(model: ServingModel, cache: KVCache, inputs: StepInputs) -> tuple[Na
     x = model.embeddings.embed(hax.named(inputs.tokens, Pos))
     pos_ids = hax.named(inputs.positions, Pos)
     k_all, v_all = cache.k, cache.v
-    for index, layer in enumerate(model.layers):
-        x, k_all, v_all = _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs, cache.page_size)
+    if isinstance(model.layers, tuple):
+        for index, layer in enumerate(model.layers):
+            x, k_all, v_all = _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs, cache.page_size)
+    else:
+        def layer_step(carry, layer):
+            x, k_all, v_all, index = carry
+            x, k_all, v_all = _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs, cache.page_size)
+            return (x, k_all, v_all, index + 1), None
+
+        init = (x, k_all, v_all, jnp.int32(0))
+        (x, k_all, v_all, _), _ = hax.scan(layer_step, model.layers.Block)(init, model.layers.stacked)
     return model.norm(x), KVCache(k_all, v_all)
 
 

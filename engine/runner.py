@@ -96,7 +96,7 @@ class ModelRunner:
         self.mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
         with self._device_context():
             model, self.info = load_model(config.model, config.dtype)
-            self.model = ServingModel.from_levanter(model)
+            self.model = ServingModel.from_levanter(model, config.scan_layers)
             self.vocab_size = model.Vocab.size
         self.max_model_len = min(config.max_model_len or min(self.info.max_position_embeddings, 4096),
                                  self.info.max_position_embeddings)

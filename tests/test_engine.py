@@ -68,10 +68,11 @@ def _hf_model(path: str):
     return _HF_MODELS[path]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
-def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family):
+@pytest.mark.parametrize("family,scan_layers", [("llama", False), ("llama", True), ("qwen3", False),
+                                                ("qwen2", False), ("mistral", True)])
+def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, scan_layers):
     model_dir = checkpoint_factory(family)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), **TIGHT))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), scan_layers=scan_layers, **TIGHT))
     prompts = make_prompts()
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     deltas = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
