@@ -77,6 +77,19 @@ class Job:
     formatter: Union[CompletionFormatter, ChatFormatter]
 
 
+def route_logs_to_replica_log() -> None:
+    """Send the engine's and this package's INFO lines (warm-up time, one line per request) to the
+    replica's Ray Serve log; otherwise Ray's root logger drops them."""
+    serve_logger = logging.getLogger("ray.serve")
+    for name in ("engine", "serve_app"):
+        package_logger = logging.getLogger(name)
+        package_logger.setLevel(logging.INFO)
+        for handler in serve_logger.handlers:
+            if handler not in package_logger.handlers:
+                package_logger.addHandler(handler)
+        package_logger.propagate = not serve_logger.handlers
+
+
 def import_engine_class(path: str) -> type:
     module, _, name = path.partition(":")
     try:
@@ -98,6 +111,7 @@ class ModelServer:
     def __init__(self, config: ModelConfig):
         from engine.model_sources import resolve_model
 
+        route_logs_to_replica_log()
         model_dir = resolve_model(config.model, config.cache_dir)
         self.model_id = config.model_id
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
