@@ -98,8 +98,10 @@ class ModelRunner:
             model, self.info = load_model(config.model, config.dtype)
             self.model = ServingModel.from_levanter(model, config.scan_layers)
             self.vocab_size = model.Vocab.size
-        self.max_model_len = min(config.max_model_len or min(self.info.max_position_embeddings, 4096),
-                                 self.info.max_position_embeddings)
+        self.max_model_len = config.max_model_len or min(self.info.max_position_embeddings, 4096)
+        if self.max_model_len > self.info.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{self.info.max_position_embeddings}; lower max_model_len")
         self.page_size = config.page_size
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
         self.num_pages = config.num_pages or 1 + config.max_num_seqs * self.max_pages_per_seq
