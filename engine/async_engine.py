@@ -120,9 +120,9 @@ class AsyncEngine:
         try:
             while not self._stopping.is_set():
                 self._drain_commands(block=not self.core.has_work())
-                if self.core.has_work():
-                    self._deliver(self.core.step())
-                self._stats = self.core.stats()
+                deltas = self.core.step() if self.core.has_work() else []
+                self._stats = self.core.stats()  # before delivery: a finished stream sees its pages freed
+                self._deliver(deltas)
         except BaseException as exc:  # the engine is unusable: fail every stream, mark dead
             logger.exception("engine loop died")
             self._error = exc
