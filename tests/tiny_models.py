@@ -31,8 +31,14 @@ _CORPUS = [
 ]
 
 
-def make_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE tokenizer (so any text round-trips) with ChatML special tokens."""
+def make_tokenizer(vocab_size: int = 512, pad_vocab: bool = False):
+    """A byte-level BPE tokenizer (so any text round-trips) with ChatML special tokens.
+
+    The tiny corpus stops BPE training well short of a large `vocab_size`; `pad_vocab` fills the
+    vocabulary up to exactly `vocab_size` ids with filler tokens (`<f123>`) that no text ever
+    tokenizes to (no merge builds them) but that decode to their own text, so a model with a big
+    vocabulary can generate any id and still be detokenized.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,6 +52,8 @@ def make_tokenizer(vocab_size: int = 512):
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    if pad_vocab:
+        tok = _pad_vocab(tok, vocab_size)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -55,6 +63,22 @@ def make_tokenizer(vocab_size: int = 512):
     )
     fast.chat_template = CHATML_TEMPLATE
     return fast
+
+
+def _pad_vocab(tok, vocab_size: int):
+    """The BPE tokenizer `tok` with filler tokens appended to its model vocabulary up to `vocab_size`."""
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    next_id, i = len(vocab), 0
+    while next_id < vocab_size:
+        name = f"<f{i}>"
+        i += 1
+        if name not in vocab:
+            vocab[name] = next_id
+            next_id += 1
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def make_checkpoint(
@@ -73,8 +97,11 @@ def make_checkpoint(
     dtype: str = "float32",
     seed: int = 0,
     tokenizer_vocab: int = 512,
+    pad_tokenizer_vocab: bool = False,
 ) -> Path:
     """Write a random `family` checkpoint (llama, qwen2, qwen3, mistral) with a tokenizer.
+
+    `pad_tokenizer_vocab` pads the tokenizer to exactly `tokenizer_vocab` ids (see make_tokenizer).
 
     A large `initializer_range` makes the random model's next-token distributions peaked, so greedy
     decoding has no near-ties and parity with transformers is exact rather than lucky.
@@ -84,7 +111,7 @@ def make_checkpoint(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tokenizer(tokenizer_vocab)
+    tokenizer = make_tokenizer(tokenizer_vocab, pad_vocab=pad_tokenizer_vocab)
     vocab = vocab_size or len(tokenizer)
     common = dict(
         vocab_size=vocab,
