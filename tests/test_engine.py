@@ -229,3 +229,12 @@ def test_requests_that_cannot_fit_are_refused_with_the_numbers(llama_engine):
     with pytest.raises(InvalidRequestError, match="empty"):
         llama_engine.add_request("empty", [], SamplingParams())
     assert not llama_engine.has_work()
+
+
+def test_a_relative_checkpoint_path_loads_offline(llama_dir, llama_engine, monkeypatch):
+    monkeypatch.chdir(llama_dir.parent)
+    engine = LLMEngine(EngineConfig(model=llama_dir.name, **TIGHT))
+    prompt = make_prompts([7], seed=10)[0]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    relative = tokens_of(run_to_completion(engine, {"rel": (prompt, params)})["rel"])
+    assert relative == tokens_of(run_to_completion(llama_engine, {"abs": (prompt, params)})["abs"])
