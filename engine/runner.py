@@ -35,7 +35,7 @@ from engine.config import EngineConfig
 from engine.models import ModelInfo, load_model
 from engine.paged_model import KVCache, ServingModel, StepInputs, forward, logits_at
 from engine.pages import SCRATCH_PAGE
-from engine.request import MAX_TOP_LOGPROBS, TokenLogprob
+from engine.request import TokenLogprob
 from engine.sampler import SampleOutput, SamplingInputs, sample, token_logprobs
 from engine.scheduler import Plan, Row
 
@@ -328,5 +328,3 @@ def _token_logprob(token: int, logprob, top_ids, top_lps, k: int) -> TokenLogpro
     top = tuple((int(t), float(lp)) for t, lp in zip(top_ids[:k], top_lps[:k]))
     return TokenLogprob(int(token), float(logprob), top)
 
-
-__all__ = ["ModelRunner", "RowResult", "MAX_TOP_LOGPROBS"]
