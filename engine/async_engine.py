@@ -71,7 +71,7 @@ class AsyncEngine:
         """Stream the request's deltas until one has a finish reason. Raises InvalidRequestError
         before anything is queued if the request can never fit, EngineDeadError if the loop died."""
         self._raise_if_dead()
-        self.core.validate(prompt_ids, params)
+        self.validate(prompt_ids, params)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
@@ -93,6 +93,10 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self._commands.put(("abort", request_id))
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if the engine could never serve this request (any thread)."""
+        self.core.validate(prompt_ids, params)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with a delta whose finish reason is `abort`."""

@@ -84,6 +84,12 @@ class RowResult:
     predicts (tokens start+1 .. of the prompt)."""
 
 
+def _sample_slots(plan: Plan, sd: int) -> list[tuple[int, Row]]:
+    """(sampling row, plan row) pairs in `plan.rows` order: decode rows first, then prefill rows
+    after the `sd` (padded) decode slots."""
+    return [(i, row) for i, row in enumerate(plan.decode)] + [(sd + r, row) for r, row in enumerate(plan.prefill)]
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -108,6 +114,7 @@ class ModelRunner:
         self.max_prefill_rows = _pow2(max(1, config.max_num_batched_tokens // config.prefill_chunk))
         self.max_decode_rows = _pow2(config.max_num_seqs)
         self.min_bucket_pages = min(self.max_pages_per_seq, _pow2(-(-256 // self.page_size)))
+        self.page_buckets = self._page_buckets()
         self.cache = self._init_cache()
 
     # ---- public ----
@@ -126,7 +133,7 @@ class ModelRunner:
         sd = [1 << i for i in range(self.max_decode_rows.bit_length())]
         sp = [1 << i for i in range(self.max_prefill_rows.bit_length())]
         shapes = [(d, 0) for d in sd] + [(0, p) for p in sp] + [(self.max_decode_rows, p) for p in sp]
-        return [(d, p, pages) for (d, p), pages in itertools.product(shapes, self._page_buckets())]
+        return [(d, p, pages) for (d, p), pages in itertools.product(shapes, self.page_buckets)]
 
     def execute(self, plan: Plan) -> list[RowResult]:
         """Run one step; results follow `plan.rows` order."""
@@ -138,9 +145,9 @@ class ModelRunner:
             out = _sample_step(logits, sampling, variant)
             prompt_lps = self._prompt_logprobs(plan, sd, hidden)
             out = jax.device_get(out)
-        results = [self._row_result(row, i, out, []) for i, row in enumerate(plan.decode)]
-        results += [self._row_result(row, sd + r, out, prompt_lps.get(r, [])) for r, row in enumerate(plan.prefill)]
-        return results
+        # prompt_lps is keyed by prefill row (slot - sd); decode slots (< sd) have none
+        return [self._row_result(row, slot, out, prompt_lps.get(slot - sd, []))
+                for slot, row in _sample_slots(plan, sd)]
 
     # ---- shapes ----
 
@@ -156,7 +163,7 @@ class ModelRunner:
         sp = _pow2(n_pre) if n_pre else 0
         sd = (self.max_decode_rows if sp else _pow2(n_dec)) if n_dec else 0
         needed = max(-(-(row.start + row.length) // self.page_size) for row in plan.rows)
-        pages = next(b for b in self._page_buckets() if b >= needed)
+        pages = next(b for b in self.page_buckets if b >= needed)
         return sd, sp, pages
 
     # ---- host-side arrays ----
@@ -194,7 +201,7 @@ class ModelRunner:
 
     def _sampling_inputs(self, plan: Plan, sd: int, sp: int) -> tuple[SamplingInputs, SamplerVariant]:
         n = sd + sp
-        rows = [(i, row) for i, row in enumerate(plan.decode)] + [(sd + r, row) for r, row in enumerate(plan.prefill)]
+        rows = _sample_slots(plan, sd)
         temperature, top_p, min_p = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.float32)
         top_k, seed, position = np.zeros(n, np.int32), np.zeros(n, np.uint32), np.zeros(n, np.int32)
         for i, row in rows:
@@ -240,7 +247,7 @@ class ModelRunner:
 
     # ---- prompt logprobs ----
 
-    def _prompt_logprobs(self, plan: Plan, sd: int, hidden) -> dict[int, tuple]:
+    def _prompt_logprobs(self, plan: Plan, sd: int, hidden) -> dict[int, list[TokenLogprob]]:
         """For prefill rows of sequences that asked for prompt logprobs: logprobs of the prompt
         tokens each row's positions predict. Keyed by prefill row index."""
         wanted = [(r, row) for r, row in enumerate(plan.prefill) if row.seq.params.prompt_logprobs is not None]

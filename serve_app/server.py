@@ -185,7 +185,7 @@ class ModelServer:
         self._check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
         self._check_token_ids(params.stop_token_ids, "stop_token_ids")
         for prompt in prompts:
-            self.engine.core.validate(prompt.ids, params)
+            self.engine.validate(prompt.ids, params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         formatter_cls = ChatFormatter if chat else CompletionFormatter
         n = request.n
