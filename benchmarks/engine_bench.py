@@ -70,18 +70,21 @@ def main(argv=None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
+                        help="the engine's CPU matmul/attention kernels (--no-cpu-kernels: XLA's ops)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     model = bench_checkpoint(args.model)
-    print(f"| batch | output tok/s | decode step ms | run s | steps |  ({args.dtype}, {args.prompt_len} in / "
-          f"{args.new_tokens} out)")
+    kernels = "CPU kernels" if args.cpu_kernels else "XLA ops"
+    print(f"| batch | output tok/s | decode step ms | run s | steps |  ({args.dtype}, {kernels}, {args.prompt_len} in"
+          f" / {args.new_tokens} out)")
     print("|---|---|---|---|---|")
     for batch in [int(b) for b in args.batch.split(",")]:
         engine = LLMEngine(EngineConfig(
             model=str(model), dtype=args.dtype, page_size=args.page_size, max_num_seqs=batch,
             max_num_batched_tokens=max(batch, args.max_num_batched_tokens), prefill_chunk=args.prefill_chunk,
-            max_model_len=args.prompt_len + args.new_tokens))
+            max_model_len=args.prompt_len + args.new_tokens, cpu_kernels=args.cpu_kernels))
         runs = [run_once(engine, batch, args.prompt_len, args.new_tokens, seed) for seed in range(args.repeats)]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(f"| {batch} | {med['tok_s']:.0f} | {med['step_ms']:.1f} | {med['seconds']:.2f} | {med['steps']:.0f} |",

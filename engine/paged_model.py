@@ -24,11 +24,16 @@ The cache is donated and updated in place either way.
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import haliax as hax
 import jax
+import haliax.nn as hnn
 import jax.numpy as jnp
 from haliax import NamedArray
+
+from engine.cpu_kernels import PANEL, PackedLinear, decode_attention
 
 NEG_INF = -1e30
 
@@ -54,19 +59,37 @@ class KVCache(eqx.Module):
 
 class ServingModel(eqx.Module):
     """A levanter LM-head model's modules, arranged for serving: `layers` is a tuple of per-layer
-    modules (unrolled loop) or levanter's `Stacked` layers (scanned loop)."""
+    modules (unrolled loop) or levanter's `Stacked` layers (scanned loop). When `packed`, linear
+    layers are `PackedLinear`s (the CPU matmul kernel) and activations are float32."""
 
     embeddings: eqx.Module
     layers: tuple | eqx.Module
     norm: eqx.Module
     lm_head: eqx.Module | None
+    packed: bool = eqx.field(static=True, default=False)
 
     @staticmethod
-    def from_levanter(model, scan_layers: bool = False) -> "ServingModel":
+    def from_levanter(model, scan_layers: bool = False, packed_dtype=None) -> "ServingModel":
+        """`packed_dtype`: run every linear layer whose output size is a multiple of 16 (and the LM
+        head, tied or not) on the CPU matmul kernel with weights packed in that dtype."""
         layers = model.transformer.layers
         if not scan_layers:
             layers = tuple(jax.tree_util.tree_map(jnp.copy, layer) for layer in layers.unstacked())
-        return ServingModel(model.embeddings, layers, model.transformer.norm, model.lm_head)
+        lm_head = model.lm_head
+        if packed_dtype is None:
+            return ServingModel(model.embeddings, layers, model.transformer.norm, lm_head)
+        pack = lambda m: PackedLinear.from_linear(m, packed_dtype) if _packable(m) else m  # noqa: E731
+        layers = jax.tree_util.tree_map(pack, layers, is_leaf=_packable)
+        if lm_head is None and model.Vocab.size % PANEL == 0:  # tied: unembed with the embedding matrix
+            embedding = model.embeddings.token_embeddings.weight
+            lm_head = PackedLinear.from_weight(embedding, model.Embed, model.Vocab, None, packed_dtype)
+        elif lm_head is not None:
+            lm_head = pack(lm_head)
+        return ServingModel(model.embeddings, layers, model.transformer.norm, lm_head, packed=True)
+
+
+def _packable(module) -> bool:
+    return isinstance(module, hnn.Linear) and PackedLinear.packable(module)
 
 
 class StepInputs(eqx.Module):
@@ -88,15 +111,17 @@ def forward(model: ServingModel, cache: KVCache, inputs: StepInputs) -> tuple[Na
     and the updated cache."""
     Pos = hax.Axis("position", inputs.tokens.shape[0])
     x = model.embeddings.embed(hax.named(inputs.tokens, Pos))
+    if model.packed:
+        x = x.astype(jnp.float32)
     pos_ids = hax.named(inputs.positions, Pos)
     k_all, v_all = cache.k, cache.v
     if isinstance(model.layers, tuple):
         for index, layer in enumerate(model.layers):
-            x, k_all, v_all = _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs, cache.page_size)
+            x, k_all, v_all = _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs, model.packed)
     else:
         def layer_step(carry, layer):
             x, k_all, v_all, index = carry
-            x, k_all, v_all = _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs, cache.page_size)
+            x, k_all, v_all = _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs, model.packed)
             return (x, k_all, v_all, index + 1), None
 
         init = (x, k_all, v_all, jnp.int32(0))
@@ -112,10 +137,10 @@ def logits_at(model: ServingModel, hidden: NamedArray, index: jax.Array) -> Name
     return model.embeddings.unembed(rows)
 
 
-def _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs: StepInputs, page_size: int):
+def _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs: StepInputs, kernels: bool):
     residual = x
     h = layer.input_layernorm(x)
-    attn_out, k_all, v_all = _attention(layer.self_attn, h, k_all, v_all, index, pos_ids, inputs, page_size)
+    attn_out, k_all, v_all = _attention(layer.self_attn, h, k_all, v_all, index, pos_ids, inputs, kernels)
     if getattr(layer, "post_attn_layernorm", None) is not None:
         attn_out = layer.post_attn_layernorm(attn_out)
     x = residual + attn_out
@@ -126,11 +151,13 @@ def _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs: StepInputs, p
     return residual + mlp_out, k_all, v_all
 
 
-def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, page_size: int):
+def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, kernels: bool):
+    """`kernels`: decode attention runs on the CPU kernel (reads the pages in place)."""
     q, k, v = attn._compute_qkv(h, key=None, pos_ids=pos_ids)
     q_arr = q.rearrange(("position", "kv_head", "q_heads_per_group", "head_size")).array
     k_arr = k.rearrange(("position", "kv_head", "head_size")).array.astype(k_all.dtype)
     v_arr = v.rearrange(("position", "kv_head", "head_size")).array.astype(v_all.dtype)
+    page_size = k_all.shape[-1]
     page, slot = inputs.kv_dest // page_size, inputs.kv_dest % page_size
     k_all = k_all.at[index, page, :, :, slot].set(k_arr)
     v_all = v_all.at[index, page, :, slot].set(v_arr)
@@ -138,7 +165,9 @@ def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, page_s
     scale = attn.config.scaling_factor or 1.0 / (q_arr.shape[-1] ** 0.5)
     num_dec = inputs.dec_pages.shape[0]
     q_arr = q_arr.astype(jnp.float32) * scale
-    out = [] if num_dec == 0 else [_decode_attention(q_arr[:num_dec], k_all, v_all, index, inputs)]
+    decode = functools.partial(decode_attention, layer=index, pages=inputs.dec_pages, lens=inputs.dec_lens) \
+        if kernels else functools.partial(_decode_attention, index=index, inputs=inputs)
+    out = [] if num_dec == 0 else [decode(q_arr[:num_dec], k_all, v_all)]
     if inputs.pre_pages.shape[0]:
         out.append(_prefill_attention(q_arr[num_dec:], k_all, v_all, index, inputs))
     o = jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]

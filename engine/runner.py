@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.models import ModelInfo, load_model
 from engine.paged_model import KVCache, ServingModel, StepInputs, forward, logits_at
@@ -102,7 +103,9 @@ class ModelRunner:
         self.mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
         with self._device_context():
             model, self.info = load_model(config.model, config.dtype)
-            self.model = ServingModel.from_levanter(model, config.scan_layers)
+            packed = jnp.dtype(config.dtype) if config.cpu_kernels and cpu_kernels.available() else None
+            self.model = ServingModel.from_levanter(model, config.scan_layers, packed)
+            logger.info("linear layers run on %s", "the CPU matmul kernel" if packed else "XLA's dot")
             self.vocab_size = model.Vocab.size
         self.max_model_len = config.max_model_len or min(self.info.max_position_embeddings, 4096)
         if self.max_model_len > self.info.max_position_embeddings:
@@ -287,7 +290,8 @@ class ModelRunner:
 
     def _init_cache(self) -> KVCache:
         info: ModelInfo = self.info
-        dtype = jnp.dtype(self.config.dtype)
+        # XLA's CPU converts from bfloat16 are slow: a packed (CPU) model keeps its cache float32
+        dtype = jnp.dtype(jnp.float32 if self.model.packed else self.config.dtype)
         with self._device_context():
             return KVCache.init(info.num_layers, self.num_pages, self.page_size, info.num_kv_heads, info.head_dim, dtype)
 

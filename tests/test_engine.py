@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from engine.config import EngineConfig
+from engine.cpu_kernels import available as cpu_kernels_available
 from engine.engine import LLMEngine
 from engine.request import FinishReason, InvalidRequestError, SamplingParams
 
@@ -68,11 +69,16 @@ def _hf_model(path: str):
     return _HF_MODELS[path]
 
 
-@pytest.mark.parametrize("family,scan_layers", [("llama", False), ("llama", True), ("qwen3", False),
-                                                ("qwen2", False), ("mistral", True)])
-def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, scan_layers):
+@pytest.mark.parametrize("family,scan_layers,cpu_kernels", [
+    ("llama", False, True), ("llama", True, True), ("llama", False, False), ("qwen3", False, True),
+    ("qwen2", False, True), ("mistral", True, True)])
+def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, scan_layers, cpu_kernels):
+    """cpu_kernels=True runs on the project's CPU kernels (on an AVX2 machine); False on XLA's ops,
+    the path TPUs take."""
     model_dir = checkpoint_factory(family)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), scan_layers=scan_layers, **TIGHT))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), scan_layers=scan_layers, cpu_kernels=cpu_kernels,
+                                    **TIGHT))
+    assert engine.runner.model.packed == (cpu_kernels and cpu_kernels_available())
     prompts = make_prompts()
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     deltas = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})

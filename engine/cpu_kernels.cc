@@ -1,0 +1,290 @@
+// The engine's CPU kernels, XLA FFI custom calls for x86 with AVX2 + FMA (see engine/cpu_kernels.py).
+//
+// 1. Matmul, y = x @ W. Why: XLA's CPU dot reaches ~30-45 GFLOP/s on the 1..32-row products of decoding and has no fast
+// bfloat16 path, so a batch-1 step reads every weight as float32. This kernel streams bfloat16 (or
+// float32) weights once per step, widens them in registers and accumulates in float32.
+//
+// Layout invariants:
+//   x: f32[M, K] row-major.
+//   w: T[N / 16, K, 16]: the weight in panels of 16 output columns; panel p holds W[:, 16p:16p+16]
+//      row by row, so a micro-tile reads one contiguous stream. N must be a multiple of 16.
+//   y: f32[M, N] row-major.
+//
+// 2. Paged decode attention: one query token per sequence against its cached keys and values,
+//    read in place from the page pool. Why: XLA gathers every row's pages into a padded copy and
+//    reduces over the padding too, which costs more than the matmuls at batch 32.
+//
+// Both split their work into chunks that the caller and the XLA intra-op pool threads claim from
+// an atomic counter; the caller returns only when every chunk is done.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kNR = 16;   // output columns per panel: two 8-float registers
+constexpr int64_t kMR = 6;    // rows per micro-tile: 12 accumulators + 2 weights + 1 broadcast
+constexpr int64_t kKC = 512;  // depth block: a panel block (16 / 32 KiB) stays in L1 across rows
+constexpr int64_t kMC = 96;   // row block: its x block (192 KiB) stays in L2 across panels
+
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 Load8(const uint16_t* p) {  // 8 bfloat16 -> 8 float32 (a bf16 is a float's top half)
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// y[R, 16] (+)= x[R, kc] @ w[kc, 16]; `accumulate` adds to y (later depth blocks).
+template <int R, typename T>
+inline void MicroTile(const float* x, int64_t ldx, const T* w, int64_t kc, float* y, int64_t ldy,
+                      bool accumulate) {
+  __m256 acc0[R], acc1[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 w0 = Load8(w + k * kNR), w1 = Load8(w + k * kNR + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
+      acc0[r] = _mm256_fmadd_ps(b, w0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(b, w1, acc1[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    if (accumulate) {
+      acc0[r] = _mm256_add_ps(acc0[r], _mm256_loadu_ps(y + r * ldy));
+      acc1[r] = _mm256_add_ps(acc1[r], _mm256_loadu_ps(y + r * ldy + 8));
+    }
+    _mm256_storeu_ps(y + r * ldy, acc0[r]);
+    _mm256_storeu_ps(y + r * ldy + 8, acc1[r]);
+  }
+}
+
+template <typename T>
+void RowsTile(int64_t rows, const float* x, int64_t ldx, const T* w, int64_t kc, float* y, int64_t ldy,
+              bool accumulate) {
+  switch (rows) {
+    case 1: return MicroTile<1>(x, ldx, w, kc, y, ldy, accumulate);
+    case 2: return MicroTile<2>(x, ldx, w, kc, y, ldy, accumulate);
+    case 3: return MicroTile<3>(x, ldx, w, kc, y, ldy, accumulate);
+    case 4: return MicroTile<4>(x, ldx, w, kc, y, ldy, accumulate);
+    case 5: return MicroTile<5>(x, ldx, w, kc, y, ldy, accumulate);
+    default: return MicroTile<6>(x, ldx, w, kc, y, ldy, accumulate);
+  }
+}
+
+// Panels [p0, p1) of y = x @ w.
+template <typename T>
+void Panels(const float* x, const T* w, float* y, int64_t m, int64_t k, int64_t n, int64_t p0, int64_t p1) {
+  for (int64_t k0 = 0; k0 < k; k0 += kKC) {
+    const int64_t kc = std::min(kKC, k - k0);
+    for (int64_t m0 = 0; m0 < m; m0 += kMC) {
+      const int64_t mc = std::min(kMC, m - m0);
+      for (int64_t p = p0; p < p1; ++p) {
+        const T* panel = w + p * k * kNR + k0 * kNR;
+        for (int64_t r = 0; r < mc; r += kMR) {
+          const int64_t row = m0 + r;
+          RowsTile(std::min(kMR, mc - r), x + row * k + k0, k, panel, kc, y + row * n + p * kNR, n, k0 > 0);
+        }
+      }
+    }
+  }
+}
+
+struct Job {
+  std::atomic<int64_t> next{0};  // next chunk to claim
+  std::atomic<int64_t> done{0};  // chunks finished
+  int64_t chunks = 0;
+};
+
+// Runs body(c) for c in [0, chunks) on the caller and up to num_threads - 1 pool threads. A pool
+// thread that starts late finds no chunk left and touches nothing, so returning is safe.
+template <typename Body>
+void ParallelFor(ffi::ThreadPool& pool, int64_t chunks, Body body) {
+  auto job = std::make_shared<Job>();
+  job->chunks = chunks;
+  auto work = [job, body]() {
+    for (int64_t c; (c = job->next.fetch_add(1)) < job->chunks;) {
+      body(c);
+      job->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));
+  work();
+  while (job->done.load(std::memory_order_acquire) < chunks) _mm_pause();
+}
+
+template <typename T>
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kNR || wd[1] != xd[1]) {
+    return ffi::Error::InvalidArgument("matmul: want x[M, K] and w[N / 16, K, 16]");
+  }
+  const int64_t m = xd[0], k = xd[1], panels = wd[0], n = panels * kNR;
+  const float* xp = x.typed_data();
+  const T* wp = reinterpret_cast<const T*>(w.untyped_data());
+  float* yp = y->typed_data();
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::fill(yp, yp + m * n, 0.0f);
+    return ffi::Error::Success();
+  }
+
+  // Enough chunks to balance threads, few enough that each reuses its x block across panels.
+  const int64_t chunks = std::min(panels, std::max<int64_t>(1, pool.num_threads()) * 4);
+  ParallelFor(pool, chunks, [=](int64_t c) {
+    Panels<T>(xp, wp, yp, m, k, n, panels * c / chunks, panels * (c + 1) / chunks);
+  });
+  return ffi::Error::Success();
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Paged decode attention.
+//   q:     f32[S, H, G, D]  one pre-scaled query per sequence (H kv heads, G query heads each)
+//   k:     f32[layers, pages, H, D, PS]  (token slot minor)
+//   v:     f32[layers, pages, H, PS, D]
+//   layer: i32[]   pages: i32[S, L] page table   lens: i32[S] visible tokens (0: padding row)
+//   out:   f32[S, H, G, D]  softmax(q k^T) v over tokens [0, lens[s]); zeros where lens[s] == 0.
+
+inline __m256 Exp8(__m256 x) {  // e^x, relative error ~2e-7, for x <= 0 (flushes to 0 below -87)
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));  // x / ln 2
+  const __m256 i = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_fnmadd_ps(i, _mm256_set1_ps(0.693145752f),
+                                    _mm256_fnmadd_ps(i, _mm256_set1_ps(1.42860677e-6f), x));  // x - i ln 2
+  __m256 p = _mm256_set1_ps(1.98756912e-4f);  // e^f on |f| <= ln2 / 2
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.39819994e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.33345205e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.16657962e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.66666657e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, f), f, _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+struct AttnShape {
+  int64_t heads, group, dim, page_size, pool_pages, table_len;
+};
+
+// out[G, D] for one (sequence, kv head); kpool / vpool: this layer's keys / values at head h.
+void AttendOne(const float* q, const float* kpool, const float* vpool, const int32_t* table, int64_t n,
+               const AttnShape& a, float* scores, float* out) {
+  const int64_t G = a.group, D = a.dim, PS = a.page_size;
+  const int64_t page_stride = a.heads * D * PS;  // floats between consecutive pages of one head
+  const int64_t padded = ((n + PS - 1) / PS * PS + 7) / 8 * 8;  // scores row stride: whole pages, 8 | stride
+  for (int64_t t0 = 0; t0 < n; t0 += PS) {  // scores[g, t] = q[g] . k[t]
+    const float* kb = kpool + table[t0 / PS] * page_stride;  // [D, PS]
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = scores + g * padded + t0;
+      for (int64_t t = 0; t < PS; ++t) sg[t] = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = q[g * D + d];
+        for (int64_t t = 0; t < PS; ++t) sg[t] += qd * kb[d * PS + t];
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // softmax over [0, n); the tail up to `padded` gets weight 0
+    float* sg = scores + g * padded;
+    for (int64_t t = n; t < padded; ++t) sg[t] = -1e30f;
+    __m256 mx = _mm256_set1_ps(-1e30f);
+    for (int64_t t = 0; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    const float m = *std::max_element(lanes, lanes + 8);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 8) {
+      const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(m)));
+      _mm256_storeu_ps(sg + t, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    _mm256_store_ps(lanes, sum);
+    float total = 0.0f;
+    for (float l : lanes) total += l;
+    const float inv = 1.0f / total;
+    for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
+  }
+  for (int64_t i = 0; i < G * D; ++i) out[i] = 0.0f;
+  for (int64_t t0 = 0; t0 < n; t0 += PS) {  // out[g] = sum_t p[g, t] v[t]
+    const float* vb = vpool + table[t0 / PS] * page_stride;  // [PS, D]
+    const int64_t valid = std::min(PS, n - t0);
+    for (int64_t t = 0; t < valid; ++t) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * padded + t0 + t];
+        for (int64_t d = 0; d < D; ++d) out[g * D + d] += p * vb[t * D + d];
+      }
+    }
+  }
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pages,
+                           ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = pages.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || kd[2] != qd[1] || kd[3] != qd[3] ||
+      td[0] != qd[0] || lens.element_count() != qd[0] ) {
+    return ffi::Error::InvalidArgument("decode_attention: want q[S,H,G,D], k[layers,pages,H,D,PS], "
+                                       "pages[S,L], lens[S]");
+  }
+  const AttnShape a{qd[1], qd[2], qd[3], kd[4], kd[1], td[1]};
+  const int64_t seqs = qd[0], layer_floats = a.pool_pages * a.heads * a.dim * a.page_size;
+  const int64_t max_tokens = a.table_len * a.page_size;
+  const float* kl = k.typed_data() + layer.typed_data()[0] * layer_floats;
+  const float* vl = v.typed_data() + layer.typed_data()[0] * layer_floats;
+  const float *qp = q.typed_data();
+  const int32_t *tp = pages.typed_data(), *lp = lens.typed_data();
+  float* op = out->typed_data();
+  ParallelFor(pool, seqs * a.heads, [=](int64_t c) {
+    const int64_t s = c / a.heads, h = c % a.heads;
+    const int64_t n = std::min<int64_t>(std::max<int32_t>(lp[s], 0), max_tokens);
+    float* o = op + c * a.group * a.dim;
+    if (n == 0) {
+      std::fill(o, o + a.group * a.dim, 0.0f);
+      return;
+    }
+    std::unique_ptr<float[]> scores(new float[a.group * (((n + a.page_size - 1) / a.page_size * a.page_size + 7) / 8 * 8)]);
+    const int64_t head_offset = h * a.dim * a.page_size;
+    AttendOne(qp + c * a.group * a.dim, kl + head_offset, vl + head_offset, tp + s * a.table_len, n, a,
+              scores.get(), o);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeMatmulF32, Matmul<float>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeMatmulBF16, Matmul<uint16_t>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,150 @@
+"""The engine's CPU kernels (engine/cpu_kernels.cc): build, load and call them from JAX.
+
+- `matmul` / `PackedLinear`: XLA's CPU dot is slow on the few-row products of decoding and has no
+  fast bfloat16 path; this kernel streams packed weights (bfloat16 or float32) and accumulates in
+  float32.
+- `decode_attention`: one query per sequence against its pages, read in place from the KV pool
+  (XLA would gather every row's pages into a padded copy first).
+
+They are compiled once per source and jaxlib version with the system C++ compiler into `$JAX_SERVE_CACHE/kernels`
+(default `~/.cache/jax-serve/kernels`) and registered as an XLA FFI target. `available()` is False
+(and callers keep XLA's dot) off CPU, without AVX2/FMA, or when no compiler works.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+
+logger = logging.getLogger(__name__)
+
+PANEL = 16
+"""Output columns per packed panel; a packable weight has N % PANEL == 0."""
+_SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+_TARGETS = {jnp.dtype(jnp.float32): "jax_serve_matmul_f32", jnp.dtype(jnp.bfloat16): "jax_serve_matmul_bf16"}
+_SYMBOLS = {"jax_serve_matmul_f32": "JaxServeMatmulF32", "jax_serve_matmul_bf16": "JaxServeMatmulBF16",
+            "jax_serve_decode_attention": "JaxServeDecodeAttention"}
+
+
+def available() -> bool:
+    """True when the kernels can run here: a CPU backend on an AVX2 + FMA machine, built and loaded."""
+    return jax.default_backend() == "cpu" and _cpu_has_avx2_fma() and _load()
+
+
+def pack(w: jax.Array, dtype) -> jax.Array:
+    """W[..., K, N] (inputs first) -> dtype[..., N / 16, K, 16], the kernel's panel layout."""
+    *lead, k, n = w.shape
+    if n % PANEL:
+        raise ValueError(f"pack: output dimension {n} is not a multiple of {PANEL}")
+    return jnp.swapaxes(w.astype(dtype).reshape(*lead, k, n // PANEL, PANEL), -3, -2)
+
+
+def matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
+    """f32[M, K] @ packed[N / 16, K, 16] -> f32[M, N]."""
+    m, n = x.shape[0], packed.shape[0] * PANEL
+    call = jax.ffi.ffi_call(_TARGETS[packed.dtype], jax.ShapeDtypeStruct((m, n), jnp.float32))
+    return call(x.astype(jnp.float32), packed)
+
+
+class PackedLinear(eqx.Module):
+    """A drop-in for haliax's `Linear` that runs on the kernel: same axes, same math, float32
+    output (inputs are cast to float32). The weight is named (..., panel, in, lane); a stacked
+    layer's leading `layers` axis is scanned away like any other named weight."""
+
+    weight: NamedArray  # dtype[..., panel = N / 16, in = K, lane = 16], N = prod(Out), K = prod(In)
+    bias: NamedArray | None
+    In: tuple[hax.Axis, ...] = eqx.field(static=True)
+    Out: tuple[hax.Axis, ...] = eqx.field(static=True)
+
+    @staticmethod
+    def packable(linear: hnn.Linear) -> bool:
+        return hax.axis_size(linear.Out) % PANEL == 0
+
+    @staticmethod
+    def from_linear(linear: hnn.Linear, dtype) -> "PackedLinear":
+        return PackedLinear.from_weight(linear.weight * linear.reparam.active_scale, linear.In, linear.Out,
+                                        linear.bias, dtype)
+
+    @staticmethod
+    def from_weight(weight: NamedArray, In, Out, bias: NamedArray | None, dtype) -> "PackedLinear":
+        In, Out = hax.axis_spec_to_tuple(In), hax.axis_spec_to_tuple(Out)
+        weight = weight.rearrange((..., *In, *Out))
+        lead = weight.axes[: weight.ndim - len(In) - len(Out)]
+        w = weight.array.reshape(*(ax.size for ax in lead), hax.axis_size(In), hax.axis_size(Out))
+        packed = hax.named(pack(w, dtype), (*lead, "panel", "in", "lane"))
+        return PackedLinear(packed, None if bias is None else bias.astype(jnp.float32), In, Out)
+
+    def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
+        del key
+        batch = [ax for ax in inputs.axes if ax.name not in {a.name for a in self.In}]
+        x = inputs.rearrange((*batch, *self.In)).array.reshape(-1, hax.axis_size(self.In))
+        y = matmul(x, self.weight.array).reshape(*(ax.size for ax in batch), *(ax.size for ax in self.Out))
+        out = hax.named(y, (*batch, *self.Out))
+        return out if self.bias is None else out + self.bias
+
+
+def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pages: jax.Array,
+                     lens: jax.Array) -> jax.Array:
+    """Softmax attention of one pre-scaled query per sequence over its first `lens` cached tokens.
+
+    q: f32[S, kv_head, group, head_dim]; k_all: f32[layer, page, kv_head, head_dim, slot]; v_all:
+    f32[layer, page, kv_head, slot, head_dim]; layer: i32 scalar; pages: i32[S, L] page table;
+    lens: i32[S] (0 for padding rows, which get zeros). Returns f32[S, kv_head, group, head_dim]."""
+    call = jax.ffi.ffi_call("jax_serve_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q, k_all, v_all, jnp.asarray(layer, jnp.int32), pages, lens)
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"avx2", "fma"} <= set(flags.split())
+
+
+@functools.cache
+def _load() -> bool:
+    """Build (once per source + jaxlib version), dlopen and register the kernels; False on failure."""
+    try:
+        library = _build()
+        lib = ctypes.cdll.LoadLibrary(str(library))
+        for target, symbol in _SYMBOLS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (OSError, subprocess.CalledProcessError, AttributeError) as e:
+        logger.warning("CPU kernels unavailable (%s); using XLA's ops", e)
+        return False
+    return True
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if compiler is None:
+        raise OSError("no C++ compiler (set CXX or install g++)")
+    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-fno-math-errno"]
+    key = hashlib.sha256(_SOURCE.read_bytes() + jax.__version__.encode() + " ".join(flags).encode()).hexdigest()
+    root = Path(os.environ.get("JAX_SERVE_CACHE") or "~/.cache/jax-serve").expanduser() / "kernels"
+    library = root / f"cpu_kernels-{key[:16]}.so"
+    if library.is_file():
+        return library
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        out = Path(tmp) / library.name
+        subprocess.run([compiler, *flags, "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", str(out)],
+                       check=True, capture_output=True, text=True)
+        os.replace(out, library)  # atomic: concurrent builders race harmlessly
+    logger.info("built CPU kernels %s", library)
+    return library
