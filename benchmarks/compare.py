@@ -21,7 +21,7 @@ Everything is made once under ~/.cache/jax-serve/compare (`--cache`):
                       platform detection looks for it)
 
 Writes one markdown table (output tok/s at each concurrency, TTFT and TPOT at c=1, ratios to
-jax-serve) to stdout and everything (per-system serve_bench reports) to `--output-json`.
+jax-serve) to stdout and everything (per-system serve_bench reports) under `--output-dir`.
 `--engine-rate` also scrapes jax-serve's /metrics around each level and reports the engine's
 server-side rate beside the client's (see serve_bench.server_side_summary).
 """
@@ -469,7 +469,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-rate", action="store_true", help="scrape jax-serve's /metrics around each level")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server -t/-tb")
-    p.add_argument("--ours-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--ours-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--ours-args", default="", help="more serve_app builder args, 'key=value key=value'")
     p.add_argument("--vllm-dtype", default="bfloat16")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=4)

@@ -25,6 +25,7 @@ The cache is donated and updated in place either way.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import equinox as eqx
 import haliax as hax
@@ -92,8 +93,9 @@ def _packable(module) -> bool:
     return isinstance(module, hnn.Linear) and PackedLinear.packable(module)
 
 
-class StepInputs(eqx.Module):
-    """The arrays of one step; shapes are fixed by the runner's bucket (Sd, Sp, L)."""
+class StepInputs(NamedTuple):
+    """The arrays of one step; shapes are fixed by the runner's bucket (Sd, Sp, L). A NamedTuple,
+    so that jit flattens it in C++ (host time per step counts at batch 1)."""
 
     tokens: jax.Array  # i32[T]
     positions: jax.Array  # i32[T]

@@ -45,10 +45,37 @@ logger = logging.getLogger(__name__)
 U32 = 2**32
 
 
-@functools.partial(jax.jit, donate_argnums=(1,))
-def _forward_step(model, cache: KVCache, inputs: StepInputs):
-    hidden, cache = forward(model, cache, inputs)
-    return logits_at(model, hidden, inputs.sample_index).array, hidden, cache
+class _ModelSteps:
+    """The jitted functions that take the model. The model travels as its flat list of weight arrays
+    (the treedef is closed over): flattening equinox modules in Python on every call costs ~1 ms a
+    step, a list of arrays is flattened in C++."""
+
+    def __init__(self, model: ServingModel):
+        self.weights, treedef = jax.tree_util.tree_flatten(model)
+        unflatten = functools.partial(jax.tree_util.tree_unflatten, treedef)
+
+        @functools.partial(jax.jit, donate_argnums=(1,))
+        def forward_step(weights, cache: KVCache, inputs: StepInputs):
+            model = unflatten(weights)
+            hidden, cache = forward(model, cache, inputs)
+            # hidden leaves as a plain array: a NamedArray output is unflattened in Python per call
+            return logits_at(model, hidden, inputs.sample_index).array, hidden.array, cache
+
+        @jax.jit
+        def prompt_logprobs_step(weights, hidden, index, targets):
+            model = unflatten(weights)
+            hidden = hax.named(hidden, ("position", model.embeddings.Embed))
+            return token_logprobs(logits_at(model, hidden, index).array, targets)
+
+        self._forward, self._prompt_logprobs = forward_step, prompt_logprobs_step
+
+    def forward(self, cache: KVCache, inputs: StepInputs):
+        """(logits of the sampled rows, final hidden states f[position, embed], updated cache);
+        donates `cache`."""
+        return self._forward(self.weights, cache, inputs)
+
+    def prompt_logprobs(self, hidden, index, targets):
+        return self._prompt_logprobs(self.weights, hidden, index, targets)
 
 
 @functools.partial(jax.jit, static_argnames=("variant",))
@@ -63,12 +90,6 @@ class SamplerVariant(NamedTuple):
     logprobs: bool = False
     penalize: bool = False
     filter: bool = False
-
-
-@jax.jit
-def _prompt_logprobs_step(model, hidden, index, targets):
-    logits = logits_at(model, hidden, index).array
-    return token_logprobs(logits, targets)
 
 
 WARM_SAMPLER_VARIANTS = (SamplerVariant(), SamplerVariant(random=True), SamplerVariant(random=True, logprobs=True))
@@ -105,6 +126,7 @@ class ModelRunner:
             model, self.info = load_model(config.model, config.dtype)
             packed = jnp.dtype(config.dtype) if config.cpu_kernels and cpu_kernels.available() else None
             self.model = ServingModel.from_levanter(model, config.scan_layers, packed)
+            self.steps = _ModelSteps(self.model)
             logger.info("linear layers run on %s", "the CPU matmul kernel" if packed else "XLA's dot")
             self.vocab_size = model.Vocab.size
         self.max_model_len = config.max_model_len or min(self.info.max_position_embeddings, 4096)
@@ -143,7 +165,7 @@ class ModelRunner:
         sd, sp, pages = self._bucket(plan)
         with self._device_context():
             inputs = self._step_inputs(plan, sd, sp, pages)
-            logits, hidden, self.cache = _forward_step(self.model, self.cache, inputs)
+            logits, hidden, self.cache = self.steps.forward(self.cache, inputs)
             sampling, variant = self._sampling_inputs(plan, sd, sp)
             out = _sample_step(logits, sampling, variant)
             prompt_lps = self._prompt_logprobs(plan, sd, hidden)
@@ -192,8 +214,8 @@ class ModelRunner:
             pre_pages[r, : len(row.seq.pages)] = row.seq.pages[:num_pages]
             pre_lens[r], pre_start[r] = row.start + row.length, row.start
             sample_index[sd + r] = offset + row.length - 1
-        return StepInputs(*map(jnp.asarray, (tokens, positions, dest, dec_pages, dec_lens, pre_pages, pre_lens,
-                                             pre_start, sample_index)))
+        # numpy leaves: jit transfers them in C++ (jnp.asarray would dispatch an op per array)
+        return StepInputs(tokens, positions, dest, dec_pages, dec_lens, pre_pages, pre_lens, pre_start, sample_index)
 
     def _fill_row(self, row: Row, offset: int, tokens, positions, dest) -> None:
         span = slice(offset, offset + row.length)
@@ -218,9 +240,9 @@ class ModelRunner:
             penalize=any(self._needs_dense(row) for _, row in rows),
             filter=any(p.needs_filtering and not p.greedy for p in params),
         )
-        inputs = SamplingInputs(*map(jnp.asarray, (temperature, top_k, top_p, min_p, seed, position)))
+        inputs = SamplingInputs(temperature, top_k, top_p, min_p, seed, position)
         if variant.penalize:
-            inputs = dataclasses.replace(inputs, **self._dense_inputs(rows, n))
+            inputs = inputs._replace(**self._dense_inputs(rows, n))
         return inputs, variant
 
     def _needs_dense(self, row: Row) -> bool:
@@ -246,7 +268,7 @@ class ModelRunner:
                 bias[i, [t for t in (*self.info.eos_token_ids, *params.stop_token_ids) if t < vocab]] = -np.inf
         arrays = dict(presence=presence, frequency=frequency, repetition=repetition, output_counts=counts,
                       prompt_mask=prompt_mask, bias=bias)
-        return {k: jnp.asarray(v) for k, v in arrays.items()}
+        return arrays
 
     # ---- prompt logprobs ----
 
@@ -268,8 +290,8 @@ class ModelRunner:
             return {}
         size = _pow2(len(index))
         pad = size - len(index)
-        chosen, top_ids, top_lps = jax.device_get(_prompt_logprobs_step(
-            self.model, hidden, jnp.asarray(index + [0] * pad, jnp.int32), jnp.asarray(targets + [0] * pad, jnp.int32)))
+        chosen, top_ids, top_lps = jax.device_get(self.steps.prompt_logprobs(
+            hidden, np.asarray(index + [0] * pad, np.int32), np.asarray(targets + [0] * pad, np.int32)))
         result: dict[int, list] = {}
         for k, r in enumerate(owners):
             top_n = plan.prefill[r].seq.params.prompt_logprobs
@@ -302,11 +324,11 @@ class ModelRunner:
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         n = sd + sp
         with self._device_context():
-            inputs = StepInputs(*map(jnp.asarray, (zeros(tokens), zeros(tokens), zeros(tokens), zeros(sd, num_pages),
-                                                   zeros(sd), zeros(sp, num_pages), zeros(sp), zeros(sp), zeros(n))))
-            sampling = SamplingInputs(*map(jnp.asarray, (np.zeros(n, np.float32), zeros(n), np.ones(n, np.float32),
-                                                         np.zeros(n, np.float32), np.zeros(n, np.uint32), zeros(n))))
-            logits, _, self.cache = _forward_step(self.model, self.cache, inputs)
+            inputs = StepInputs(zeros(tokens), zeros(tokens), zeros(tokens), zeros(sd, num_pages), zeros(sd),
+                                zeros(sp, num_pages), zeros(sp), zeros(sp), zeros(n))
+            sampling = SamplingInputs(np.zeros(n, np.float32), zeros(n), np.ones(n, np.float32),
+                                      np.zeros(n, np.float32), np.zeros(n, np.uint32), zeros(n))
+            logits, _, self.cache = self.steps.forward(self.cache, inputs)
             for variant in WARM_SAMPLER_VARIANTS:
                 jax.block_until_ready(_sample_step(logits, sampling, variant))
 

@@ -18,14 +18,15 @@ min_tokens) and `filter` (a sort over the vocabulary for top-k / top-p / min-p).
 
 from __future__ import annotations
 
-import equinox as eqx
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from engine.request import MAX_TOP_LOGPROBS
 
 
-class SamplingInputs(eqx.Module):
+class SamplingInputs(NamedTuple):
     """Per-row sampling parameters, f/i[R]; the dense arrays are None unless `penalize`."""
 
     temperature: jax.Array
@@ -42,7 +43,7 @@ class SamplingInputs(eqx.Module):
     bias: jax.Array | None = None  # f32[R, V] logit bias; -inf blocks EOS before min_tokens
 
 
-class SampleOutput(eqx.Module):
+class SampleOutput(NamedTuple):
     tokens: jax.Array  # i32[R]
     logprobs: jax.Array  # f32[R] of the chosen token
     top_ids: jax.Array  # i32[R, MAX_TOP_LOGPROBS]
