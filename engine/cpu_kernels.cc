@@ -21,8 +21,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -104,10 +106,14 @@ struct Job {
   std::atomic<int64_t> next{0};  // next chunk to claim
   std::atomic<int64_t> done{0};  // chunks finished
   int64_t chunks = 0;
+  std::mutex mutex;  // with `finished`: wakes a caller that stopped spinning
+  std::condition_variable finished;
 };
 
 // Runs body(c) for c in [0, chunks) on the caller and up to num_threads - 1 pool threads. A pool
-// thread that starts late finds no chunk left and touches nothing, so returning is safe.
+// thread that starts late finds no chunk left and touches nothing, so returning is safe. The
+// caller spins briefly for chunks still running elsewhere, then sleeps: on a busy host the thread
+// it waits for may be preempted, and a sleeping caller frees its core for it.
 template <typename Body>
 void ParallelFor(ffi::ThreadPool& pool, int64_t chunks, Body body) {
   auto job = std::make_shared<Job>();
@@ -115,13 +121,21 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t chunks, Body body) {
   auto work = [job, body]() {
     for (int64_t c; (c = job->next.fetch_add(1)) < job->chunks;) {
       body(c);
-      job->done.fetch_add(1, std::memory_order_release);
+      if (job->done.fetch_add(1, std::memory_order_acq_rel) + 1 == job->chunks) {
+        std::lock_guard<std::mutex> lock(job->mutex);  // the caller is waiting or will see `done`
+        job->finished.notify_all();
+      }
     }
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));
   work();
-  while (job->done.load(std::memory_order_acquire) < chunks) _mm_pause();
+  auto all_done = [&] { return job->done.load(std::memory_order_acquire) >= chunks; };
+  for (int spin = 0; spin < 4096 && !all_done(); ++spin) _mm_pause();
+  if (!all_done()) {
+    std::unique_lock<std::mutex> lock(job->mutex);
+    job->finished.wait(lock, all_done);
+  }
 }
 
 template <typename T>

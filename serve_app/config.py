@@ -72,8 +72,16 @@ class ModelConfig(BaseModel):
     `max_ongoing_requests`; beyond that clients get 429 with Retry-After. -1: unbounded."""
     retry_after_s: float = Field(1.0, gt=0)
     """The Retry-After sent with a 429."""
-    stream_batch_ms: float = Field(5.0, ge=0)
-    """Stream chunks produced within this window after the first travel over the Ray hop together."""
+    stream_batch_ms: float = Field(50.0, ge=0)
+    """Least time between two stream chunks of one request (the first goes at once): tokens made in
+    between travel over the Ray hops as one chunk. Every chunk costs CPU in the replica, the ingress
+    and the proxy (~5 ms together on a 2-core CPU host), so larger values leave more CPU to the
+    engine at high concurrency; smaller ones stream smoother. 0 sends every step's tokens."""
+    engine_niceness: Optional[int] = Field(0, ge=-20, le=19)
+    """Niceness of the engine's threads (the loop, XLA's thread pools). Ray starts its workers at 15
+    so that its daemons win the CPU; on a CPU-only host the engine is the work, and at 15 every
+    daemon wake-up stalls a decode step. Lowering it needs CAP_SYS_NICE (root in most containers);
+    without it a warning suggests `RAY_worker_niceness=0`. None keeps Ray's."""
     health_check_period_s: float = Field(10.0, gt=0)
     """How often Ray Serve probes a replica; a replica whose engine died is restarted."""
 

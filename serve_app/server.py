@@ -16,6 +16,8 @@ import contextlib
 import dataclasses
 import importlib
 import logging
+import os
+import threading
 import uuid
 from typing import Any, AsyncIterator, Optional, Union
 
@@ -90,6 +92,16 @@ def route_logs_to_replica_log() -> None:
         package_logger.propagate = not serve_logger.handlers
 
 
+def set_thread_niceness(value: int) -> None:
+    """Give the calling thread, and every thread it starts from now on, niceness `value` (Linux
+    niceness is per thread). Logs a warning when not permitted."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), value)
+    except (PermissionError, AttributeError, OSError) as exc:
+        logger.warning("cannot set the engine's niceness to %d (%s); start Ray with RAY_worker_niceness=%d "
+                       "or set engine_niceness: null", value, exc, value)
+
+
 def import_engine_class(path: str) -> type:
     module, _, name = path.partition(":")
     try:
@@ -112,6 +124,8 @@ class ModelServer:
         from engine.model_sources import resolve_model
 
         route_logs_to_replica_log()
+        if config.engine_niceness is not None:
+            set_thread_niceness(config.engine_niceness)  # before any engine thread exists: they inherit it
         model_dir = resolve_model(config.model, config.cache_dir)
         self.model_id = config.model_id
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -119,7 +133,7 @@ class ModelServer:
         engine_cls = import_engine_class(config.engine_cls)
         self.engine = AsyncEngine(engine_cls(config.engine_config(model_dir)))
         self.metrics = ServerMetrics(config.model_id, replica_name(), self.engine.stats)
-        self._window_s = config.stream_batch_ms / 1000.0
+        self._stream_interval_s = config.stream_batch_ms / 1000.0
         logger.info("model %s loaded from %s with %s", self.model_id, model_dir, config.engine_cls)
 
     # ---- called through deployment handles ----
@@ -129,7 +143,7 @@ class ModelServer:
         try:
             job = self._job(request)
             finals = []
-            async for batch in merge_batches(self._runs(job, arrival_time), self._window_s):
+            async for batch in merge_batches(self._runs(job, arrival_time), self._stream_interval_s):
                 finals += [u for u in batch if u.finish_reason is not None]
                 yield [job.formatter.chunk(u).model_dump_json() for u in batch]
             if request.include_usage:

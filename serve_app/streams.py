@@ -1,8 +1,8 @@
 """Interleaving several async streams into batches.
 
 A model server runs one engine request per choice (n > 1, batched prompts) and sends their output
-over one Ray streaming call. `merge_batches` interleaves the choices' streams and groups items that
-arrive within a short window, so the Ray hop is paid per batch, not per token.
+over one Ray streaming call. `merge_batches` interleaves the choices' streams and sends at most one
+batch per interval (the first at once), so the Ray hops are paid per batch, not per token.
 
 Invariant: when the merged stream ends (exhausted, failed, closed or cancelled), every source
 stream has been closed, so each engine request still running has been aborted.
@@ -24,18 +24,20 @@ class _Failed:
         self.exc = exc
 
 
-async def merge_batches(streams: list[AsyncIterator[T]], window_s: float = 0.0) -> AsyncIterator[list[T]]:
-    """Yield lists of items from all `streams`, in arrival order. After the first item of a batch
-    arrives, items arriving within `window_s` join it. A failing stream fails the merged stream,
-    after the items that arrived before its failure."""
+async def merge_batches(streams: list[AsyncIterator[T]], interval_s: float = 0.0) -> AsyncIterator[list[T]]:
+    """Yield lists of items from all `streams`, in arrival order. The first batch goes as soon as
+    an item arrives; each later one no sooner than `interval_s` after the previous, carrying
+    everything that arrived meanwhile. A failing stream fails the merged stream, after the items
+    that arrived before its failure."""
+    loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     pumps = [asyncio.create_task(_pump(stream, queue)) for stream in streams]
-    open_streams = len(pumps)
+    open_streams, next_send = len(pumps), loop.time()
     try:
         while open_streams:
             items = [await queue.get()]
-            if window_s > 0:
-                await asyncio.sleep(window_s)
+            if (wait := next_send - loop.time()) > 0:
+                await asyncio.sleep(wait)
             while not queue.empty():
                 items.append(queue.get_nowait())
             batch, failure = [], None
@@ -49,6 +51,7 @@ async def merge_batches(streams: list[AsyncIterator[T]], window_s: float = 0.0) 
                     batch.append(item)
             if batch:
                 yield batch
+                next_send = loop.time() + interval_s
             if failure is not None:
                 raise failure
     finally:

@@ -33,3 +33,26 @@ def test_default_model_answers_paris(smollm2_dir):
     assert tokens == [504, 3575, 282, 4649, 314, 7042, 30, 2]
     assert tokenizer.decode(tokens, skip_special_tokens=True) == "The capital of France is Paris."
     assert finish is FinishReason.STOP
+
+
+def test_default_app_engine_config_answers_paris(smollm2_dir):
+    """deploy/config.yaml's engine fields (bfloat16 weights, scanned layers, CPU kernels) give the
+    same answer; only the sizes are made small."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from serve_app.config import AppConfig
+
+    args = yaml.safe_load((Path(__file__).parents[1] / "deploy/config.yaml").read_text())["applications"][0]["args"]
+    config = AppConfig.from_args(args).models[0].engine_config(smollm2_dir)
+    assert config.dtype == "bfloat16" and config.scan_layers and config.cpu_kernels
+    engine = LLMEngine(dataclasses.replace(config, max_num_seqs=2, max_model_len=256, warmup=False))
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    engine.add_request("paris", tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True),
+                       SamplingParams(max_tokens=24))
+    tokens = []
+    while engine.has_work():
+        tokens += [t for delta in engine.step() for t in delta.token_ids]
+    assert tokenizer.decode(tokens, skip_special_tokens=True) == "The capital of France is Paris."

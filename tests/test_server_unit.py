@@ -516,3 +516,27 @@ def test_the_serving_layer_never_imports_jax():
 
 def test_the_ingress_does_not_load_transformers():
     assert imported_after("import serve_app.ingress", ("transformers", "torch", "jax")) == []
+
+
+def test_engine_niceness_applies_to_threads_started_afterwards():
+    """Linux niceness is per thread: the replica sets it before the engine starts its threads."""
+    import os
+    import threading
+
+    from serve_app.server import set_thread_niceness
+
+    seen = {}
+
+    def replica_init():
+        set_thread_niceness(5)
+        child = threading.Thread(target=lambda: seen.update(child=os.getpriority(os.PRIO_PROCESS, 0)))
+        child.start()
+        child.join()
+        seen["own"] = os.getpriority(os.PRIO_PROCESS, 0)
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    init = threading.Thread(target=replica_init)
+    init.start()
+    init.join()
+    assert seen == {"own": 5, "child": 5}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before, "only the calling thread (and its children) change"

@@ -31,10 +31,31 @@ def test_merges_every_item_of_every_stream():
     assert [x for x in flat if isinstance(x, int)] == [1, 2, 3]  # each stream keeps its order
 
 
-def test_items_ready_within_the_window_travel_together():
-    batches = asyncio.run(collect(merge_batches([items(range(5)), items(range(5, 8))], window_s=0.05)))
+async def spaced(values, every_s: float):
+    for value in values:
+        yield value
+        await asyncio.sleep(every_s)
+
+
+def test_first_item_goes_at_once_then_one_batch_per_interval():
+    async def run():
+        loop = asyncio.get_running_loop()
+        start, times, batches = loop.time(), [], []
+        async for batch in merge_batches([spaced(range(12), 0.03)], interval_s=0.15):
+            times.append(loop.time() - start)
+            batches.append(batch)
+        return times, batches
+
+    times, batches = asyncio.run(run())
+    assert [x for batch in batches for x in batch] == list(range(12))
+    assert batches[0] == [0] and times[0] < 0.02, "the first item is not held back"
+    assert all(b - a >= 0.149 for a, b in zip(times, times[1:])), times
+    assert 2 <= len(batches) <= 4  # 12 items over ~0.36 s, at most one batch per 0.15 s
+
+
+def test_without_an_interval_items_ready_together_travel_together():
+    batches = asyncio.run(collect(merge_batches([items(range(5)), items(range(5, 8))])))
     assert sorted(x for batch in batches for x in batch) == list(range(8))
-    assert len(batches) == 1
 
 
 async def failing(values, exc):
