@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=128)

@@ -8,6 +8,9 @@ the matmuls. Here attention is two dense, masked einsums:
 - the decode group: `Sd` sequences with one new token each, attending to their `L` pages;
 - the prefill group: `Sp` rows of up to `C` prompt tokens, attending causally to their `L` pages.
 
+With the CPU kernels (`ServingModel.packed`), the linear layers are `PackedLinear`s and the decode
+group's attention is `cpu_kernels.decode_attention`, which reads the pages in place.
+
 Token layout of a step (`T = Sd + Sp * C` tokens): the decode tokens first, then each prefill row's
 chunk, padded to `C`. Every token writes its key/value to `kv_dest` (a flat slot index,
 page * page_size + slot) before attention reads the pages, so a row sees its own chunk. Padding

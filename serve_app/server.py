@@ -134,22 +134,31 @@ class ModelServer:
         self.engine = AsyncEngine(engine_cls(config.engine_config(model_dir)))
         self.metrics = ServerMetrics(config.model_id, replica_name(), self.engine.stats)
         self._stream_interval_s = config.stream_batch_ms / 1000.0
+        self._stream_chunks_per_s = config.stream_chunks_per_s
+        self._open_streams = 0
         logger.info("model %s loaded from %s with %s", self.model_id, model_dir, config.engine_cls)
 
     # ---- called through deployment handles ----
 
     async def stream_chunks(self, request: OpenAIRequest, arrival_time: float) -> AsyncIterator[list[str]]:
         """JSON chunks of a streamed response, in batches; with include_usage, a last usage chunk."""
+        self._open_streams += 1
         try:
             job = self._job(request)
             finals = []
-            async for batch in merge_batches(self._runs(job, arrival_time), self._stream_interval_s):
+            async for batch in merge_batches(self._runs(job, arrival_time), self._chunk_interval):
                 finals += [u for u in batch if u.finish_reason is not None]
                 yield [job.formatter.chunk(u).model_dump_json() for u in batch]
             if request.include_usage:
                 yield [job.formatter.usage_chunk(total_usage(finals, job.n)).model_dump_json()]
         except Exception as exc:
             raise to_api_error(exc) from None
+        finally:
+            self._open_streams -= 1
+
+    def _chunk_interval(self) -> float:
+        """Seconds between two chunks of one stream: open streams share stream_chunks_per_s."""
+        return max(self._stream_interval_s, self._open_streams / self._stream_chunks_per_s)
 
     async def respond(self, request: OpenAIRequest, arrival_time: float) -> str:
         """The JSON of a whole (non-streamed) response."""

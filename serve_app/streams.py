@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, TypeVar
+from typing import AsyncIterator, Callable, TypeVar, Union
 
 T = TypeVar("T")
 
@@ -24,11 +24,13 @@ class _Failed:
         self.exc = exc
 
 
-async def merge_batches(streams: list[AsyncIterator[T]], interval_s: float = 0.0) -> AsyncIterator[list[T]]:
+async def merge_batches(streams: list[AsyncIterator[T]],
+                        interval_s: Union[float, Callable[[], float]] = 0.0) -> AsyncIterator[list[T]]:
     """Yield lists of items from all `streams`, in arrival order. The first batch goes as soon as
-    an item arrives; each later one no sooner than `interval_s` after the previous, carrying
-    everything that arrived meanwhile. A failing stream fails the merged stream, after the items
-    that arrived before its failure."""
+    an item arrives; each later one no sooner than `interval_s` (a number, or a function read
+    after each batch) after the previous, carrying everything that arrived meanwhile. A failing
+    stream fails the merged stream, after the items that arrived before its failure."""
+    interval = interval_s if callable(interval_s) else (lambda: interval_s)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     pumps = [asyncio.create_task(_pump(stream, queue)) for stream in streams]
@@ -51,7 +53,7 @@ async def merge_batches(streams: list[AsyncIterator[T]], interval_s: float = 0.0
                     batch.append(item)
             if batch:
                 yield batch
-                next_send = loop.time() + interval_s
+                next_send = loop.time() + interval()
             if failure is not None:
                 raise failure
     finally:

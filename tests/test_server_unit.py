@@ -540,3 +540,17 @@ def test_engine_niceness_applies_to_threads_started_afterwards():
     init.join()
     assert seen == {"own": 5, "child": 5}
     assert os.getpriority(os.PRIO_PROCESS, 0) == before, "only the calling thread (and its children) change"
+
+
+def test_open_streams_share_the_chunk_rate_and_are_counted_back_down(client, server):
+    """stream_chunks_per_s bounds a replica's chunks per second: each of S open streams waits
+    S / rate between chunks (at least stream_batch_ms). A finished stream no longer counts."""
+    events = stream(client, "/v1/completions", prompt="hello", max_tokens=5)
+    assert events[-1] == "[DONE]"
+    assert server._open_streams == 0
+    rate, floor = server._stream_chunks_per_s, server._stream_interval_s
+    server._open_streams = 40
+    try:
+        assert server._chunk_interval() == pytest.approx(max(floor, 40 / rate))
+    finally:
+        server._open_streams = 0

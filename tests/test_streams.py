@@ -84,3 +84,15 @@ def test_closing_the_merged_stream_closes_every_source():
         return closed
 
     assert sorted(asyncio.run(run()), key=len) == [[1], [2, 3]]
+
+
+def test_the_interval_may_be_a_function_read_after_each_batch():
+    intervals = iter([0.0, 0.2, 0.2, 0.2])
+
+    async def run():
+        return [batch async for batch in merge_batches([spaced(range(6), 0.03)], interval_s=lambda: next(intervals))]
+
+    batches = asyncio.run(run())
+    assert [x for batch in batches for x in batch] == list(range(6))
+    assert batches[0] == [0] and batches[1] == [1], "a zero interval sends the next item alone"
+    assert len(batches) == 3  # then one batch per 0.2 s: items 2-5 arrive within ~0.15 s
