@@ -128,6 +128,9 @@ class ModelRunner:
             self.model = ServingModel.from_levanter(model, config.scan_layers, packed)
             self.steps = _ModelSteps(self.model)
             logger.info("linear layers run on %s", "the CPU matmul kernel" if packed else "XLA's dot")
+            if not packed and jax.default_backend() == "cpu" and config.dtype == "bfloat16":
+                logger.warning("bfloat16 on CPU without the CPU kernels takes XLA's bf16 path, ~20x slower than "
+                               "float32: install g++ (see cpu_kernels) or set dtype: float32")
             self.vocab_size = model.Vocab.size
         self.max_model_len = config.max_model_len or min(self.info.max_position_embeddings, 4096)
         if self.max_model_len > self.info.max_position_embeddings:

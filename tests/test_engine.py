@@ -244,3 +244,11 @@ def test_a_relative_checkpoint_path_loads_offline(llama_dir, llama_engine, monke
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     relative = tokens_of(run_to_completion(engine, {"rel": (prompt, params)})["rel"])
     assert relative == tokens_of(run_to_completion(llama_engine, {"abs": (prompt, params)})["abs"])
+
+
+def test_bfloat16_without_the_cpu_kernels_warns_on_cpu(llama_dir, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="engine.runner"):
+        LLMEngine(EngineConfig(model=str(llama_dir), dtype="bfloat16", cpu_kernels=False, **TIGHT))
+    assert any("set dtype: float32" in r.message for r in caplog.records)
