@@ -128,6 +128,9 @@ class ModelRunner:
             self.model = ServingModel.from_levanter(model, config.scan_layers, packed)
             self.steps = _ModelSteps(self.model)
             logger.info("linear layers run on %s", "the CPU matmul kernel" if packed else "XLA's dot")
+            if packed and config.scan_layers:
+                logger.warning("scan_layers with the CPU kernels makes every step ~15x slower than unrolled "
+                               "layers; set scan_layers: false")
             if not packed and jax.default_backend() == "cpu" and config.dtype == "bfloat16":
                 logger.warning("bfloat16 on CPU without the CPU kernels takes XLA's bf16 path, ~20x slower than "
                                "float32: install g++ (see cpu_kernels) or set dtype: float32")

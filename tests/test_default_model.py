@@ -36,7 +36,7 @@ def test_default_model_answers_paris(smollm2_dir):
 
 
 def test_default_app_engine_config_answers_paris(smollm2_dir):
-    """deploy/config.yaml's engine fields (bfloat16 weights, scanned layers, CPU kernels) give the
+    """deploy/config.yaml's engine fields (bfloat16 weights, CPU kernels, unrolled layers) give the
     same answer; only the sizes are made small."""
     import dataclasses
     from pathlib import Path
@@ -47,7 +47,7 @@ def test_default_app_engine_config_answers_paris(smollm2_dir):
 
     args = yaml.safe_load((Path(__file__).parents[1] / "deploy/config.yaml").read_text())["applications"][0]["args"]
     config = AppConfig.from_args(args).models[0].engine_config(smollm2_dir)
-    assert config.dtype == "bfloat16" and config.scan_layers and config.cpu_kernels
+    assert config.dtype == "bfloat16" and config.cpu_kernels and not config.scan_layers
     engine = LLMEngine(dataclasses.replace(config, max_num_seqs=2, max_model_len=256, warmup=False))
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
     engine.add_request("paris", tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True),
