@@ -124,7 +124,7 @@ def _load() -> bool:
         lib = ctypes.cdll.LoadLibrary(str(library))
         for target, symbol in _SYMBOLS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    except (OSError, subprocess.CalledProcessError, AttributeError) as e:
+    except (OSError, AttributeError) as e:
         logger.warning("CPU kernels unavailable (%s); using XLA's ops", e)
         return False
     return True
@@ -143,8 +143,10 @@ def _build() -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         out = Path(tmp) / library.name
-        subprocess.run([compiler, *flags, "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", str(out)],
-                       check=True, capture_output=True, text=True)
+        build = subprocess.run([compiler, *flags, "-I", jax.ffi.include_dir(), str(_SOURCE), "-o", str(out)],
+                               capture_output=True, text=True)
+        if build.returncode != 0:
+            raise OSError(f"{compiler} failed to build {_SOURCE.name}: {build.stderr[-1000:]}")
         os.replace(out, library)  # atomic: concurrent builders race harmlessly
     logger.info("built CPU kernels %s", library)
     return library

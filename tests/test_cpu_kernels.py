@@ -82,3 +82,17 @@ def test_decode_attention_equals_dense_reference(page_size):
     want = _reference_attention(q, k_all, v_all, 2, pages, lens)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     assert not np.asarray(got)[3].any(), "a padding row (lens 0) gets zeros"
+
+
+def test_a_failing_build_falls_back_with_a_warning(tmp_path):
+    """No working compiler: available() is False and the warning says why (the engine then uses
+    XLA's ops)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import logging; logging.basicConfig(); from engine import cpu_kernels; print(cpu_kernels.available())"
+    env = {**os.environ, "CXX": "false", "JAX_SERVE_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "False"
+    assert "CPU kernels unavailable" in proc.stderr and "false failed to build cpu_kernels.cc" in proc.stderr
