@@ -139,30 +139,37 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t chunks, Body body) {
 }
 
 template <typename T>
+void MatmulOf(ffi::ThreadPool& pool, const float* xp, const void* w, float* yp, int64_t m, int64_t k,
+              int64_t panels) {
+  const T* wp = static_cast<const T*>(w);
+  const int64_t n = panels * kNR;
+  // Enough chunks to balance threads, few enough that each reuses its x block across panels.
+  const int64_t chunks = std::min(panels, std::max<int64_t>(1, pool.num_threads()) * 4);
+  ParallelFor(pool, chunks, [=](int64_t c) {
+    Panels<T>(xp, wp, yp, m, k, n, panels * c / chunks, panels * (c + 1) / chunks);
+  });
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kNR || wd[1] != xd[1]) {
     return ffi::Error::InvalidArgument("matmul: want x[M, K] and w[N / 16, K, 16]");
   }
-  const int64_t m = xd[0], k = xd[1], panels = wd[0], n = panels * kNR;
-  const float* xp = x.typed_data();
-  const T* wp = reinterpret_cast<const T*>(w.untyped_data());
+  const int64_t m = xd[0], k = xd[1], panels = wd[0];
   float* yp = y->typed_data();
-  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (m == 0 || panels == 0) return ffi::Error::Success();
   if (k == 0) {
-    std::fill(yp, yp + m * n, 0.0f);
+    std::fill(yp, yp + m * panels * kNR, 0.0f);
     return ffi::Error::Success();
   }
-
-  // Enough chunks to balance threads, few enough that each reuses its x block across panels.
-  const int64_t chunks = std::min(panels, std::max<int64_t>(1, pool.num_threads()) * 4);
-  ParallelFor(pool, chunks, [=](int64_t c) {
-    Panels<T>(xp, wp, yp, m, k, n, panels * c / chunks, panels * (c + 1) / chunks);
-  });
+  switch (w.element_type()) {
+    case ffi::F32: MatmulOf<float>(pool, x.typed_data(), w.untyped_data(), yp, m, k, panels); break;
+    case ffi::BF16: MatmulOf<uint16_t>(pool, x.typed_data(), w.untyped_data(), yp, m, k, panels); break;
+    default: return ffi::Error::InvalidArgument("matmul: weights must be float32 or bfloat16");
+  }
   return ffi::Error::Success();
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // Paged decode attention.
@@ -193,12 +200,17 @@ struct AttnShape {
   int64_t heads, group, dim, page_size, pool_pages, table_len;
 };
 
+// Row stride of the scores buffer for n tokens: whole pages, rounded to a multiple of 8 (one register).
+inline int64_t ScoresStride(int64_t n, int64_t page_size) {
+  return ((n + page_size - 1) / page_size * page_size + 7) / 8 * 8;
+}
+
 // out[G, D] for one (sequence, kv head); kpool / vpool: this layer's keys / values at head h.
 void AttendOne(const float* q, const float* kpool, const float* vpool, const int32_t* table, int64_t n,
                const AttnShape& a, float* scores, float* out) {
   const int64_t G = a.group, D = a.dim, PS = a.page_size;
   const int64_t page_stride = a.heads * D * PS;  // floats between consecutive pages of one head
-  const int64_t padded = ((n + PS - 1) / PS * PS + 7) / 8 * 8;  // scores row stride: whole pages, 8 | stride
+  const int64_t padded = ScoresStride(n, PS);
   for (int64_t t0 = 0; t0 < n; t0 += PS) {  // scores[g, t] = q[g] . k[t]
     const float* kb = kpool + table[t0 / PS] * page_stride;  // [D, PS]
     for (int64_t g = 0; g < G; ++g) {
@@ -248,7 +260,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                            ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = pages.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || kd[2] != qd[1] || kd[3] != qd[3] ||
-      td[0] != qd[0] || lens.element_count() != qd[0] ) {
+      td[0] != qd[0] || lens.element_count() != qd[0]) {
     return ffi::Error::InvalidArgument("decode_attention: want q[S,H,G,D], k[layers,pages,H,D,PS], "
                                        "pages[S,L], lens[S]");
   }
@@ -268,7 +280,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
       std::fill(o, o + a.group * a.dim, 0.0f);
       return;
     }
-    std::unique_ptr<float[]> scores(new float[a.group * (((n + a.page_size - 1) / a.page_size * a.page_size + 7) / 8 * 8)]);
+    std::unique_ptr<float[]> scores(new float[a.group * ScoresStride(n, a.page_size)]);
     const int64_t head_offset = h * a.dim * a.page_size;
     AttendOne(qp + c * a.group * a.dim, kl + head_offset, vl + head_offset, tp + s * a.table_len, n, a,
               scores.get(), o);
@@ -278,14 +290,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeMatmulF32, Matmul<float>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeMatmulBF16, Matmul<uint16_t>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeMatmul, Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -35,9 +35,7 @@ logger = logging.getLogger(__name__)
 PANEL = 16
 """Output columns per packed panel; a packable weight has N % PANEL == 0."""
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
-_TARGETS = {jnp.dtype(jnp.float32): "jax_serve_matmul_f32", jnp.dtype(jnp.bfloat16): "jax_serve_matmul_bf16"}
-_SYMBOLS = {"jax_serve_matmul_f32": "JaxServeMatmulF32", "jax_serve_matmul_bf16": "JaxServeMatmulBF16",
-            "jax_serve_decode_attention": "JaxServeDecodeAttention"}
+_SYMBOLS = {"jax_serve_matmul": "JaxServeMatmul", "jax_serve_decode_attention": "JaxServeDecodeAttention"}
 
 
 def available() -> bool:
@@ -54,9 +52,9 @@ def pack(w: jax.Array, dtype) -> jax.Array:
 
 
 def matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
-    """f32[M, K] @ packed[N / 16, K, 16] -> f32[M, N]."""
+    """f32[M, K] @ packed[N / 16, K, 16] -> f32[M, N]; packed is float32 or bfloat16."""
     m, n = x.shape[0], packed.shape[0] * PANEL
-    call = jax.ffi.ffi_call(_TARGETS[packed.dtype], jax.ShapeDtypeStruct((m, n), jnp.float32))
+    call = jax.ffi.ffi_call("jax_serve_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32))
     return call(x.astype(jnp.float32), packed)
 
 
