@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -205,24 +206,75 @@ inline int64_t ScoresStride(int64_t n, int64_t page_size) {
   return ((n + page_size - 1) / page_size * page_size + 7) / 8 * 8;
 }
 
-// out[G, D] for one (sequence, kv head); kpool / vpool: this layer's keys / values at head h.
-void AttendOne(const float* q, const float* kpool, const float* vpool, const int32_t* table, int64_t n,
-               const AttnShape& a, float* scores, float* out) {
-  const int64_t G = a.group, D = a.dim, PS = a.page_size;
-  const int64_t page_stride = a.heads * D * PS;  // floats between consecutive pages of one head
-  const int64_t padded = ScoresStride(n, PS);
-  for (int64_t t0 = 0; t0 < n; t0 += PS) {  // scores[g, t] = q[g] . k[t]
-    const float* kb = kpool + table[t0 / PS] * page_stride;  // [D, PS]
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = scores + g * padded + t0;
-      for (int64_t t = 0; t < PS; ++t) sg[t] = 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        const float qd = q[g * D + d];
-        for (int64_t t = 0; t < PS; ++t) sg[t] += qd * kb[d * PS + t];
+// scores[g, t] = q[g] . k[:, t] for the NG query heads at q (rows D apart) and NT * 8 tokens at kb
+// (rows of a page's [D, PS] key block; column stride PS). NG * NT accumulators stay in registers.
+template <int NG, int NT>
+inline void ScoreBlock(const float* q, int64_t D, const float* kb, int64_t PS, float* scores, int64_t ld) {
+  __m256 acc[NG][NT];
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 2
+    for (int t = 0; t < NT; ++t) acc[g][t] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 k[NT];
+#pragma GCC unroll 2
+    for (int t = 0; t < NT; ++t) k[t] = _mm256_loadu_ps(kb + d * PS + 8 * t);
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) {
+      const __m256 qd = _mm256_broadcast_ss(q + g * D + d);
+#pragma GCC unroll 2
+      for (int t = 0; t < NT; ++t) acc[g][t] = _mm256_fmadd_ps(qd, k[t], acc[g][t]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 2
+    for (int t = 0; t < NT; ++t) _mm256_storeu_ps(scores + g * ld + 8 * t, acc[g][t]);
+}
+
+// out[g, d0:d0+16] = sum_t p[g, t] v[t, d0:d0+16] for NG heads over the n tokens of `table`'s pages.
+template <int NG>
+inline void ValueBlock(const float* p, int64_t ld, const float* vpool, const int32_t* table, int64_t n,
+                       int64_t page_stride, int64_t PS, int64_t D, int64_t d0, float* out) {
+  __m256 acc[NG][2];
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+  for (int64_t t0 = 0; t0 < n; t0 += PS) {
+    const float* vb = vpool + table[t0 / PS] * page_stride + d0;  // [PS, D] from column d0
+    const int64_t valid = std::min(PS, n - t0);
+    for (int64_t t = 0; t < valid; ++t) {
+      const __m256 v0 = _mm256_loadu_ps(vb + t * D), v1 = _mm256_loadu_ps(vb + t * D + 8);
+#pragma GCC unroll 8
+      for (int g = 0; g < NG; ++g) {
+        const __m256 w = _mm256_broadcast_ss(p + g * ld + t0 + t);
+        acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(w, v1, acc[g][1]);
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) {  // softmax over [0, n); the tail up to `padded` gets weight 0
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g) {
+    _mm256_storeu_ps(out + g * D + d0, acc[g][0]);
+    _mm256_storeu_ps(out + g * D + d0 + 8, acc[g][1]);
+  }
+}
+
+// Query heads [0, G) in blocks of up to 4: f(block_start, block_size) with the size a template argument.
+template <typename F>
+inline void ForHeadBlocks(int64_t G, F f) {
+  for (int64_t g = 0; g < G; g += 4) {
+    switch (std::min<int64_t>(4, G - g)) {
+      case 1: f(g, std::integral_constant<int, 1>()); break;
+      case 2: f(g, std::integral_constant<int, 2>()); break;
+      case 3: f(g, std::integral_constant<int, 3>()); break;
+      default: f(g, std::integral_constant<int, 4>()); break;
+    }
+  }
+}
+
+// Row-wise softmax of scores[G, n] (row stride `padded`) in place; the tail up to `padded` gets weight 0.
+void Softmax(float* scores, int64_t G, int64_t n, int64_t padded) {
+  for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * padded;
     for (int64_t t = n; t < padded; ++t) sg[t] = -1e30f;
     __m256 mx = _mm256_set1_ps(-1e30f);
@@ -239,11 +291,51 @@ void AttendOne(const float* q, const float* kpool, const float* vpool, const int
     _mm256_store_ps(lanes, sum);
     float total = 0.0f;
     for (float l : lanes) total += l;
-    const float inv = 1.0f / total;
-    for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
+    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int64_t t = 0; t < padded; t += 8) _mm256_storeu_ps(sg + t, _mm256_mul_ps(_mm256_loadu_ps(sg + t), inv));
+  }
+}
+
+// out[G, D] for one (sequence, kv head); kpool / vpool: this layer's keys / values at head h.
+// The vector paths need PS % 8 == 0 and D % 16 == 0 (scalar loops otherwise).
+void AttendOne(const float* q, const float* kpool, const float* vpool, const int32_t* table, int64_t n,
+               const AttnShape& a, float* scores, float* out) {
+  const int64_t G = a.group, D = a.dim, PS = a.page_size;
+  const int64_t page_stride = a.heads * D * PS;  // floats between consecutive pages of one head
+  const int64_t padded = ScoresStride(n, PS);
+  for (int64_t t0 = 0; t0 < n; t0 += PS) {  // scores[g, t] = q[g] . k[t], whole pages
+    const float* kb = kpool + table[t0 / PS] * page_stride;  // [D, PS]
+    if (PS % 8 == 0) {
+      for (int64_t t = 0; t < PS; t += 16) {
+        const bool two = t + 16 <= PS;
+        ForHeadBlocks(G, [&](int64_t g, auto ng) {
+          if (two) ScoreBlock<decltype(ng)::value, 2>(q + g * D, D, kb + t, PS, scores + g * padded + t0 + t, padded);
+          else ScoreBlock<decltype(ng)::value, 1>(q + g * D, D, kb + t, PS, scores + g * padded + t0 + t, padded);
+        });
+      }
+      continue;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = scores + g * padded + t0;
+      for (int64_t t = 0; t < PS; ++t) sg[t] = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = q[g * D + d];
+        for (int64_t t = 0; t < PS; ++t) sg[t] += qd * kb[d * PS + t];
+      }
+    }
+  }
+  Softmax(scores, G, n, padded);
+  if (D % 16 == 0) {  // out[g] = sum_t p[g, t] v[t], 16 columns at a time
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      ForHeadBlocks(G, [&](int64_t g, auto ng) {
+        ValueBlock<decltype(ng)::value>(scores + g * padded, padded, vpool, table, n, page_stride, PS, D, d0,
+                                        out + g * D);
+      });
+    }
+    return;
   }
   for (int64_t i = 0; i < G * D; ++i) out[i] = 0.0f;
-  for (int64_t t0 = 0; t0 < n; t0 += PS) {  // out[g] = sum_t p[g, t] v[t]
+  for (int64_t t0 = 0; t0 < n; t0 += PS) {
     const float* vb = vpool + table[t0 / PS] * page_stride;  // [PS, D]
     const int64_t valid = std::min(PS, n - t0);
     for (int64_t t = 0; t < valid; ++t) {

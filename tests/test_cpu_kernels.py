@@ -68,10 +68,12 @@ def _reference_attention(q, k_all, v_all, layer, pages, lens):
     return out
 
 
-@pytest.mark.parametrize("page_size", [4, 16])
-def test_decode_attention_equals_dense_reference(page_size):
-    rng = np.random.default_rng(page_size)
-    layers, num_pages, heads, group, dim, table_len = 3, 40, 2, 3, 16, 6
+@pytest.mark.parametrize(("page_size", "group", "dim"), [(4, 3, 8), (16, 3, 16), (16, 1, 64), (8, 5, 32), (24, 4, 64)])
+def test_decode_attention_equals_dense_reference(page_size, group, dim):
+    """Scalar paths (page size 4, head dim 8: no 8-token or 16-column blocks) and vector paths (one or
+    two 8-token blocks per page, query-head blocks of 1, 4 and 4 + 1)."""
+    rng = np.random.default_rng(page_size * group)
+    layers, num_pages, heads, table_len = 3, 40, 2, 6
     k_all = rng.standard_normal((layers, num_pages, heads, dim, page_size)).astype(np.float32)
     v_all = rng.standard_normal((layers, num_pages, heads, page_size, dim)).astype(np.float32)
     lens = np.array([1, page_size, page_size + 1, 0, table_len * page_size, 2 * page_size - 1], np.int32)
