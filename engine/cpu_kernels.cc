@@ -46,29 +46,53 @@ inline __m256 Load8(const uint16_t* p) {  // 8 bfloat16 -> 8 float32 (a bf16 is 
 }
 
 // y[R, 16] (+)= x[R, kc] @ w[kc, 16]; `accumulate` adds to y (later depth blocks).
+// With few rows, U independent partial sums over alternating depths (summed at the end) keep enough
+// FMAs in flight; otherwise 2R accumulators chained through the FMA latency would bound the loop.
+// (Software prefetching of the panel stream was tried: slower than the hardware prefetcher alone.)
 template <int R, typename T>
 inline void MicroTile(const float* x, int64_t ldx, const T* w, int64_t kc, float* y, int64_t ldy,
                       bool accumulate) {
-  __m256 acc0[R], acc1[R];
+  constexpr int U = R == 1 ? 4 : R == 2 ? 2 : 1;
+  __m256 acc0[U][R], acc1[U][R];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kc; ++k) {
+  for (int u = 0; u < U; ++u)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc0[u][r] = acc1[u][r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + U <= kc; k += U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m256 w0 = Load8(w + (k + u) * kNR), w1 = Load8(w + (k + u) * kNR + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_broadcast_ss(x + r * ldx + k + u);
+        acc0[u][r] = _mm256_fmadd_ps(b, w0, acc0[u][r]);
+        acc1[u][r] = _mm256_fmadd_ps(b, w1, acc1[u][r]);
+      }
+    }
+  }
+  for (; k < kc; ++k) {  // depth tail (U > 1 only)
     const __m256 w0 = Load8(w + k * kNR), w1 = Load8(w + k * kNR + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
-      acc0[r] = _mm256_fmadd_ps(b, w0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(b, w1, acc1[r]);
+      acc0[0][r] = _mm256_fmadd_ps(b, w0, acc0[0][r]);
+      acc1[0][r] = _mm256_fmadd_ps(b, w1, acc1[0][r]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    if (accumulate) {
-      acc0[r] = _mm256_add_ps(acc0[r], _mm256_loadu_ps(y + r * ldy));
-      acc1[r] = _mm256_add_ps(acc1[r], _mm256_loadu_ps(y + r * ldy + 8));
+#pragma GCC unroll 4
+    for (int u = 1; u < U; ++u) {
+      acc0[0][r] = _mm256_add_ps(acc0[0][r], acc0[u][r]);
+      acc1[0][r] = _mm256_add_ps(acc1[0][r], acc1[u][r]);
     }
-    _mm256_storeu_ps(y + r * ldy, acc0[r]);
-    _mm256_storeu_ps(y + r * ldy + 8, acc1[r]);
+    if (accumulate) {
+      acc0[0][r] = _mm256_add_ps(acc0[0][r], _mm256_loadu_ps(y + r * ldy));
+      acc1[0][r] = _mm256_add_ps(acc1[0][r], _mm256_loadu_ps(y + r * ldy + 8));
+    }
+    _mm256_storeu_ps(y + r * ldy, acc0[0][r]);
+    _mm256_storeu_ps(y + r * ldy + 8, acc1[0][r]);
   }
 }
 
@@ -85,11 +109,13 @@ void RowsTile(int64_t rows, const float* x, int64_t ldx, const T* w, int64_t kc,
   }
 }
 
-// Panels [p0, p1) of y = x @ w.
+// Panels [p0, p1) of y = x @ w. Depth blocks only pay off when several row tiles reuse a panel
+// block; one row tile streams each panel whole.
 template <typename T>
 void Panels(const float* x, const T* w, float* y, int64_t m, int64_t k, int64_t n, int64_t p0, int64_t p1) {
-  for (int64_t k0 = 0; k0 < k; k0 += kKC) {
-    const int64_t kc = std::min(kKC, k - k0);
+  const int64_t depth_block = m > kMR ? kKC : k;
+  for (int64_t k0 = 0; k0 < k; k0 += depth_block) {
+    const int64_t kc = std::min(depth_block, k - k0);
     for (int64_t m0 = 0; m0 < m; m0 += kMC) {
       const int64_t mc = std::min(kMC, m - m0);
       for (int64_t p = p0; p < p1; ++p) {
