@@ -77,11 +77,12 @@ class ModelConfig(BaseModel):
     between travel over the Ray hops as one chunk. Every chunk costs CPU in the replica, the ingress
     and the proxy (~5 ms together on a 2-core CPU host), so larger values leave more CPU to the
     engine at high concurrency; smaller ones stream smoother. 0 sends every step's tokens."""
-    stream_chunks_per_s: float = Field(100.0, gt=0)
+    stream_chunks_per_s: float = Field(50.0, gt=0)
     """Stream chunks per second one replica sends at most, shared by its open streams: with S
     streams, each waits max(stream_batch_ms, S / stream_chunks_per_s) between chunks. This bounds
     the serving layer's CPU under load (at c=32 a chunk per token would cost the engine a third of
-    a 2-core host); raise it where cores are spare."""
+    a 2-core host; at 100 chunks/s the ingress and proxy took ~0.27 of its cores, at 20 ~0.09);
+    raise it where cores are spare."""
     engine_niceness: Optional[int] = Field(0, ge=-20, le=19)
     """Niceness of the engine's threads (the loop, XLA's thread pools). Ray starts its workers at 15
     so that its daemons win the CPU; on a CPU-only host the engine is the work, and at 15 every
