@@ -20,10 +20,12 @@ def test_available_on_this_machine():
     assert cpu_kernels.available()
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (5, 100, 48), (7, 1030, 256), (13, 64, 16), (100, 600, 96),
-                                   (200, 40, 32)])
+@pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (1, 1027, 32), (2, 301, 16), (5, 100, 48), (7, 1030, 256),
+                                   (13, 64, 16), (100, 600, 96), (200, 40, 32)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_matmul_equals_numpy(m, k, n, dtype):
+    """Every row-tile size (1-6, the 1- and 2-row ones with depth tails their partial sums do not
+    cover), one row tile streaming whole panels and several sharing depth blocks of 512."""
     rng = np.random.default_rng(m * 1000 + k)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
