@@ -3,8 +3,9 @@
 - `matmul` / `PackedLinear`: XLA's CPU dot is slow on the few-row products of decoding and has no
   fast bfloat16 path; this kernel streams packed weights (bfloat16 or float32) and accumulates in
   float32.
-- `decode_attention`: one query per sequence against its pages, read in place from the KV pool
-  (XLA would gather every row's pages into a padded copy first).
+- `decode_attention`: one query per row against its pages, read in place from the KV pool (XLA
+  would gather every row's pages into a padded copy first). A prompt token is a row with its own
+  visible length, so the same kernel runs causal prefill attention.
 
 They are compiled once per source and jaxlib version with the system C++ compiler into `$JAX_SERVE_CACHE/kernels`
 (default `~/.cache/jax-serve/kernels`) and registered as an XLA FFI target. `available()` is False
@@ -97,7 +98,8 @@ class PackedLinear(eqx.Module):
 
 def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pages: jax.Array,
                      lens: jax.Array) -> jax.Array:
-    """Softmax attention of one pre-scaled query per sequence over its first `lens` cached tokens.
+    """Softmax attention of one pre-scaled query per row over its first `lens` cached tokens (a row
+    is a decoding sequence or one prompt token).
 
     q: f32[S, kv_head, group, head_dim]; k_all: f32[layer, page, kv_head, head_dim, slot]; v_all:
     f32[layer, page, kv_head, slot, head_dim]; layer: i32 scalar; pages: i32[S, L] page table;

@@ -8,8 +8,10 @@ the matmuls. Here attention is two dense, masked einsums:
 - the decode group: `Sd` sequences with one new token each, attending to their `L` pages;
 - the prefill group: `Sp` rows of up to `C` prompt tokens, attending causally to their `L` pages.
 
-With the CPU kernels (`ServingModel.packed`), the linear layers are `PackedLinear`s and the decode
-group's attention is `cpu_kernels.decode_attention`, which reads the pages in place.
+With the CPU kernels (`ServingModel.packed`), the linear layers are `PackedLinear`s and all attention
+is `cpu_kernels.decode_attention`, which reads the pages in place: a prompt token attends to its
+row's cache up to and including itself, so causal prefill attention is decode attention with one
+query per token (each token gets its row's page table and its own visible length).
 
 Token layout of a step (`T = Sd + Sp * C` tokens): the decode tokens first, then each prefill row's
 chunk, padded to `C`. Every token writes its key/value to `kv_dest` (a flat slot index,
@@ -27,7 +29,6 @@ The cache is donated and updated in place either way.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import equinox as eqx
@@ -120,13 +121,14 @@ def forward(model: ServingModel, cache: KVCache, inputs: StepInputs) -> tuple[Na
         x = x.astype(jnp.float32)
     pos_ids = hax.named(inputs.positions, Pos)
     k_all, v_all = cache.k, cache.v
+    tables = _token_tables(inputs) if model.packed else None
     if isinstance(model.layers, tuple):
         for index, layer in enumerate(model.layers):
-            x, k_all, v_all = _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs, model.packed)
+            x, k_all, v_all = _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs, tables)
     else:
         def layer_step(carry, layer):
             x, k_all, v_all, index = carry
-            x, k_all, v_all = _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs, model.packed)
+            x, k_all, v_all = _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs, tables)
             return (x, k_all, v_all, index + 1), None
 
         init = (x, k_all, v_all, jnp.int32(0))
@@ -142,10 +144,23 @@ def logits_at(model: ServingModel, hidden: NamedArray, index: jax.Array) -> Name
     return model.embeddings.unembed(rows)
 
 
-def _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs: StepInputs, kernels: bool):
+def _token_tables(inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
+    """Every token's page table i32[T, L] and visible tokens i32[T] (0 for padding tokens), decode
+    tokens first: prefill token j of row r sees positions [0, pre_start[r] + j]."""
+    rows = inputs.pre_pages.shape[0]
+    if rows == 0:
+        return inputs.dec_pages, inputs.dec_lens
+    chunk = (inputs.tokens.shape[0] - inputs.dec_pages.shape[0]) // rows
+    position = inputs.pre_start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [Sp, C]
+    lens = jnp.where(position < inputs.pre_lens[:, None], position + 1, 0).reshape(-1)
+    pages = jnp.repeat(inputs.pre_pages, chunk, axis=0)
+    return (jnp.concatenate([inputs.dec_pages, pages]), jnp.concatenate([inputs.dec_lens, lens]))
+
+
+def _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs: StepInputs, tables):
     residual = x
     h = layer.input_layernorm(x)
-    attn_out, k_all, v_all = _attention(layer.self_attn, h, k_all, v_all, index, pos_ids, inputs, kernels)
+    attn_out, k_all, v_all = _attention(layer.self_attn, h, k_all, v_all, index, pos_ids, inputs, tables)
     if getattr(layer, "post_attn_layernorm", None) is not None:
         attn_out = layer.post_attn_layernorm(attn_out)
     x = residual + attn_out
@@ -156,8 +171,9 @@ def _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs: StepInputs, k
     return residual + mlp_out, k_all, v_all
 
 
-def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, kernels: bool):
-    """`kernels`: decode attention runs on the CPU kernel (reads the pages in place)."""
+def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, tables):
+    """`tables`: every token's (page table, visible tokens) for the CPU attention kernel, or None
+    for XLA's masked einsums."""
     q, k, v = attn._compute_qkv(h, key=None, pos_ids=pos_ids)
     q_arr = q.rearrange(("position", "kv_head", "q_heads_per_group", "head_size")).array
     k_arr = k.rearrange(("position", "kv_head", "head_size")).array.astype(k_all.dtype)
@@ -170,12 +186,13 @@ def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, kernel
     scale = attn.config.scaling_factor or 1.0 / (q_arr.shape[-1] ** 0.5)
     num_dec = inputs.dec_pages.shape[0]
     q_arr = q_arr.astype(jnp.float32) * scale
-    decode = functools.partial(decode_attention, layer=index, pages=inputs.dec_pages, lens=inputs.dec_lens) \
-        if kernels else functools.partial(_decode_attention, index=index, inputs=inputs)
-    out = [] if num_dec == 0 else [decode(q_arr[:num_dec], k_all, v_all)]
-    if inputs.pre_pages.shape[0]:
-        out.append(_prefill_attention(q_arr[num_dec:], k_all, v_all, index, inputs))
-    o = jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]
+    if tables is not None:
+        o = decode_attention(q_arr, k_all, v_all, index, *tables)
+    else:
+        out = [] if num_dec == 0 else [_decode_attention(q_arr[:num_dec], k_all, v_all, index, inputs)]
+        if inputs.pre_pages.shape[0]:
+            out.append(_prefill_attention(q_arr[num_dec:], k_all, v_all, index, inputs))
+        o = jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]
     o = hax.named(o, ("position", "kv_head", "q_heads_per_group", "head_size"))
     o = o.flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(h.dtype)
     return attn.o_proj(o, key=None), k_all, v_all
