@@ -16,8 +16,12 @@ class EngineConfig:
     """Local Hugging Face checkpoint directory (absolute or relative) of a Llama, Qwen2, Qwen3 or
     Mistral model."""
     dtype: DType = "float32"
-    """Weights, activations and KV cache. bfloat16 halves memory; matmuls accumulate in float32.
-    With `cpu_kernels` active, activations and the KV cache stay float32 whatever the weights' dtype."""
+    """Weights and activations. bfloat16 halves memory; matmuls accumulate in float32. With
+    `cpu_kernels` active, activations stay float32 whatever the weights' dtype."""
+    kv_cache_dtype: Optional[DType] = None
+    """The KV cache's dtype; None: the weights' `dtype`. bfloat16 halves the cache (twice the
+    tokens in the same memory) and the bytes attention reads per cached token; scores and sums
+    are float32 either way."""
     page_size: int = 16
     """Tokens per KV page; also the prefix cache's granularity."""
     num_pages: int = 0
@@ -67,3 +71,5 @@ class EngineConfig:
             raise ValueError(f"num_pages must be 0 (auto) or at least 2, got {self.num_pages}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.kv_cache_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be None, 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")

@@ -25,6 +25,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -45,6 +46,15 @@ inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 Load8(const uint16_t* p) {  // 8 bfloat16 -> 8 float32 (a bf16 is a float's top half)
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float ToFloat(float f) { return f; }
+
+inline float ToFloat(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 // y[R, 16] (+)= x[R, kc] @ w[kc, 16]; `accumulate` adds to y (later depth blocks).
@@ -203,8 +213,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
 // ---------------------------------------------------------------------------------------------
 // Paged attention, one query per row (a decoding sequence or one prompt token).
 //   q:     f32[S, H, G, D]  one pre-scaled query per row (H kv heads, G query heads each)
-//   k:     f32[layers, pages, H, D, PS]  (token slot minor)
-//   v:     f32[layers, pages, H, PS, D]
+//   k:     T[layers, pages, H, D, PS]  (token slot minor; T float32, or bfloat16 / its uint16 bits)
+//   v:     T[layers, pages, H, PS, D]
 //   layer: i32[]   pages: i32[S, L] page table   lens: i32[S] visible tokens (0: padding row)
 //   out:   f32[S, H, G, D]  softmax(q k^T) v over tokens [0, lens[s]); zeros where lens[s] == 0.
 
@@ -236,8 +246,8 @@ inline int64_t ScoresStride(int64_t n, int64_t page_size) {
 
 // scores[g, t] = q[g] . k[:, t] for the NG query heads at q (rows D apart) and NT * 8 tokens at kb
 // (rows of a page's [D, PS] key block; column stride PS). NG * NT accumulators stay in registers.
-template <int NG, int NT>
-inline void ScoreBlock(const float* q, int64_t D, const float* kb, int64_t PS, float* scores, int64_t ld) {
+template <int NG, int NT, typename T>
+inline void ScoreBlock(const float* q, int64_t D, const T* kb, int64_t PS, float* scores, int64_t ld) {
   __m256 acc[NG][NT];
 #pragma GCC unroll 8
   for (int g = 0; g < NG; ++g)
@@ -246,7 +256,7 @@ inline void ScoreBlock(const float* q, int64_t D, const float* kb, int64_t PS, f
   for (int64_t d = 0; d < D; ++d) {
     __m256 k[NT];
 #pragma GCC unroll 2
-    for (int t = 0; t < NT; ++t) k[t] = _mm256_loadu_ps(kb + d * PS + 8 * t);
+    for (int t = 0; t < NT; ++t) k[t] = Load8(kb + d * PS + 8 * t);
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) {
       const __m256 qd = _mm256_broadcast_ss(q + g * D + d);
@@ -261,17 +271,17 @@ inline void ScoreBlock(const float* q, int64_t D, const float* kb, int64_t PS, f
 }
 
 // out[g, d0:d0+16] = sum_t p[g, t] v[t, d0:d0+16] for NG heads over the n tokens of `table`'s pages.
-template <int NG>
-inline void ValueBlock(const float* p, int64_t ld, const float* vpool, const int32_t* table, int64_t n,
+template <int NG, typename T>
+inline void ValueBlock(const float* p, int64_t ld, const T* vpool, const int32_t* table, int64_t n,
                        int64_t page_stride, int64_t PS, int64_t D, int64_t d0, float* out) {
   __m256 acc[NG][2];
 #pragma GCC unroll 8
   for (int g = 0; g < NG; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
   for (int64_t t0 = 0; t0 < n; t0 += PS) {
-    const float* vb = vpool + table[t0 / PS] * page_stride + d0;  // [PS, D] from column d0
+    const T* vb = vpool + table[t0 / PS] * page_stride + d0;  // [PS, D] from column d0
     const int64_t valid = std::min(PS, n - t0);
     for (int64_t t = 0; t < valid; ++t) {
-      const __m256 v0 = _mm256_loadu_ps(vb + t * D), v1 = _mm256_loadu_ps(vb + t * D + 8);
+      const __m256 v0 = Load8(vb + t * D), v1 = Load8(vb + t * D + 8);
 #pragma GCC unroll 8
       for (int g = 0; g < NG; ++g) {
         const __m256 w = _mm256_broadcast_ss(p + g * ld + t0 + t);
@@ -325,14 +335,16 @@ void Softmax(float* scores, int64_t G, int64_t n, int64_t padded) {
 }
 
 // out[G, D] for one (sequence, kv head); kpool / vpool: this layer's keys / values at head h.
-// The vector paths need PS % 8 == 0 and D % 16 == 0 (scalar loops otherwise).
-void AttendOne(const float* q, const float* kpool, const float* vpool, const int32_t* table, int64_t n,
+// The vector paths need PS % 8 == 0 and D % 16 == 0 (scalar loops otherwise). T: the cache's
+// element type (float, or uint16_t holding bfloat16); arithmetic is float32 either way.
+template <typename T>
+void AttendOne(const float* q, const T* kpool, const T* vpool, const int32_t* table, int64_t n,
                const AttnShape& a, float* scores, float* out) {
   const int64_t G = a.group, D = a.dim, PS = a.page_size;
   const int64_t page_stride = a.heads * D * PS;  // floats between consecutive pages of one head
   const int64_t padded = ScoresStride(n, PS);
   for (int64_t t0 = 0; t0 < n; t0 += PS) {  // scores[g, t] = q[g] . k[t], whole pages
-    const float* kb = kpool + table[t0 / PS] * page_stride;  // [D, PS]
+    const T* kb = kpool + table[t0 / PS] * page_stride;  // [D, PS]
     if (PS % 8 == 0) {
       for (int64_t t = 0; t < PS; t += 16) {
         const bool two = t + 16 <= PS;
@@ -348,7 +360,7 @@ void AttendOne(const float* q, const float* kpool, const float* vpool, const int
       for (int64_t t = 0; t < PS; ++t) sg[t] = 0.0f;
       for (int64_t d = 0; d < D; ++d) {
         const float qd = q[g * D + d];
-        for (int64_t t = 0; t < PS; ++t) sg[t] += qd * kb[d * PS + t];
+        for (int64_t t = 0; t < PS; ++t) sg[t] += qd * ToFloat(kb[d * PS + t]);
       }
     }
   }
@@ -364,35 +376,22 @@ void AttendOne(const float* q, const float* kpool, const float* vpool, const int
   }
   for (int64_t i = 0; i < G * D; ++i) out[i] = 0.0f;
   for (int64_t t0 = 0; t0 < n; t0 += PS) {
-    const float* vb = vpool + table[t0 / PS] * page_stride;  // [PS, D]
+    const T* vb = vpool + table[t0 / PS] * page_stride;  // [PS, D]
     const int64_t valid = std::min(PS, n - t0);
     for (int64_t t = 0; t < valid; ++t) {
       for (int64_t g = 0; g < G; ++g) {
         const float p = scores[g * padded + t0 + t];
-        for (int64_t d = 0; d < D; ++d) out[g * D + d] += p * vb[t * D + d];
+        for (int64_t d = 0; d < D; ++d) out[g * D + d] += p * ToFloat(vb[t * D + d]);
       }
     }
   }
 }
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pages,
-                           ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), td = pages.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || kd[2] != qd[1] || kd[3] != qd[3] ||
-      td[0] != qd[0] || lens.element_count() != qd[0]) {
-    return ffi::Error::InvalidArgument("decode_attention: want q[S,H,G,D], k[layers,pages,H,D,PS], "
-                                       "pages[S,L], lens[S]");
-  }
-  const AttnShape a{qd[1], qd[2], qd[3], kd[4], kd[1], td[1]};
-  const int64_t seqs = qd[0], layer_floats = a.pool_pages * a.heads * a.dim * a.page_size;
+template <typename T>
+void AttendAll(ffi::ThreadPool& pool, const AttnShape& a, int64_t rows, const float* qp, const T* kl, const T* vl,
+               const int32_t* tp, const int32_t* lp, float* op) {
   const int64_t max_tokens = a.table_len * a.page_size;
-  const float* kl = k.typed_data() + layer.typed_data()[0] * layer_floats;
-  const float* vl = v.typed_data() + layer.typed_data()[0] * layer_floats;
-  const float *qp = q.typed_data();
-  const int32_t *tp = pages.typed_data(), *lp = lens.typed_data();
-  float* op = out->typed_data();
-  ParallelFor(pool, seqs * a.heads, [=](int64_t c) {
+  ParallelFor(pool, rows * a.heads, [=](int64_t c) {
     const int64_t s = c / a.heads, h = c % a.heads;
     const int64_t n = std::min<int64_t>(std::max<int32_t>(lp[s], 0), max_tokens);
     float* o = op + c * a.group * a.dim;
@@ -405,6 +404,35 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     AttendOne(qp + c * a.group * a.dim, kl + head_offset, vl + head_offset, tp + s * a.table_len, n, a,
               scores.get(), o);
   });
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> lens,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), td = pages.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || kd[2] != qd[1] || kd[3] != qd[3] ||
+      td[0] != qd[0] || lens.element_count() != qd[0] || v.dimensions().size() != 5) {
+    return ffi::Error::InvalidArgument("decode_attention: want q[S,H,G,D], k[layers,pages,H,D,PS], "
+                                       "pages[S,L], lens[S]");
+  }
+  if (k.element_type() != v.element_type()) {
+    return ffi::Error::InvalidArgument("decode_attention: keys and values must have one dtype");
+  }
+  const AttnShape a{qd[1], qd[2], qd[3], kd[4], kd[1], td[1]};
+  const int64_t layer_offset = layer.typed_data()[0] * a.pool_pages * a.heads * a.dim * a.page_size;
+  const int32_t *tp = pages.typed_data(), *lp = lens.typed_data();
+  switch (k.element_type()) {
+    case ffi::F32:
+      AttendAll(pool, a, qd[0], q.typed_data(), static_cast<const float*>(k.untyped_data()) + layer_offset,
+                static_cast<const float*>(v.untyped_data()) + layer_offset, tp, lp, out->typed_data());
+      break;
+    case ffi::BF16:
+    case ffi::U16:  // bfloat16 bits (the engine stores a bfloat16 cache as uint16, see engine/paged_model.py)
+      AttendAll(pool, a, qd[0], q.typed_data(), static_cast<const uint16_t*>(k.untyped_data()) + layer_offset,
+                static_cast<const uint16_t*>(v.untyped_data()) + layer_offset, tp, lp, out->typed_data());
+      break;
+    default: return ffi::Error::InvalidArgument("decode_attention: the cache must be float32 or bfloat16 (or uint16 bits)");
+  }
   return ffi::Error::Success();
 }
 
@@ -421,8 +449,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -101,8 +101,9 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pa
     """Softmax attention of one pre-scaled query per row over its first `lens` cached tokens (a row
     is a decoding sequence or one prompt token).
 
-    q: f32[S, kv_head, group, head_dim]; k_all: f32[layer, page, kv_head, head_dim, slot]; v_all:
-    f32[layer, page, kv_head, slot, head_dim]; layer: i32 scalar; pages: i32[S, L] page table;
+    q: f32[S, kv_head, group, head_dim]; k_all: [layer, page, kv_head, head_dim, slot]; v_all:
+    [layer, page, kv_head, slot, head_dim], both float32 or both bfloat16 (read as such, summed in
+    float32); layer: i32 scalar; pages: i32[S, L] page table;
     lens: i32[S] (0 for padding rows, which get zeros). Returns f32[S, kv_head, group, head_dim]."""
     call = jax.ffi.ffi_call("jax_serve_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q, k_all, v_all, jnp.asarray(layer, jnp.int32), pages, lens)

@@ -46,7 +46,12 @@ NEG_INF = -1e30
 class KVCache(eqx.Module):
     """Keys f[layer, page, kv_head, head_dim, slot] and values f[layer, page, kv_head, slot,
     head_dim]. A page is one contiguous block, so gathering a row's pages copies whole blocks;
-    keys keep the token position minor, as the decode reduction wants it."""
+    keys keep the token position minor, as the decode reduction wants it.
+
+    For the CPU kernels a bfloat16 cache is stored as its uint16 bits: XLA's CPU backend widens a
+    bfloat16 scatter to float32 (converting the whole cache twice per layer and step) and copies
+    the cache for a bitcast; an integer scatter writes in place, and the kernel reads the bits as
+    bfloat16."""
 
     k: jax.Array
     v: jax.Array
@@ -176,8 +181,8 @@ def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, tables
     for XLA's masked einsums."""
     q, k, v = attn._compute_qkv(h, key=None, pos_ids=pos_ids)
     q_arr = q.rearrange(("position", "kv_head", "q_heads_per_group", "head_size")).array
-    k_arr = k.rearrange(("position", "kv_head", "head_size")).array.astype(k_all.dtype)
-    v_arr = v.rearrange(("position", "kv_head", "head_size")).array.astype(v_all.dtype)
+    k_arr = _cache_values(k.rearrange(("position", "kv_head", "head_size")).array, k_all.dtype)
+    v_arr = _cache_values(v.rearrange(("position", "kv_head", "head_size")).array, v_all.dtype)
     page_size = k_all.shape[-1]
     page, slot = inputs.kv_dest // page_size, inputs.kv_dest % page_size
     k_all = k_all.at[index, page, :, :, slot].set(k_arr)
@@ -196,6 +201,13 @@ def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, tables
     o = hax.named(o, ("position", "kv_head", "q_heads_per_group", "head_size"))
     o = o.flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(h.dtype)
     return attn.o_proj(o, key=None), k_all, v_all
+
+
+def _cache_values(x: jax.Array, dtype) -> jax.Array:
+    """x in the cache's storage dtype; a uint16 cache holds bfloat16 bits (see KVCache)."""
+    if dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(dtype)
 
 
 def _gather_pages(k_all, v_all, index, pages):

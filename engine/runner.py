@@ -318,8 +318,9 @@ class ModelRunner:
 
     def _init_cache(self) -> KVCache:
         info: ModelInfo = self.info
-        # XLA's CPU converts from bfloat16 are slow: a packed (CPU) model keeps its cache float32
-        dtype = jnp.dtype(jnp.float32 if self.model.packed else self.config.dtype)
+        dtype = jnp.dtype(self.config.kv_cache_dtype or self.config.dtype)
+        if self.model.packed and dtype == jnp.bfloat16:
+            dtype = jnp.dtype(jnp.uint16)  # bfloat16 bits (see KVCache)
         with self._device_context():
             return KVCache.init(info.num_layers, self.num_pages, self.page_size, info.num_kv_heads, info.head_dim, dtype)
 

@@ -56,6 +56,7 @@ def test_default_model_ids(spec, model_id):
     "args, message",
     [
         ({"model": "m", "max_num_seqs": 0}, "max_num_seqs must be at least 1, got 0"),
+        ({"model": "m", "kv_cache_dtype": "float16"}, "kv_cache_dtype\n  Input should be 'float32' or 'bfloat16'"),
         ({"model": "m", "engine": {"max_num_sequences": 8}}, "unknown engine fields ['max_num_sequences']"),
         ({"model": "m", "num_replica": 2}, "Extra inputs are not permitted"),
         ({"model": "m", "engine_cls": "engine.engine.LLMEngine"}, "engine_cls must look like 'module:Class'"),

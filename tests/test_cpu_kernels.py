@@ -72,19 +72,25 @@ def _reference_attention(q, k_all, v_all, layer, pages, lens):
 
 
 @pytest.mark.parametrize(("page_size", "group", "dim"), [(4, 3, 8), (16, 3, 16), (16, 1, 64), (8, 5, 32), (24, 4, 64)])
-def test_decode_attention_equals_dense_reference(page_size, group, dim):
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16, jnp.uint16])
+def test_decode_attention_equals_dense_reference(page_size, group, dim, cache_dtype):
     """Scalar paths (page size 4, head dim 8: no 8-token or 16-column blocks) and vector paths (one or
-    two 8-token blocks per page, query-head blocks of 1, 4 and 4 + 1)."""
+    two 8-token blocks per page, query-head blocks of 1, 4 and 4 + 1), over a float32 or bfloat16
+    cache, or bfloat16 stored as its uint16 bits (the reference gets the bfloat16 values widened)."""
     rng = np.random.default_rng(page_size * group)
     layers, num_pages, heads, table_len = 3, 40, 2, 6
     k_all = rng.standard_normal((layers, num_pages, heads, dim, page_size)).astype(np.float32)
     v_all = rng.standard_normal((layers, num_pages, heads, page_size, dim)).astype(np.float32)
+    if cache_dtype != jnp.float32:
+        k_all, v_all = (np.asarray(jnp.asarray(c).astype(jnp.bfloat16)) for c in (k_all, v_all))
+    cache = lambda c: jax.lax.bitcast_convert_type(c, jnp.uint16) if cache_dtype == jnp.uint16 else c  # noqa: E731
     lens = np.array([1, page_size, page_size + 1, 0, table_len * page_size, 2 * page_size - 1], np.int32)
     pages = rng.permutation(np.arange(1, num_pages))[: len(lens) * table_len].reshape(len(lens), table_len)
     pages = pages.astype(np.int32)
     q = rng.standard_normal((len(lens), heads, group, dim)).astype(np.float32) * 0.5
-    got = jax.jit(decode_attention)(*map(jnp.asarray, (q, k_all, v_all, 2, pages, lens)))
-    want = _reference_attention(q, k_all, v_all, 2, pages, lens)
+    k_cache, v_cache = (cache(jnp.asarray(c)) for c in (k_all, v_all))
+    got = jax.jit(decode_attention)(jnp.asarray(q), k_cache, v_cache, 2, jnp.asarray(pages), jnp.asarray(lens))
+    want = _reference_attention(q, k_all.astype(np.float32), v_all.astype(np.float32), 2, pages, lens)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     assert not np.asarray(got)[3].any(), "a padding row (lens 0) gets zeros"
 
