@@ -146,7 +146,8 @@ class ModelServer:
         try:
             job = self._job(request)
             finals = []
-            async for batch in merge_batches(self._runs(job, arrival_time), self._chunk_interval):
+            async for batch in merge_batches(self._runs(job, arrival_time), self._chunk_interval,
+                                             flush=lambda update: update.finish_reason is not None):
                 finals += [u for u in batch if u.finish_reason is not None]
                 yield [job.formatter.chunk(u).model_dump_json() for u in batch]
             if request.include_usage:

@@ -25,21 +25,28 @@ class _Failed:
 
 
 async def merge_batches(streams: list[AsyncIterator[T]],
-                        interval_s: Union[float, Callable[[], float]] = 0.0) -> AsyncIterator[list[T]]:
+                        interval_s: Union[float, Callable[[], float]] = 0.0,
+                        flush: Callable[[T], bool] = lambda item: False) -> AsyncIterator[list[T]]:
     """Yield lists of items from all `streams`, in arrival order. The first batch goes as soon as
     an item arrives; each later one no sooner than `interval_s` (a number, or a function read
-    after each batch) after the previous, carrying everything that arrived meanwhile. A failing
-    stream fails the merged stream, after the items that arrived before its failure."""
+    after each batch) after the previous, carrying everything that arrived meanwhile, unless an
+    item for which `flush` is true arrives (a stream's last output: the client waits on it), or a
+    stream ends or fails, which sends the batch at once. A failing stream fails the merged stream,
+    after the items that arrived before its failure."""
     interval = interval_s if callable(interval_s) else (lambda: interval_s)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     pumps = [asyncio.create_task(_pump(stream, queue)) for stream in streams]
     open_streams, next_send = len(pumps), loop.time()
+    urgent = lambda item: item is _DONE or isinstance(item, _Failed) or flush(item)  # noqa: E731
     try:
         while open_streams:
             items = [await queue.get()]
-            if (wait := next_send - loop.time()) > 0:
-                await asyncio.sleep(wait)
+            while not urgent(items[-1]) and (wait := next_send - loop.time()) > 0:
+                try:
+                    items.append(await asyncio.wait_for(queue.get(), wait))
+                except asyncio.TimeoutError:
+                    break
             while not queue.empty():
                 items.append(queue.get_nowait())
             batch, failure = [], None

@@ -37,7 +37,7 @@ async def spaced(values, every_s: float):
         await asyncio.sleep(every_s)
 
 
-def test_first_item_goes_at_once_then_one_batch_per_interval():
+def test_first_item_goes_at_once_then_one_batch_per_interval_until_the_end():
     async def run():
         loop = asyncio.get_running_loop()
         start, times, batches = loop.time(), [], []
@@ -49,8 +49,22 @@ def test_first_item_goes_at_once_then_one_batch_per_interval():
     times, batches = asyncio.run(run())
     assert [x for batch in batches for x in batch] == list(range(12))
     assert batches[0] == [0] and times[0] < 0.02, "the first item is not held back"
-    assert all(b - a >= 0.149 for a, b in zip(times, times[1:])), times
-    assert 2 <= len(batches) <= 4  # 12 items over ~0.36 s, at most one batch per 0.15 s
+    assert all(b - a >= 0.149 for a, b in zip(times, times[1:-1])), times
+    assert times[-1] < 0.43, "the stream's end sends what is left at once, not a window later"
+    assert 3 <= len(batches) <= 4  # 12 items over ~0.36 s, at most one batch per 0.15 s until the end
+
+
+def test_a_flush_item_goes_without_waiting_for_the_interval():
+    """A stream's last output (here: "end") is sent as soon as it arrives, with what came before it
+    in the window; the interval (10 s) would otherwise hold it back."""
+    async def run():
+        batches = []
+        async for batch in merge_batches([spaced([0, 1, 2, "end"], 0.02)], interval_s=10.0,
+                                         flush=lambda item: item == "end"):
+            batches.append(batch)
+        return batches
+
+    assert asyncio.run(asyncio.wait_for(run(), 5.0)) == [[0], [1, 2, "end"]]
 
 
 def test_without_an_interval_items_ready_together_travel_together():
