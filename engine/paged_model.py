@@ -61,6 +61,12 @@ class KVCache(eqx.Module):
         return self.k.shape[-1]
 
     @staticmethod
+    def storage_dtype(dtype, kernels: bool):
+        """The dtype the cache is stored in: bfloat16 becomes its uint16 bits with the CPU kernels."""
+        dtype = jnp.dtype(dtype)
+        return jnp.dtype(jnp.uint16) if kernels and dtype == jnp.bfloat16 else dtype
+
+    @staticmethod
     def init(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
         k = jnp.zeros((num_layers, num_pages, kv_heads, head_dim, page_size), dtype)
         v = jnp.zeros((num_layers, num_pages, kv_heads, page_size, head_dim), dtype)
@@ -189,11 +195,11 @@ def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, tables
     v_all = v_all.at[index, page, :, slot].set(v_arr)
 
     scale = attn.config.scaling_factor or 1.0 / (q_arr.shape[-1] ** 0.5)
-    num_dec = inputs.dec_pages.shape[0]
     q_arr = q_arr.astype(jnp.float32) * scale
     if tables is not None:
         o = decode_attention(q_arr, k_all, v_all, index, *tables)
     else:
+        num_dec = inputs.dec_pages.shape[0]
         out = [] if num_dec == 0 else [_decode_attention(q_arr[:num_dec], k_all, v_all, index, inputs)]
         if inputs.pre_pages.shape[0]:
             out.append(_prefill_attention(q_arr[num_dec:], k_all, v_all, index, inputs))

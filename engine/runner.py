@@ -318,9 +318,7 @@ class ModelRunner:
 
     def _init_cache(self) -> KVCache:
         info: ModelInfo = self.info
-        dtype = jnp.dtype(self.config.kv_cache_dtype or self.config.dtype)
-        if self.model.packed and dtype == jnp.bfloat16:
-            dtype = jnp.dtype(jnp.uint16)  # bfloat16 bits (see KVCache)
+        dtype = KVCache.storage_dtype(self.config.kv_cache_dtype or self.config.dtype, kernels=self.model.packed)
         with self._device_context():
             return KVCache.init(info.num_layers, self.num_pages, self.page_size, info.num_kv_heads, info.head_dim, dtype)
 

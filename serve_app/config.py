@@ -74,9 +74,10 @@ class ModelConfig(BaseModel):
     """The Retry-After sent with a 429."""
     stream_batch_ms: float = Field(50.0, ge=0)
     """Least time between two stream chunks of one request (the first, and the one that finishes a
-    choice, go at once): tokens made in between travel over the Ray hops as one chunk. Every chunk costs CPU in the replica, the ingress
-    and the proxy (~5 ms together on a 2-core CPU host), so larger values leave more CPU to the
-    engine at high concurrency; smaller ones stream smoother. 0 sends every step's tokens."""
+    choice, go at once): tokens made in between travel over the Ray hops as one chunk. Every chunk
+    costs CPU in the replica, the ingress and the proxy (~5 ms together on a 2-core CPU host), so
+    larger values leave more CPU to the engine at high concurrency; smaller ones stream smoother.
+    0 sends every step's tokens."""
     stream_chunks_per_s: float = Field(50.0, gt=0)
     """Stream chunks per second one replica sends at most, shared by its open streams: with S
     streams, each waits max(stream_batch_ms, S / stream_chunks_per_s) between chunks. This bounds
