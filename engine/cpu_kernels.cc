@@ -16,13 +16,17 @@
 //    gathers every row's pages into a padded copy and reduces over the padding too, which cost more
 //    than the matmuls at batch 32 and ~20% of a 512-token prefill step.
 //
-// Both split their work into chunks that the caller and the XLA intra-op pool threads claim from
+// 3. SwiGLU's gating, out = silu(g) * u elementwise. Why: XLA runs this fusion on one thread; it
+//    took ~1.3 ms of a batch-32 decode step and ~14 ms of a 512-token prefill step (~0.1 / ~1 here).
+//
+// All three split their work into chunks that the caller and the XLA intra-op pool threads claim from
 // an atomic counter; the caller returns only when every chunk is done.
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -436,6 +440,34 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// SwiGLU's gating: out = silu(g) * u = g * sigmoid(g) * u over f32 arrays of one shape.
+
+inline __m256 Sigmoid8(__m256 g) {  // from e^-|g| <= 1, so the exponential never overflows
+  const __m256 e = Exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g)));
+  const __m256 numerator = _mm256_blendv_ps(_mm256_set1_ps(1.0f), e, g);  // g < 0: e^g / (1 + e^g)
+  return _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+ffi::Error SiluMul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> u,
+                   ffi::ResultBuffer<ffi::F32> out) {
+  const int64_t n = g.element_count();
+  if (u.element_count() != n) return ffi::Error::InvalidArgument("silu_mul: gate and up must have one shape");
+  const float *gp = g.typed_data(), *up = u.typed_data();
+  float* op = out->typed_data();
+  constexpr int64_t kBlock = 8192;  // elements per chunk
+  ParallelFor(pool, (n + kBlock - 1) / kBlock, [=](int64_t c) {
+    const int64_t end = std::min(n, (c + 1) * kBlock);
+    int64_t i = c * kBlock;
+    for (; i + 8 <= end; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(gp + i);
+      _mm256_storeu_ps(op + i, _mm256_mul_ps(_mm256_mul_ps(gv, Sigmoid8(gv)), _mm256_loadu_ps(up + i)));
+    }
+    for (; i < end; ++i) op[i] = gp[i] / (1.0f + std::exp(-gp[i])) * up[i];
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeMatmul, Matmul,
@@ -454,4 +486,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeSiluMul, SiluMul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

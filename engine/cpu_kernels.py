@@ -6,6 +6,7 @@
 - `decode_attention`: one query per row against its pages, read in place from the KV pool (XLA
   would gather every row's pages into a padded copy first). A prompt token is a row with its own
   visible length, so the same kernel runs causal prefill attention.
+- `silu_mul`: SwiGLU's silu(gate) * up on every thread (XLA runs this elementwise fusion on one).
 
 They are compiled once per source and jaxlib version with the system C++ compiler into `$JAX_SERVE_CACHE/kernels`
 (default `~/.cache/jax-serve/kernels`) and registered as an XLA FFI target. `available()` is False
@@ -36,7 +37,8 @@ logger = logging.getLogger(__name__)
 PANEL = 16
 """Output columns per packed panel; a packable weight has N % PANEL == 0."""
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
-_SYMBOLS = {"jax_serve_matmul": "JaxServeMatmul", "jax_serve_decode_attention": "JaxServeDecodeAttention"}
+_SYMBOLS = {"jax_serve_matmul": "JaxServeMatmul", "jax_serve_decode_attention": "JaxServeDecodeAttention",
+            "jax_serve_silu_mul": "JaxServeSiluMul"}
 
 
 def available() -> bool:
@@ -107,6 +109,12 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pa
     lens: i32[S] (0 for padding rows, which get zeros). Returns f32[S, kv_head, group, head_dim]."""
     call = jax.ffi.ffi_call("jax_serve_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q, k_all, v_all, jnp.asarray(layer, jnp.int32), pages, lens)
+
+
+def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up elementwise, as float32 of gate's shape (up must have the same shape)."""
+    call = jax.ffi.ffi_call("jax_serve_silu_mul", jax.ShapeDtypeStruct(gate.shape, jnp.float32))
+    return call(gate.astype(jnp.float32), up.astype(jnp.float32))
 
 
 def _cpu_has_avx2_fma() -> bool:

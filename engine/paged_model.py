@@ -38,7 +38,7 @@ import haliax.nn as hnn
 import jax.numpy as jnp
 from haliax import NamedArray
 
-from engine.cpu_kernels import PANEL, PackedLinear, decode_attention
+from engine.cpu_kernels import PANEL, PackedLinear, decode_attention, silu_mul
 
 NEG_INF = -1e30
 
@@ -176,10 +176,19 @@ def _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs: StepInputs, t
         attn_out = layer.post_attn_layernorm(attn_out)
     x = residual + attn_out
     residual = x
-    mlp_out = layer.mlp(layer.post_attention_layernorm(x))
+    mlp_out = _mlp(layer.mlp, layer.post_attention_layernorm(x))
     if getattr(layer, "post_mlp_layernorm", None) is not None:
         mlp_out = layer.post_mlp_layernorm(mlp_out)
     return residual + mlp_out, k_all, v_all
+
+
+def _mlp(mlp, x: NamedArray) -> NamedArray:
+    """The layer's MLP; a SwiGLU MLP on packed weights gates with the `silu_mul` kernel."""
+    gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+    if not (isinstance(gate, PackedLinear) and isinstance(up, PackedLinear) and mlp.act in (hnn.silu, hnn.swish)):
+        return mlp(x)
+    g, u = gate(x), up(x)
+    return mlp.down_proj(hax.named(silu_mul(g.array, u.rearrange(g.axes).array), g.axes))
 
 
 def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, tables):

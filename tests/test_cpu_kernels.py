@@ -1,5 +1,5 @@
 """The CPU kernels against numpy: matmul (float32 and bfloat16 weights, every row/depth tail),
-PackedLinear against haliax's Linear, paged attention against a dense reference and, over a mixed
+PackedLinear against haliax's Linear, silu_mul against silu(g) * u, paged attention against a dense reference and, over a mixed
 step's per-token tables, against the XLA path's masked decode and causal prefill einsums."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine import cpu_kernels
-from engine.cpu_kernels import PackedLinear, decode_attention, matmul, pack
+from engine.cpu_kernels import PackedLinear, decode_attention, matmul, pack, silu_mul
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 + FMA and g++")
 
@@ -51,6 +51,21 @@ def test_packed_linear_equals_haliax_linear_with_multi_axis_in_and_out():
     got = PackedLinear.from_linear(linear, jnp.float32)(x)
     assert got.axes == want.axes
     np.testing.assert_allclose(np.asarray(got.array), np.asarray(want.array), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 13), (64, 8200), (0, 16)])
+def test_silu_mul_equals_silu_times_up(shape):
+    """Vector body and scalar tail, several chunks, no elements; gates far out in both tails (where
+    e^-g overflows a naive sigmoid) and around zero."""
+    rng = np.random.default_rng(sum(shape))
+    g = (rng.standard_normal(shape) * 8).astype(np.float32)
+    g.flat[:4] = [-200.0, -88.0, 0.0, 200.0][: g.size]
+    u = rng.standard_normal(shape).astype(np.float32)
+    got = np.asarray(jax.jit(silu_mul)(jnp.asarray(g), jnp.asarray(u)))
+    g64 = g.astype(np.float64)
+    want = g64 / (1.0 + np.exp(-g64)) * u
+    assert got.shape == shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-30)
 
 
 def _reference_attention(q, k_all, v_all, layer, pages, lens):
