@@ -17,7 +17,7 @@
 //    than the matmuls at batch 32 and ~20% of a 512-token prefill step.
 //
 // 3. SwiGLU's gating, out = silu(g) * u elementwise. Why: XLA runs this fusion on one thread; it
-//    took ~1.3 ms of a batch-32 decode step and ~14 ms of a 512-token prefill step (~0.1 / ~1 here).
+//    took ~1.3 ms of a batch-32 decode step and ~14 ms of a 512-token prefill step.
 //
 // All three split their work into chunks that the caller and the XLA intra-op pool threads claim from
 // an atomic counter; the caller returns only when every chunk is done.
