@@ -11,7 +11,8 @@ the matmuls. Here attention is two dense, masked einsums:
 With the CPU kernels (`ServingModel.packed`), the linear layers are `PackedLinear`s and all attention
 is `cpu_kernels.decode_attention`, which reads the pages in place: a prompt token attends to its
 row's cache up to and including itself, so causal prefill attention is decode attention with one
-query per token (each token gets its row's page table and its own visible length).
+query per token (each token gets its row's page table and its own visible length). A SwiGLU MLP's
+gating, silu(gate) * up, runs on `cpu_kernels.silu_mul` (XLA's fusion of it uses one thread).
 
 Token layout of a step (`T = Sd + Sp * C` tokens): the decode tokens first, then each prefill row's
 chunk, padded to `C`. Every token writes its key/value to `kv_dest` (a flat slot index,
