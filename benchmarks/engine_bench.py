@@ -1,12 +1,15 @@
 """Offline engine benchmark: output tokens/s and per-step latency at several batch sizes.
 
     .venv/bin/python benchmarks/engine_bench.py --batch 1,8,32
+    .venv/bin/python benchmarks/engine_bench.py --batch 8,32 --requests 64   # the serving benchmark's pattern
 
 Work: a random Llama of ~110M parameters (hidden 768, 12 layers, 12 heads / 4 KV heads,
 intermediate 2048, vocab 32000, made once under ~/.cache/jax-serve/bench-llama), `--prompt-len`
-random prompt tokens and `--new-tokens` new tokens per request with EOS ignored, all requests
-submitted at once. Compile time is excluded (the engine warms up first). Prints one row per batch
-size; each figure is the median of `--repeats` runs.
+random prompt tokens and `--new-tokens` new tokens per request with EOS ignored, `batch` requests
+submitted at once; with `--requests N`, a closed loop like `jax-serve-bench --max-concurrency batch`:
+each finished request is replaced by a new one until N have run (the engine's ceiling under the
+serving comparison, without HTTP, Ray or detokenizing). Compile time is excluded (the engine warms up
+first). Prints one row per batch size; each figure is the median of `--repeats` runs.
 """
 
 from __future__ import annotations
@@ -39,11 +42,21 @@ def bench_checkpoint(path: Path) -> Path:
     return path
 
 
-def run_once(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: int) -> dict:
+def run_once(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: int,
+             requests: int | None = None) -> dict:
+    """`batch` requests at once; with `requests`, each finished one is replaced until that many ran."""
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"b{seed}-{i}", [int(t) for t in rng.integers(0, engine.vocab_size, prompt_len)], params)
+    submitted = 0
+
+    def submit() -> None:
+        nonlocal submitted
+        engine.add_request(f"b{seed}-{submitted}", [int(t) for t in rng.integers(0, engine.vocab_size, prompt_len)],
+                           params)
+        submitted += 1
+
+    for _ in range(batch):
+        submit()
     step_times, decode_times, produced = [], [], 0
     start = time.perf_counter()
     while engine.has_work():
@@ -54,9 +67,12 @@ def run_once(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, se
         if engine.stats().num_waiting == 0 and all(len(d.token_ids) == 1 for d in deltas) and len(deltas) == batch:
             decode_times.append(elapsed)
         produced += sum(len(d.token_ids) for d in deltas)
+        for _ in range(sum(d.finished for d in deltas) if requests else 0):
+            if submitted < requests:
+                submit()
     total = time.perf_counter() - start
     return {"tok_s": produced / total, "step_ms": 1000 * statistics.median(decode_times or step_times),
-            "seconds": total, "steps": len(step_times)}
+            "seconds": total, "steps": len(step_times), "tokens": produced, "requests": submitted}
 
 
 def main(argv=None) -> None:
@@ -69,6 +85,8 @@ def main(argv=None) -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=None,
+                        help="closed loop: keep `batch` requests running until this many have run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="the engine's CPU matmul/attention kernels (--no-cpu-kernels: XLA's ops)")
@@ -85,7 +103,8 @@ def main(argv=None) -> None:
             model=str(model), dtype=args.dtype, page_size=args.page_size, max_num_seqs=batch,
             max_num_batched_tokens=max(batch, args.max_num_batched_tokens), prefill_chunk=args.prefill_chunk,
             max_model_len=args.prompt_len + args.new_tokens, cpu_kernels=args.cpu_kernels))
-        runs = [run_once(engine, batch, args.prompt_len, args.new_tokens, seed) for seed in range(args.repeats)]
+        runs = [run_once(engine, batch, args.prompt_len, args.new_tokens, seed, args.requests)
+                for seed in range(args.repeats)]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(f"| {batch} | {med['tok_s']:.0f} | {med['step_ms']:.1f} | {med['seconds']:.2f} | {med['steps']:.0f} |",
               flush=True)

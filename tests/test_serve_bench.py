@@ -9,6 +9,7 @@ after the first token), /nousage (no usage chunk: tokens are counted from chunks
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import threading
@@ -246,6 +247,27 @@ def test_prompts_differ_between_levels(stub_server):
     asyncio.run(sb.run_sweep(_config(base_url, num_prompts=2, concurrencies=[2, 2], warmup_requests=0)))
     first, second = [b["prompt"] for b in stub.bodies[:2]], [b["prompt"] for b in stub.bodies[2:]]
     assert sorted(first) != sorted(second)
+
+
+def test_compare_sends_new_prompts_in_each_repeated_sweep(stub_server):
+    """A server with a prompt cache (llama-server has one) must not see a repeat's prompts again."""
+    import argparse
+    from pathlib import Path
+
+    from benchmarks import compare
+
+    base_url, stub = stub_server
+    args = argparse.Namespace(input_len=8, output_len=4, num_prompts=2, concurrencies=[2], seed=0, warmup_requests=1,
+                              disable_tqdm=True)
+    sent = []
+    for repeat in range(2):
+        stub.bodies.clear()
+        config = dataclasses.replace(compare.bench_config(base_url, Path("unused"), args, False, repeat),
+                                     tokenizer=None, vocab_size=100)  # random ids without the checkpoint
+        asyncio.run(sb.run_sweep(config))
+        sent.append([tuple(b["prompt"]) for b in stub.bodies])
+    assert len(sent[0]) == len(sent[1]) == 3  # one warm-up + two measured
+    assert not set(sent[0]) & set(sent[1])
 
 
 def test_failing_endpoint_is_counted_with_its_error(stub_server):
