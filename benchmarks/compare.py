@@ -33,6 +33,7 @@ import asyncio
 import logging
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -371,7 +372,7 @@ def level_figure(reports: list[dict], concurrency: int, key: str, stat: Optional
                 value = level[key] if stat is None else level[key][stat]
                 if value is not None:
                     values.append(value)
-    return float(sorted(values)[len(values) // 2]) if values else None
+    return float(statistics.median(values)) if values else None
 
 
 def comparison_rows(results: dict[str, dict], concurrencies: list[int]) -> list[dict]:
