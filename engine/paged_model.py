@@ -186,7 +186,8 @@ def _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs: StepInputs, t
 def _mlp(mlp, x: NamedArray) -> NamedArray:
     """The layer's MLP; a SwiGLU MLP on packed weights gates with the `silu_mul` kernel."""
     gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
-    if not (isinstance(gate, PackedLinear) and isinstance(up, PackedLinear) and mlp.act in (hnn.silu, hnn.swish)):
+    silu = getattr(mlp, "act", None) in (hnn.silu, hnn.swish)
+    if not (silu and isinstance(gate, PackedLinear) and isinstance(up, PackedLinear)):
         return mlp(x)
     g, u = gate(x), up(x)
     return mlp.down_proj(hax.named(silu_mul(g.array, u.rearrange(g.axes).array), g.axes))

@@ -1,6 +1,7 @@
 """The CPU kernels against numpy: matmul (float32 and bfloat16 weights, every row/depth tail),
-PackedLinear against haliax's Linear, silu_mul against silu(g) * u, paged attention against a dense reference and, over a mixed
-step's per-token tables, against the XLA path's masked decode and causal prefill einsums."""
+PackedLinear against haliax's Linear, silu_mul against silu(g) * u, paged attention against a
+dense reference and, over a mixed step's per-token tables, against the XLA path's masked decode
+and causal prefill einsums."""
 
 from __future__ import annotations
 
