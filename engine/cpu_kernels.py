@@ -104,8 +104,8 @@ def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pa
     is a decoding sequence or one prompt token).
 
     q: f32[S, kv_head, group, head_dim]; k_all: [layer, page, kv_head, head_dim, slot]; v_all:
-    [layer, page, kv_head, slot, head_dim], both float32 or both bfloat16 (read as such, summed in
-    float32); layer: i32 scalar; pages: i32[S, L] page table;
+    [layer, page, kv_head, slot, head_dim], both float32 or both bfloat16 (or bfloat16's uint16 bits;
+    read as such, summed in float32); layer: i32 scalar; pages: i32[S, L] page table;
     lens: i32[S] (0 for padding rows, which get zeros). Returns f32[S, kv_head, group, head_dim]."""
     call = jax.ffi.ffi_call("jax_serve_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q, k_all, v_all, jnp.asarray(layer, jnp.int32), pages, lens)
