@@ -91,11 +91,47 @@ class PackedLinear(eqx.Module):
 
     def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
         del key
-        batch = [ax for ax in inputs.axes if ax.name not in {a.name for a in self.In}]
-        x = inputs.rearrange((*batch, *self.In)).array.reshape(-1, hax.axis_size(self.In))
-        y = matmul(x, self.weight.array).reshape(*(ax.size for ax in batch), *(ax.size for ax in self.Out))
-        out = hax.named(y, (*batch, *self.Out))
+        batch, y = _packed_matmul(inputs, self.In, self.weight.array)
+        out = hax.named(y.reshape(*(ax.size for ax in batch), *(ax.size for ax in self.Out)), (*batch, *self.Out))
         return out if self.bias is None else out + self.bias
+
+
+class FusedLinear(eqx.Module):
+    """Several `PackedLinear`s over the same input as one kernel call (attention's q/k/v, a SwiGLU
+    MLP's gate/up): their panels concatenated, so a decode step streams them in one pass and wakes
+    the thread pool once. Calling it returns each layer's output, as the layers would."""
+
+    weight: NamedArray  # dtype[..., panel, in, lane]: the parts' panels, in order
+    biases: tuple[NamedArray | None, ...]
+    In: tuple[hax.Axis, ...] = eqx.field(static=True)
+    Outs: tuple[tuple[hax.Axis, ...], ...] = eqx.field(static=True)
+
+    @staticmethod
+    def fuse(parts) -> "FusedLinear":
+        """Fuse PackedLinears that share their input axes (and weight dtype)."""
+        if len({p.In for p in parts}) != 1 or len({p.weight.dtype for p in parts}) != 1:
+            raise ValueError("FusedLinear.fuse: the parts must share input axes and weight dtype")
+        weight = hax.concatenate("panel", [p.weight for p in parts])
+        return FusedLinear(weight, tuple(p.bias for p in parts), parts[0].In, tuple(p.Out for p in parts))
+
+    def __call__(self, inputs: NamedArray, *, key=None) -> tuple[NamedArray, ...]:
+        del key
+        batch, y = _packed_matmul(inputs, self.In, self.weight.array)
+        outs, start = [], 0
+        for Out, bias in zip(self.Outs, self.biases):
+            size = hax.axis_size(Out)
+            part = y[:, start : start + size].reshape(*(ax.size for ax in batch), *(ax.size for ax in Out))
+            out = hax.named(part, (*batch, *Out))
+            outs.append(out if bias is None else out + bias)
+            start += size
+        return tuple(outs)
+
+
+def _packed_matmul(inputs: NamedArray, In, packed: jax.Array) -> tuple[list[hax.Axis], jax.Array]:
+    """inputs' axes other than `In` (the batch), and f32[prod(batch), N] = inputs @ packed."""
+    batch = [ax for ax in inputs.axes if ax.name not in {a.name for a in In}]
+    x = inputs.rearrange((*batch, *In)).array.reshape(-1, hax.axis_size(In))
+    return batch, matmul(x, packed)
 
 
 def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pages: jax.Array,

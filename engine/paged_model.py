@@ -8,11 +8,13 @@ the matmuls. Here attention is two dense, masked einsums:
 - the decode group: `Sd` sequences with one new token each, attending to their `L` pages;
 - the prefill group: `Sp` rows of up to `C` prompt tokens, attending causally to their `L` pages.
 
-With the CPU kernels (`ServingModel.packed`), the linear layers are `PackedLinear`s and all attention
-is `cpu_kernels.decode_attention`, which reads the pages in place: a prompt token attends to its
-row's cache up to and including itself, so causal prefill attention is decode attention with one
-query per token (each token gets its row's page table and its own visible length). A SwiGLU MLP's
-gating, silu(gate) * up, runs on `cpu_kernels.silu_mul` (XLA's fusion of it uses one thread).
+With the CPU kernels (`ServingModel.packed`), the linear layers are `PackedLinear`s, q/k/v and a
+SwiGLU MLP's gate/up fused into one `FusedLinear` each (like vLLM's QKV and merged-column layers),
+and all attention is `cpu_kernels.decode_attention`, which reads the pages in place: a prompt token
+attends to its row's cache up to and including itself, so causal prefill attention is decode
+attention with one query per token (each token gets its row's page table and its own visible
+length). A SwiGLU MLP's gating, silu(gate) * up, runs on `cpu_kernels.silu_mul` (XLA's fusion of
+it uses one thread).
 
 Token layout of a step (`T = Sd + Sp * C` tokens): the decode tokens first, then each prefill row's
 chunk, padded to `C`. Every token writes its key/value to `kv_dest` (a flat slot index,
@@ -38,8 +40,9 @@ import jax
 import haliax.nn as hnn
 import jax.numpy as jnp
 from haliax import NamedArray
+from levanter.layers.attention import Attention
 
-from engine.cpu_kernels import PANEL, PackedLinear, decode_attention, silu_mul
+from engine.cpu_kernels import PANEL, FusedLinear, PackedLinear, decode_attention, silu_mul
 
 NEG_INF = -1e30
 
@@ -97,6 +100,10 @@ class ServingModel(eqx.Module):
             return ServingModel(model.embeddings, layers, model.transformer.norm, lm_head)
         pack = lambda m: PackedLinear.from_linear(m, packed_dtype) if _packable(m) else m  # noqa: E731
         layers = jax.tree_util.tree_map(pack, layers, is_leaf=_packable)
+        if scan_layers:
+            layers = eqx.tree_at(lambda s: s.stacked, layers, _fuse_projections(layers.stacked))
+        else:
+            layers = tuple(_fuse_projections(layer) for layer in layers)
         if lm_head is None and model.Vocab.size % PANEL == 0:  # tied: unembed with the embedding matrix
             embedding = model.embeddings.token_embeddings.weight
             lm_head = PackedLinear.from_weight(embedding, model.Embed, model.Vocab, None, packed_dtype)
@@ -107,6 +114,30 @@ class ServingModel(eqx.Module):
 
 def _packable(module) -> bool:
     return isinstance(module, hnn.Linear) and PackedLinear.packable(module)
+
+
+def _fuse_projections(layer):
+    """A packed layer with q/k/v fused into `self_attn.q_proj` (k_proj, v_proj -> None) and a
+    SwiGLU MLP's gate/up into `mlp.gate_proj` (up_proj -> None), where all parts are packed.
+    `_attention` and `_mlp` know these shapes; anything else keeps its own modules."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if type(attn) is Attention and _all_packed(attn.q_proj, attn.k_proj, attn.v_proj):
+        fused = FusedLinear.fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        layer = eqx.tree_at(lambda m: (m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj), layer,
+                            (fused, None, None))
+    if _swiglu(mlp) and _all_packed(mlp.gate_proj, mlp.up_proj):
+        fused = FusedLinear.fuse([mlp.gate_proj, mlp.up_proj])
+        layer = eqx.tree_at(lambda m: (m.mlp.gate_proj, m.mlp.up_proj), layer, (fused, None))
+    return layer
+
+
+def _all_packed(*modules) -> bool:
+    return all(isinstance(m, PackedLinear) for m in modules)
+
+
+def _swiglu(mlp) -> bool:
+    """An MLP computing down(act(gate(x)) * up(x)) with act = silu."""
+    return getattr(mlp, "act", None) in (hnn.silu, hnn.swish) and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj")
 
 
 class StepInputs(NamedTuple):
@@ -185,18 +216,16 @@ def _decoder_layer(layer, x, k_all, v_all, index, pos_ids, inputs: StepInputs, t
 
 def _mlp(mlp, x: NamedArray) -> NamedArray:
     """The layer's MLP; a SwiGLU MLP on packed weights gates with the `silu_mul` kernel."""
-    gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
-    silu = getattr(mlp, "act", None) in (hnn.silu, hnn.swish)
-    if not (silu and isinstance(gate, PackedLinear) and isinstance(up, PackedLinear)):
+    if not (_swiglu(mlp) and isinstance(mlp.gate_proj, FusedLinear)):
         return mlp(x)
-    g, u = gate(x), up(x)
+    g, u = mlp.gate_proj(x)
     return mlp.down_proj(hax.named(silu_mul(g.array, u.rearrange(g.axes).array), g.axes))
 
 
 def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, tables):
     """`tables`: every token's (page table, visible tokens) for the CPU attention kernel, or None
     for XLA's masked einsums."""
-    q, k, v = attn._compute_qkv(h, key=None, pos_ids=pos_ids)
+    q, k, v = _qkv(attn, h, pos_ids)
     q_arr = q.rearrange(("position", "kv_head", "q_heads_per_group", "head_size")).array
     k_arr = _cache_values(k.rearrange(("position", "kv_head", "head_size")).array, k_all.dtype)
     v_arr = _cache_values(v.rearrange(("position", "kv_head", "head_size")).array, v_all.dtype)
@@ -218,6 +247,19 @@ def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, tables
     o = hax.named(o, ("position", "kv_head", "q_heads_per_group", "head_size"))
     o = o.flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(h.dtype)
     return attn.o_proj(o, key=None), k_all, v_all
+
+
+def _qkv(attn, h, pos_ids):
+    """levanter's `Attention._compute_qkv`, with q/k/v from one fused projection when packed."""
+    if not isinstance(attn.q_proj, FusedLinear):
+        return attn._compute_qkv(h, key=None, pos_ids=pos_ids)
+    q, k, v = attn.q_proj(h)
+    if attn.config.qk_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    if attn.rot_embs is not None:
+        q = attn.rot_embs(q, pos_ids).astype(q.dtype)
+        k = attn.rot_embs(k, pos_ids).astype(k.dtype)
+    return q, k, v
 
 
 def _cache_values(x: jax.Array, dtype) -> jax.Array:

@@ -1,5 +1,5 @@
 """The CPU kernels against numpy: matmul (float32 and bfloat16 weights, every row/depth tail),
-PackedLinear against haliax's Linear, silu_mul against silu(g) * u, paged attention against a
+PackedLinear against haliax's Linear, FusedLinear against its parts, silu_mul against silu(g) * u, paged attention against a
 dense reference and, over a mixed step's per-token tables, against the XLA path's masked decode
 and causal prefill einsums."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine import cpu_kernels
-from engine.cpu_kernels import PackedLinear, decode_attention, matmul, pack, silu_mul
+from engine.cpu_kernels import FusedLinear, PackedLinear, decode_attention, matmul, pack, silu_mul
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 + FMA and g++")
 
@@ -52,6 +52,35 @@ def test_packed_linear_equals_haliax_linear_with_multi_axis_in_and_out():
     got = PackedLinear.from_linear(linear, jnp.float32)(x)
     assert got.axes == want.axes
     np.testing.assert_allclose(np.asarray(got.array), np.asarray(want.array), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_linear_returns_each_parts_output():
+    """q/k/v-like parts of different widths and output axes, one with a bias, one matmul."""
+    Pos, Embed = hax.Axis("position", 7), hax.Axis("embed", 40)
+    Heads, KV, Dim = hax.Axis("heads", 3), hax.Axis("kv_head", 1), hax.Axis("head_size", 16)
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    linears = [hnn.Linear.init(In=Embed, Out=(Heads, Dim), key=keys[0], use_bias=False),
+               hnn.Linear.init(In=Embed, Out=(KV, Dim), key=keys[1], use_bias=True),
+               hnn.Linear.init(In=Embed, Out=(KV, Dim), key=keys[2], use_bias=False)]
+    k = linears[1]
+    linears[1] = hnn.Linear(k.weight, hax.random.normal(jax.random.PRNGKey(5), (KV, Dim)), k.In, k.Out)
+    parts = [PackedLinear.from_linear(linear, jnp.bfloat16) for linear in linears]
+    fused = FusedLinear.fuse(parts)
+    x = hax.random.normal(keys[3], (Pos, Embed))
+    got = jax.jit(lambda f, x: f(x))(fused, x)
+    assert len(got) == 3
+    for out, part in zip(got, parts):
+        want = part(x)
+        assert out.axes == want.axes
+        np.testing.assert_array_equal(np.asarray(out.array), np.asarray(want.array))
+
+
+def test_fused_linear_rejects_parts_with_different_inputs():
+    A, B, Out = hax.Axis("a", 8), hax.Axis("b", 8), hax.Axis("out", 16)
+    parts = [PackedLinear.from_linear(hnn.Linear.init(In=In, Out=Out, key=jax.random.PRNGKey(0)), jnp.float32)
+             for In in (A, B)]
+    with pytest.raises(ValueError, match="share input axes"):
+        FusedLinear.fuse(parts)
 
 
 @pytest.mark.parametrize("shape", [(1, 2048), (3, 13), (64, 8200), (0, 16)])

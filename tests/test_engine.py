@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from engine.config import EngineConfig
-from engine.cpu_kernels import available as cpu_kernels_available
+from engine.cpu_kernels import FusedLinear, available as cpu_kernels_available
 from engine.engine import LLMEngine
 from engine.request import FinishReason, InvalidRequestError, SamplingParams
 
@@ -78,7 +78,12 @@ def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, famil
     model_dir = checkpoint_factory(family)
     engine = LLMEngine(EngineConfig(model=str(model_dir), scan_layers=scan_layers, cpu_kernels=cpu_kernels,
                                     **TIGHT))
-    assert engine.runner.model.packed == (cpu_kernels and cpu_kernels_available())
+    model = engine.runner.model
+    assert model.packed == (cpu_kernels and cpu_kernels_available())
+    if model.packed:  # q/k/v and gate/up run as one matmul each
+        layer = model.layers.stacked if scan_layers else model.layers[0]
+        assert isinstance(layer.self_attn.q_proj, FusedLinear) and layer.self_attn.k_proj is None
+        assert isinstance(layer.mlp.gate_proj, FusedLinear) and layer.mlp.up_proj is None
     prompts = make_prompts()
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     deltas = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
