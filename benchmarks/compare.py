@@ -226,15 +226,16 @@ def free_port() -> int:
 
 
 def ours_spec(checkpoint: Path, port: int, args: argparse.Namespace, workdir: Path) -> ServerSpec:
-    """jax-serve through `serve run` on a Serve config (the only way to pick the HTTP port)."""
+    """jax-serve through `serve run` on the shipped deploy/config.yaml with the benchmark's model,
+    sequence limits and HTTP port swapped in (a Serve config is the only way to pick the port)."""
     import yaml
 
     app_args = {"model": str(checkpoint), "model_id": MODEL_NAME, "dtype": args.ours_dtype,
                 "max_num_seqs": max(args.concurrencies), "max_model_len": args.input_len + args.output_len}
     app_args.update(_key_values(args.ours_args, "--ours-args"))
-    config = {"http_options": {"host": "127.0.0.1", "port": port},
-              "applications": [{"name": "llm", "route_prefix": "/", "import_path": "serve_app:build_app",
-                                "args": app_args}]}
+    config = yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text())
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    config["applications"][0]["args"].update(app_args)
     path = workdir / "ours-serve.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     serve = Path(sys.executable).parent / "serve"

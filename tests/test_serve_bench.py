@@ -341,3 +341,22 @@ def test_config_errors_say_what_to_change():
         sb.check_config(sb.BenchConfig(base_url="x", model="m"))
     with pytest.raises(ValueError, match="--prompt-type text --tokenizer"):
         sb.check_config(sb.BenchConfig(base_url="x", model="m", vocab_size=9, endpoint="/v1/chat/completions"))
+
+
+def test_compare_serves_the_shipped_config_with_the_benchmarks_model(tmp_path):
+    """What the comparison measures is deploy/config.yaml, only the model, limits and port swapped."""
+    from pathlib import Path
+
+    import yaml
+
+    from benchmarks import compare
+
+    spec = compare.ours_spec(tmp_path / "ckpt", 8123, compare.parse_args([]), tmp_path)
+    written = yaml.safe_load((tmp_path / "ours-serve.yaml").read_text())
+    shipped = yaml.safe_load((Path(compare.ROOT) / "deploy" / "config.yaml").read_text())
+    assert spec.port == 8123 and written["http_options"] == {"host": "127.0.0.1", "port": 8123}
+    assert written["controller_options"] == shipped["controller_options"]
+    args, shipped_args = written["applications"][0]["args"], shipped["applications"][0]["args"]
+    swapped = {"model": str(tmp_path / "ckpt"), "model_id": "bench-llama", "dtype": "bfloat16", "max_num_seqs": 32,
+               "max_model_len": 256}
+    assert args == {**shipped_args, **swapped}
