@@ -30,6 +30,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -468,6 +469,37 @@ ffi::Error SiluMul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Greedy decoding's argmax: out[r] = the first index of row r's maximum in x f32[R, V] (jnp.argmax's
+// tie rule), for rows without NaN. XLA runs this reduction on one thread at ~1.3 ns per logit.
+
+int32_t RowArgmax(const float* p, int64_t n) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(p + i));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, m);
+  float best = *std::max_element(lanes, lanes + 8);
+  for (; i < n; ++i) best = std::max(best, p[i]);
+  const __m256 target = _mm256_set1_ps(best);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), target, _CMP_EQ_OQ));
+    if (mask) return static_cast<int32_t>(i + __builtin_ctz(mask));
+  }
+  for (; i < n; ++i) if (p[i] == best) return static_cast<int32_t>(i);
+  return 0;  // only with NaN in the row
+}
+
+ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
+  const auto d = x.dimensions();
+  if (d.size() != 2 || d[1] == 0) return ffi::Error::InvalidArgument("argmax: want x[R, V] with V > 0");
+  const int64_t n = d[1];
+  const float* xp = x.typed_data();
+  int32_t* op = out->typed_data();
+  ParallelFor(pool, d[0], [=](int64_t r) { op[r] = RowArgmax(xp + r * n, n); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeMatmul, Matmul,
@@ -494,3 +526,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeSiluMul, SiluMul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeArgmax, Argmax,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());

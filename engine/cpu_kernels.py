@@ -7,6 +7,8 @@
   would gather every row's pages into a padded copy first). A prompt token is a row with its own
   visible length, so the same kernel runs causal prefill attention.
 - `silu_mul`: SwiGLU's silu(gate) * up on every thread (XLA runs this elementwise fusion on one).
+- `argmax`: greedy decoding's row-wise argmax over the vocabulary (XLA's reduction is one-threaded
+  and scalar: ~1.3 ms for 32 rows of 32000 logits).
 
 They are compiled once per source and jaxlib version with the system C++ compiler into `$JAX_SERVE_CACHE/kernels`
 (default `~/.cache/jax-serve/kernels`) and registered as an XLA FFI target. `available()` is False
@@ -38,7 +40,7 @@ PANEL = 16
 """Output columns per packed panel; a packable weight has N % PANEL == 0."""
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 _SYMBOLS = {"jax_serve_matmul": "JaxServeMatmul", "jax_serve_decode_attention": "JaxServeDecodeAttention",
-            "jax_serve_silu_mul": "JaxServeSiluMul"}
+            "jax_serve_silu_mul": "JaxServeSiluMul", "jax_serve_argmax": "JaxServeArgmax"}
 
 
 def available() -> bool:
@@ -151,6 +153,13 @@ def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
     """silu(gate) * up elementwise, as float32 of gate's shape (up must have the same shape)."""
     call = jax.ffi.ffi_call("jax_serve_silu_mul", jax.ShapeDtypeStruct(gate.shape, jnp.float32))
     return call(gate.astype(jnp.float32), up.astype(jnp.float32))
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """i32[R]: the index of each row's maximum in f32[R, V] (the first, as jnp.argmax), for rows
+    without NaN."""
+    call = jax.ffi.ffi_call("jax_serve_argmax", jax.ShapeDtypeStruct(x.shape[:1], jnp.int32))
+    return call(x.astype(jnp.float32))
 
 
 def _cpu_has_avx2_fma() -> bool:

@@ -90,6 +90,7 @@ class SamplerVariant(NamedTuple):
     logprobs: bool = False
     penalize: bool = False
     filter: bool = False
+    cpu_argmax: bool = False
 
 
 WARM_SAMPLER_VARIANTS = (SamplerVariant(), SamplerVariant(random=True), SamplerVariant(random=True, logprobs=True))
@@ -245,6 +246,7 @@ class ModelRunner:
             logprobs=any(p.logprobs is not None for p in params),
             penalize=any(self._needs_dense(row) for _, row in rows),
             filter=any(p.needs_filtering and not p.greedy for p in params),
+            cpu_argmax=self.model.packed,
         )
         inputs = SamplingInputs(temperature, top_k, top_p, min_p, seed, position)
         if variant.penalize:
@@ -335,6 +337,7 @@ class ModelRunner:
                                       np.zeros(n, np.float32), np.zeros(n, np.uint32), zeros(n))
             logits, _, self.cache = self.steps.forward(self.cache, inputs)
             for variant in WARM_SAMPLER_VARIANTS:
+                variant = variant._replace(cpu_argmax=self.model.packed)
                 jax.block_until_ready(_sample_step(logits, sampling, variant))
 
 def _enable_compilation_cache(path: str) -> None:

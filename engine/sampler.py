@@ -10,10 +10,11 @@ penalties, bias and temperature, as vLLM reports them.
 Sampling draws one uniform number per row and inverts the cumulative distribution, which on CPU
 costs far less than a Gumbel draw over the whole vocabulary.
 
-Four switches are static, each compiled variant built on first use (warm-up builds the common
+Five switches are static, each compiled variant built on first use (warm-up builds the common
 ones): `random` (any row samples; otherwise argmax only), `logprobs` (any row wants logprobs),
 `penalize` (dense per-row arrays for presence/frequency/repetition penalties, logit bias and
-min_tokens) and `filter` (a sort over the vocabulary for top-k / top-p / min-p).
+min_tokens), `filter` (a sort over the vocabulary for top-k / top-p / min-p) and `cpu_argmax`
+(greedy tokens from the CPU kernel's argmax rather than XLA's; set when the CPU kernels run).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from engine import cpu_kernels
 from engine.request import MAX_TOP_LOGPROBS
 
 
@@ -51,10 +53,10 @@ class SampleOutput(NamedTuple):
 
 
 def sample(logits: jax.Array, inputs: SamplingInputs, *, random: bool, logprobs: bool, penalize: bool,
-           filter: bool) -> SampleOutput:
+           filter: bool, cpu_argmax: bool = False) -> SampleOutput:
     logits = logits.astype(jnp.float32)
     adjusted = _penalize(logits, inputs) if penalize else logits
-    tokens = jnp.argmax(adjusted, axis=-1)
+    tokens = cpu_kernels.argmax(adjusted) if cpu_argmax else jnp.argmax(adjusted, axis=-1)
     if random:
         scaled = adjusted / jnp.maximum(inputs.temperature, 1e-5)[:, None]
         uniform = jax.vmap(_uniform)(inputs.seed, inputs.position)

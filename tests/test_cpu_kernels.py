@@ -1,7 +1,7 @@
 """The CPU kernels against numpy: matmul (float32 and bfloat16 weights, every row/depth tail),
-PackedLinear against haliax's Linear, FusedLinear against its parts, silu_mul against silu(g) * u, paged attention against a
-dense reference and, over a mixed step's per-token tables, against the XLA path's masked decode
-and causal prefill einsums."""
+PackedLinear against haliax's Linear, FusedLinear against its parts, silu_mul against
+silu(g) * u, argmax against numpy's, paged attention against a dense reference and, over a mixed
+step's per-token tables, against the XLA path's masked decode and causal prefill einsums."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine import cpu_kernels
-from engine.cpu_kernels import FusedLinear, PackedLinear, decode_attention, matmul, pack, silu_mul
+from engine.cpu_kernels import FusedLinear, PackedLinear, argmax, decode_attention, matmul, pack, silu_mul
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 + FMA and g++")
 
@@ -96,6 +96,21 @@ def test_silu_mul_equals_silu_times_up(shape):
     want = g64 / (1.0 + np.exp(-g64)) * u
     assert got.shape == shape and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 32000), (5, 13), (32, 8200), (3, 8), (0, 16)])
+def test_argmax_is_the_first_maximum(rows, vocab):
+    """Vector body and scalar tail; ties (the first wins, as jnp.argmax), a maximum in the tail,
+    -inf rows (every token biased out), no rows."""
+    rng = np.random.default_rng(rows * vocab)
+    x = rng.standard_normal((rows, vocab)).astype(np.float32)
+    if rows >= 3:
+        x[0, [vocab // 3, vocab - 1]] = 50.0  # a tie: the first index wins
+        x[1, vocab - 1] = 60.0  # the maximum in the last (possibly scalar-tail) element
+        x[2] = -np.inf
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    assert got.dtype == np.int32 and got.shape == (rows,)
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
 
 
 def _reference_attention(q, k_all, v_all, layer, pages, lens):
