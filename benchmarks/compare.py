@@ -351,17 +351,14 @@ def bench_config(base_url: str, checkpoint: Path, args: argparse.Namespace, scra
         disable_tqdm=args.disable_tqdm)
 
 
-def measure(system: str, spec: ServerSpec, checkpoint: Path, args: argparse.Namespace) -> list[dict]:
-    """Start one system, run the sweep `--repeats` times, stop it; the serve_bench reports."""
+def measure(system: str, spec: ServerSpec, checkpoint: Path, args: argparse.Namespace, repeat: int) -> dict:
+    """Start one system, run sweep number `repeat`, stop it; the serve_bench report."""
     scrape = args.engine_rate and system == "ours"
-    reports = []
-    with running(spec, args.output_dir / f"{system}-server.log") as base_url:
-        for repeat in range(args.repeats):
-            logger.info("%s: sweep %d of %d", system, repeat + 1, args.repeats)
-            report = asyncio.run(serve_bench.run_sweep(bench_config(base_url, checkpoint, args, scrape, repeat)))
-            print(f"\n{LABELS[system]} (run {repeat + 1}):\n{serve_bench.format_table(report)}", flush=True)
-            reports.append(report)
-    return reports
+    with running(spec, args.output_dir / f"{system}-server-{repeat + 1}.log") as base_url:
+        logger.info("%s: sweep %d of %d", system, repeat + 1, args.repeats)
+        report = asyncio.run(serve_bench.run_sweep(bench_config(base_url, checkpoint, args, scrape, repeat)))
+    print(f"\n{LABELS[system]} (run {repeat + 1}):\n{serve_bench.format_table(report)}", flush=True)
+    return report
 
 
 def level_figure(reports: list[dict], concurrency: int, key: str, stat: Optional[str] = None) -> Optional[float]:
@@ -471,7 +468,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-concurrency", default="1,8,32")
-    p.add_argument("--repeats", type=int, default=1, help="sweeps per system; the table shows medians")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds; each system serves one sweep per round, a fresh server each (medians shown)")
     p.add_argument("--warmup-requests", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-rate", action="store_true", help="scrape jax-serve's /metrics around each level")
@@ -508,13 +506,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as workdir:
-        for system in systems:
-            spec = make_spec(system, prepared, args, Path(workdir))
-            try:
-                results[system] = {"command": spec.cmd, "reports": measure(system, spec, prepared["checkpoint"], args)}
-            except Exception as exc:  # one system failing must not lose the others' figures
-                logger.exception("%s failed", system)
-                results[system] = {"command": spec.cmd, "error": str(exc)}
+        # Systems take turns, one sweep each per round: the host's drift over the run hits each alike.
+        for repeat in range(args.repeats):
+            for system in systems:
+                if "error" in results.get(system, {}):
+                    continue
+                spec = make_spec(system, prepared, args, Path(workdir))
+                result = results.setdefault(system, {"command": spec.cmd, "reports": []})
+                try:
+                    result["reports"].append(measure(system, spec, prepared["checkpoint"], args, repeat))
+                except Exception as exc:  # one system failing must not lose the others' figures
+                    logger.exception("%s failed", system)
+                    results[system] = {"command": spec.cmd, "error": str(exc)}
     finish(results, args)
 
 

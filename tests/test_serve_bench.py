@@ -360,3 +360,28 @@ def test_compare_serves_the_shipped_config_with_the_benchmarks_model(tmp_path):
     swapped = {"model": str(tmp_path / "ckpt"), "model_id": "bench-llama", "dtype": "bfloat16", "max_num_seqs": 32,
                "max_model_len": 256}
     assert args == {**shipped_args, **swapped}
+
+
+def test_compare_interleaves_systems_each_round_and_drops_a_failed_one(monkeypatch, tmp_path):
+    """Rounds alternate systems (drift hits each alike); a system that fails keeps its error and
+    sits out the later rounds while the others' reports are kept."""
+    from benchmarks import compare
+
+    calls, finished = [], {}
+    monkeypatch.setattr(compare, "prepare", lambda systems, args: {"checkpoint": tmp_path})
+    monkeypatch.setattr(compare, "make_spec", lambda system, prepared, args, workdir: compare.ServerSpec(
+        system, [system], 1, {}, tmp_path))
+
+    def measure(system, spec, checkpoint, args, repeat):
+        calls.append((system, repeat))
+        if system == "vllm":
+            raise RuntimeError("vllm exited")
+        return {"system": system, "repeat": repeat}
+
+    monkeypatch.setattr(compare, "measure", measure)
+    monkeypatch.setattr(compare, "finish", lambda results, args: finished.update(results))
+    compare.main(["--with", "vllm,llamacpp", "--repeats", "2", "--output-dir", str(tmp_path)])
+    assert calls == [("ours", 0), ("vllm", 0), ("llamacpp", 0), ("ours", 1), ("llamacpp", 1)]
+    assert finished["ours"]["reports"] == [{"system": "ours", "repeat": 0}, {"system": "ours", "repeat": 1}]
+    assert finished["vllm"] == {"command": ["vllm"], "error": "vllm exited"}
+    assert [r["repeat"] for r in finished["llamacpp"]["reports"]] == [0, 1]
