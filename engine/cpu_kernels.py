@@ -94,7 +94,8 @@ class PackedLinear(eqx.Module):
     def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
         del key
         batch, y = _packed_matmul(inputs, self.In, self.weight.array)
-        out = hax.named(y.reshape(*(ax.size for ax in batch), *(ax.size for ax in self.Out)), (*batch, *self.Out))
+        y = y.reshape(*(ax.size for ax in batch), *(ax.size for ax in self.Out))
+        out = hax.named(y, (*batch, *self.Out))
         return out if self.bias is None else out + self.bias
 
 

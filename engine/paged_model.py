@@ -137,7 +137,8 @@ def _all_packed(*modules) -> bool:
 
 def _swiglu(mlp) -> bool:
     """An MLP computing down(act(gate(x)) * up(x)) with act = silu."""
-    return getattr(mlp, "act", None) in (hnn.silu, hnn.swish) and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj")
+    silu = getattr(mlp, "act", None) in (hnn.silu, hnn.swish)
+    return silu and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj")
 
 
 class StepInputs(NamedTuple):
