@@ -353,6 +353,10 @@ def test_429_with_retry_after_when_the_queue_is_full(http):
 
 
 def test_a_disconnected_stream_is_aborted_and_frees_its_kv_pages(http):
+    # Streams an earlier test closed are counted as Ray tears them down: take the baseline once the
+    # engine is idle (a closed stream's abort is counted before its engine request ends).
+    wait_for(lambda: metric(http, "vllm:num_requests_running") == metric(http, "vllm:num_requests_waiting") == 0,
+             60, "an idle engine")
     aborted_before = metric(http, "vllm:request_success_total", finished_reason="abort")
     stream = OpenStream(http)
     assert metric(http, "vllm:kv_cache_usage_perc") > 0
