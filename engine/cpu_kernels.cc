@@ -19,7 +19,10 @@
 // 3. SwiGLU's gating, out = silu(g) * u elementwise. Why: XLA runs this fusion on one thread; it
 //    took ~1.3 ms of a batch-32 decode step and ~14 ms of a 512-token prefill step.
 //
-// All three split their work into chunks that the caller and the XLA intra-op pool threads claim from
+// 4. Greedy decoding's argmax over the vocabulary, the first maximum of each row. Why: XLA's
+//    reduction is one-threaded and scalar, ~1.2-1.35 ms for 32 rows of 32000 logits.
+//
+// All four split their work into chunks that the caller and the XLA intra-op pool threads claim from
 // an atomic counter; the caller returns only when every chunk is done.
 
 #include <immintrin.h>
