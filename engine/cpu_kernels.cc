@@ -48,6 +48,8 @@ constexpr int64_t kNR = 16;   // output columns per panel: two 8-float registers
 constexpr int64_t kMR = 6;    // rows per micro-tile: 12 accumulators + 2 weights + 1 broadcast
 constexpr int64_t kKC = 512;  // depth block: a panel block (16 / 32 KiB) stays in L1 across rows
 constexpr int64_t kMC = 96;   // row block: its x block (192 KiB) stays in L2 across panels
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead a panel stream is prefetched
+constexpr int64_t kStreamRows = 16;       // prefetch for products of up to this many rows (memory-bound)
 
 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
 
@@ -68,10 +70,15 @@ inline float ToFloat(uint16_t h) {
 // y[R, 16] (+)= x[R, kc] @ w[kc, 16]; `accumulate` adds to y (later depth blocks).
 // With few rows, U independent partial sums over alternating depths (summed at the end) keep enough
 // FMAs in flight; otherwise 2R accumulators chained through the FMA latency would bound the loop.
-// (Software prefetching of the panel stream was tried: slower than the hardware prefetcher alone.)
-template <int R, typename T>
+// kStream: this tile is the first to read the panel block, from memory; it prefetches kPrefetchBytes
+// ahead, running on into `next` (the next panel block, or null). The hardware prefetcher alone left
+// few-row products latency-bound. On this 2-core host, 12 layers' projections + the LM head: ~6%
+// faster at 1 row, 1-4% at 8 (paired A/B both orders); no change at 32 rows, which never stream.
+template <int R, bool kStream, typename T>
 inline void MicroTile(const float* x, int64_t ldx, const T* w, int64_t kc, float* y, int64_t ldy,
-                      bool accumulate) {
+                      bool accumulate, const T* next) {
+  constexpr int64_t kRowsPerLine = 64 / (kNR * sizeof(T));
+  constexpr int64_t kAhead = kPrefetchBytes / (kNR * sizeof(T));  // depth rows
   constexpr int U = R == 1 ? 4 : R == 2 ? 2 : 1;
   __m256 acc0[U][R], acc1[U][R];
 #pragma GCC unroll 8
@@ -82,6 +89,11 @@ inline void MicroTile(const float* x, int64_t ldx, const T* w, int64_t kc, float
   for (; k + U <= kc; k += U) {
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
+      if (kStream && (k + u) % kRowsPerLine == 0) {
+        const int64_t d = k + u + kAhead;
+        const T* line = d < kc ? w + d * kNR : next != nullptr && d < 2 * kc ? next + (d - kc) * kNR : nullptr;
+        if (line != nullptr) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+      }
       const __m256 w0 = Load8(w + (k + u) * kNR), w1 = Load8(w + (k + u) * kNR + 8);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -116,16 +128,16 @@ inline void MicroTile(const float* x, int64_t ldx, const T* w, int64_t kc, float
   }
 }
 
-template <typename T>
+template <bool kStream, typename T>
 void RowsTile(int64_t rows, const float* x, int64_t ldx, const T* w, int64_t kc, float* y, int64_t ldy,
-              bool accumulate) {
+              bool accumulate, const T* next) {
   switch (rows) {
-    case 1: return MicroTile<1>(x, ldx, w, kc, y, ldy, accumulate);
-    case 2: return MicroTile<2>(x, ldx, w, kc, y, ldy, accumulate);
-    case 3: return MicroTile<3>(x, ldx, w, kc, y, ldy, accumulate);
-    case 4: return MicroTile<4>(x, ldx, w, kc, y, ldy, accumulate);
-    case 5: return MicroTile<5>(x, ldx, w, kc, y, ldy, accumulate);
-    default: return MicroTile<6>(x, ldx, w, kc, y, ldy, accumulate);
+    case 1: return MicroTile<1, kStream>(x, ldx, w, kc, y, ldy, accumulate, next);
+    case 2: return MicroTile<2, kStream>(x, ldx, w, kc, y, ldy, accumulate, next);
+    case 3: return MicroTile<3, kStream>(x, ldx, w, kc, y, ldy, accumulate, next);
+    case 4: return MicroTile<4, kStream>(x, ldx, w, kc, y, ldy, accumulate, next);
+    case 5: return MicroTile<5, kStream>(x, ldx, w, kc, y, ldy, accumulate, next);
+    default: return MicroTile<6, kStream>(x, ldx, w, kc, y, ldy, accumulate, next);
   }
 }
 
@@ -140,9 +152,16 @@ void Panels(const float* x, const T* w, float* y, int64_t m, int64_t k, int64_t 
       const int64_t mc = std::min(kMC, m - m0);
       for (int64_t p = p0; p < p1; ++p) {
         const T* panel = w + p * k * kNR + k0 * kNR;
+        const T* next = p + 1 < p1 ? panel + k * kNR : nullptr;  // panel p + 1's block at k0
         for (int64_t r = 0; r < mc; r += kMR) {
           const int64_t row = m0 + r;
-          RowsTile(std::min(kMR, mc - r), x + row * k + k0, k, panel, kc, y + row * n + p * kNR, n, k0 > 0);
+          const int64_t rows = std::min(kMR, mc - r);
+          float* out = y + row * n + p * kNR;
+          if (r == 0 && mc <= kStreamRows) {
+            RowsTile<true>(rows, x + row * k + k0, k, panel, kc, out, n, k0 > 0, next);
+          } else {
+            RowsTile<false>(rows, x + row * k + k0, k, panel, kc, out, n, k0 > 0, next);
+          }
         }
       }
     }
