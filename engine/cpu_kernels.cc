@@ -363,12 +363,12 @@ void Softmax(float* scores, int64_t G, int64_t n, int64_t padded) {
   }
 }
 
-// Asks for the cache lines of `count` elements at p ahead of use. A row's pages lie scattered over
-// the pool, 2 KiB blocks the hardware prefetcher does not see coming.
-template <_mm_hint kHint, typename T>
+// Asks for the cache lines of `count` elements at p ahead of use (kLocality 3: into L1, 2: into L2).
+// A row's pages lie scattered over the pool, 2 KiB blocks the hardware prefetcher does not see coming.
+template <int kLocality, typename T>
 inline void Prefetch(const T* p, int64_t count) {
   const char* bytes = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < count * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(bytes + i, kHint);
+  for (int64_t i = 0; i < count * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(bytes + i, 0, kLocality);
 }
 
 // out[G, D] for one (sequence, kv head); kpool / vpool: this layer's keys / values at head h.
@@ -382,8 +382,8 @@ void AttendOne(const float* q, const T* kpool, const T* vpool, const int32_t* ta
   const int64_t padded = ScoresStride(n, PS);
   for (int64_t t0 = 0; t0 < n; t0 += PS) {  // scores[g, t] = q[g] . k[t], whole pages
     const T* kb = kpool + table[t0 / PS] * page_stride;  // [D, PS]
-    if (t0 + PS < n) Prefetch<_MM_HINT_T0>(kpool + table[t0 / PS + 1] * page_stride, D * PS);  // next keys
-    Prefetch<_MM_HINT_T1>(vpool + table[t0 / PS] * page_stride, D * PS);  // values, for the second pass
+    if (t0 + PS < n) Prefetch<3>(kpool + table[t0 / PS + 1] * page_stride, D * PS);  // next keys
+    Prefetch<2>(vpool + table[t0 / PS] * page_stride, D * PS);  // values, for the second pass
     if (PS % 8 == 0) {
       for (int64_t t = 0; t < PS; t += 16) {
         const bool two = t + 16 <= PS;
