@@ -69,6 +69,13 @@ inline float ToFloat(uint16_t h) {
   return f;
 }
 
+// Asks for the cache lines of `count` elements at p ahead of use (kLocality 3: into L1, 2: into L2).
+template <int kLocality, typename T>
+inline void Prefetch(const T* p, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < count * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(bytes + i, 0, kLocality);
+}
+
 // y[R, 16] (+)= x[R, kc] @ w[kc, 16]; `accumulate` adds to y (later depth blocks).
 // With few rows, U independent partial sums over alternating depths (summed at the end) keep enough
 // FMAs in flight; otherwise 2R accumulators chained through the FMA latency would bound the loop.
@@ -94,7 +101,7 @@ inline void MicroTile(const float* x, int64_t ldx, const T* w, int64_t kc, float
       if (kStream && (k + u) % kRowsPerLine == 0) {
         const int64_t d = k + u + kAhead;
         const T* line = d < kc ? w + d * kNR : next != nullptr && d < 2 * kc ? next + (d - kc) * kNR : nullptr;
-        if (line != nullptr) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+        if (line != nullptr) Prefetch<3>(line, 1);
       }
       const __m256 w0 = Load8(w + (k + u) * kNR), w1 = Load8(w + (k + u) * kNR + 8);
 #pragma GCC unroll 8
@@ -363,14 +370,6 @@ void Softmax(float* scores, int64_t G, int64_t n, int64_t padded) {
   }
 }
 
-// Asks for the cache lines of `count` elements at p ahead of use (kLocality 3: into L1, 2: into L2).
-// A row's pages lie scattered over the pool, 2 KiB blocks the hardware prefetcher does not see coming.
-template <int kLocality, typename T>
-inline void Prefetch(const T* p, int64_t count) {
-  const char* bytes = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < count * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(bytes + i, 0, kLocality);
-}
-
 // out[G, D] for one (sequence, kv head); kpool / vpool: this layer's keys / values at head h.
 // The vector paths need PS % 8 == 0 and D % 16 == 0 (scalar loops otherwise). T: the cache's
 // element type (float, or uint16_t holding bfloat16); arithmetic is float32 either way.
@@ -382,6 +381,7 @@ void AttendOne(const float* q, const T* kpool, const T* vpool, const int32_t* ta
   const int64_t padded = ScoresStride(n, PS);
   for (int64_t t0 = 0; t0 < n; t0 += PS) {  // scores[g, t] = q[g] . k[t], whole pages
     const T* kb = kpool + table[t0 / PS] * page_stride;  // [D, PS]
+    // A row's pages lie scattered over the pool, 2 KiB blocks the hardware prefetcher does not see coming.
     if (t0 + PS < n) Prefetch<3>(kpool + table[t0 / PS + 1] * page_stride, D * PS);  // next keys
     Prefetch<2>(vpool + table[t0 / PS] * page_stride, D * PS);  // values, for the second pass
     if (PS % 8 == 0) {
