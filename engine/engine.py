@@ -1,9 +1,16 @@
 """The engine: add requests, abort them, and step.
 
 One request's path: `add_request` validates it and queues a `Sequence`; each `step()` asks the
-scheduler for a plan (which sequences run, how many tokens each), lets the runner compute and
-sample, advances every row, and returns one `TokenDelta` per sequence that produced a token (plus
-one per aborted request). A finished or aborted sequence returns all its pages at once.
+scheduler for a plan (which sequences run, how many tokens each), has the runner launch it, and
+returns one `TokenDelta` per sequence that produced a token (plus one per aborted request). A
+finished or aborted sequence returns all its pages at once.
+
+Async scheduling (the default): `step()` launches step N+1 before it waits for step N, so the host
+work of one step runs while the device computes the previous one. Launching advances each row at
+once (`num_computed`, a `PENDING_TOKEN` per sampled token); fetching fills the tokens in and ends
+sequences. A sequence that ends at N may already have a row in N+1: that row's result is dropped.
+This is safe for the KV pages such a sequence frees: steps run in launch order on the device, so
+whatever N+1 writes into them lands before any later step that reuses them.
 
 Single-threaded by design: `AsyncEngine` drives it from one background thread.
 """
@@ -23,8 +30,8 @@ from engine.request import (
     SamplingParams,
     TokenDelta,
 )
-from engine.runner import ModelRunner, RowResult
-from engine.scheduler import Row, Scheduler, SchedulerConfig, Sequence
+from engine.runner import LaunchedStep, ModelRunner, RowResult
+from engine.scheduler import PENDING_TOKEN, Row, Scheduler, SchedulerConfig, Sequence, Status
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +56,7 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         self._sequences: dict[str, Sequence] = {}
         self._aborted: list[str] = []
+        self._in_flight: Optional[LaunchedStep] = None
         self._seeds = random.Random(config.seed)
         self._num_steps = 0
         self._last_batch = 0
@@ -95,26 +103,24 @@ class LLMEngine:
             self._aborted.append(request_id)
 
     def has_work(self) -> bool:
-        return bool(self._aborted) or self.scheduler.has_work()
+        return bool(self._aborted) or self._in_flight is not None or self.scheduler.has_work()
 
     def step(self) -> list[TokenDelta]:
         deltas = [TokenDelta(rid, [], finish_reason=FinishReason.ABORT) for rid in self._aborted]
         self._aborted.clear()
-        if not self.scheduler.has_work():
-            return deltas
-        plan = self.scheduler.schedule()
-        if not plan.rows:
-            return deltas
-        results = self.runner.execute(plan)
-        for row, result in zip(plan.rows, results):
-            delta = self._advance(row, result)
-            if delta is not None:
-                deltas.append(delta)
-        self._num_steps += 1
-        self._last_batch = len(plan.rows)
-        self._max_batch = max(self._max_batch, self._last_batch)
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and self._needs_host_tokens():
+            deltas += self._finish(previous)  # penalties count every sampled token: no overlap
+            previous = None
+        launched = self._launch(previous)
+        if previous is not None:
+            deltas += self._finish(previous)
+        if launched is not None:
+            if self.config.async_scheduling:
+                self._in_flight = launched
+            else:
+                deltas += self._finish(launched)
         return deltas
-
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -132,17 +138,48 @@ class LLMEngine:
 
     # ---- internals ----
 
+    def _needs_host_tokens(self) -> bool:
+        """Whether planning the next step needs every token sampled so far on the host."""
+        return any(seq.params.needs_penalties for seq in self.scheduler.running)
+
+    def _launch(self, previous: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
+        """Plan and dispatch the next step (None if nothing can run); advance its rows."""
+        if not self.scheduler.has_work():
+            return None
+        plan = self.scheduler.schedule()
+        if not plan.rows:
+            return None
+        launched = self.runner.launch(plan, previous)
+        for row in plan.rows:
+            row.seq.num_computed += row.length
+            if row.samples:
+                row.seq.output_ids.append(PENDING_TOKEN)
+                row.seq.tokens_in_flight += 1
+        self._num_steps += 1
+        self._last_batch = len(plan.rows)
+        self._max_batch = max(self._max_batch, self._last_batch)
+        return launched
+
+    def _finish(self, launched: LaunchedStep) -> list[TokenDelta]:
+        """Wait for a launched step and turn its results into deltas."""
+        results = self.runner.fetch(launched)
+        deltas = [self._advance(row, result) for row, result in zip(launched.plan.rows, results)]
+        return [delta for delta in deltas if delta is not None]
+
     def _advance(self, row: Row, result: RowResult) -> Optional[TokenDelta]:
         seq = row.seq
-        seq.num_computed += row.length
+        if seq.status is Status.FINISHED:  # aborted, or ended by the step before while this one ran
+            return None
         for k, logprob in enumerate(result.prompt_logprobs):
             seq.prompt_logprobs[row.start + 1 + k] = logprob
         if not row.samples:
             return None
-        seq.output_ids.append(result.token)
+        generated = row.start + row.length - len(seq.prompt_ids) + 1  # outputs up to this row's token
+        seq.output_ids[generated - 1] = result.token
+        seq.tokens_in_flight -= 1
         delta = TokenDelta(seq.request_id, [result.token],
                            logprobs=None if result.logprob is None else [result.logprob],
-                           finish_reason=self._finish_reason(seq))
+                           finish_reason=self._finish_reason(seq, generated))
         if not seq.sent_first:
             seq.sent_first = True
             delta.num_prompt_tokens = len(seq.prompt_ids)
@@ -150,17 +187,19 @@ class LLMEngine:
             if seq.params.prompt_logprobs is not None:
                 delta.prompt_logprobs = list(seq.prompt_logprobs)
         if delta.finished:
+            del seq.output_ids[generated:]  # a token the step in flight is sampling, never sent
+            seq.tokens_in_flight = 0
             self._sequences.pop(seq.request_id, None)
             self.scheduler.finish(seq)
         return delta
 
-    def _finish_reason(self, seq: Sequence) -> Optional[FinishReason]:
-        params, last, generated = seq.params, seq.output_ids[-1], len(seq.output_ids)
+    def _finish_reason(self, seq: Sequence, generated: int) -> Optional[FinishReason]:
+        """Why the sequence ends with its first `generated` output tokens, if it does."""
+        params, last = seq.params, seq.output_ids[generated - 1]
         if generated >= params.min_tokens and (
             last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids)
         ):
             return FinishReason.STOP
-        if generated >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if generated >= params.max_tokens or len(seq.prompt_ids) + generated >= self.max_model_len:
             return FinishReason.LENGTH
         return None
-

@@ -4,6 +4,10 @@ A step turns the scheduler's plan into fixed-shape arrays, runs the model over t
 
     plan -> StepInputs (padded to a bucket) -> forward (donates the cache) -> sample -> host
 
+`launch` dispatches a step and returns at once (XLA runs it asynchronously); `fetch` waits for its
+sampled tokens. A step launched while the previous one still runs reads the tokens that step is
+sampling straight from its device output (`prev_slot`), so the host never waits between steps.
+
 Shapes come from a small set of buckets so that XLA compiles each once:
 - decode rows `Sd` and prefill rows `Sp` round up to powers of two; a step that has both pads
   its decode group to the maximum, so mixed steps add only one shape per `Sp`;
@@ -55,9 +59,11 @@ class _ModelSteps:
         unflatten = functools.partial(jax.tree_util.tree_unflatten, treedef)
 
         @functools.partial(jax.jit, donate_argnums=(1,))
-        def forward_step(weights, cache: KVCache, inputs: StepInputs):
+        def forward_step(weights, cache: KVCache, inputs: StepInputs, prev_tokens, prev_slot):
             model = unflatten(weights)
-            hidden, cache = forward(model, cache, inputs)
+            # tokens the previous step is sampling (placeholders on the host) come from its output
+            tokens = jnp.where(prev_slot >= 0, prev_tokens[jnp.maximum(prev_slot, 0)], inputs.tokens)
+            hidden, cache = forward(model, cache, inputs._replace(tokens=tokens))
             # hidden leaves as a plain array: a NamedArray output is unflattened in Python per call
             return logits_at(model, hidden, inputs.sample_index).array, hidden.array, cache
 
@@ -69,18 +75,21 @@ class _ModelSteps:
 
         self._forward, self._prompt_logprobs = forward_step, prompt_logprobs_step
 
-    def forward(self, cache: KVCache, inputs: StepInputs):
+    def forward(self, cache: KVCache, inputs: StepInputs, prev_tokens, prev_slot):
         """(logits of the sampled rows, final hidden states f[position, embed], updated cache);
-        donates `cache`."""
-        return self._forward(self.weights, cache, inputs)
+        donates `cache`. Token t with prev_slot[t] >= 0 is prev_tokens[prev_slot[t]]."""
+        return self._forward(self.weights, cache, inputs, prev_tokens, prev_slot)
 
     def prompt_logprobs(self, hidden, index, targets):
         return self._prompt_logprobs(self.weights, hidden, index, targets)
 
 
-@functools.partial(jax.jit, static_argnames=("variant",))
-def _sample_step(logits, inputs: SamplingInputs, variant: "SamplerVariant") -> SampleOutput:
-    return sample(logits, inputs, **variant._asdict())
+@functools.partial(jax.jit, static_argnames=("variant", "rows"))
+def _sample_step(logits, inputs: SamplingInputs, variant: "SamplerVariant", rows: int) -> SampleOutput:
+    """Sample; tokens are padded to `rows` (every bucket's row count at most), so that the next
+    step's forward takes them in one shape."""
+    out = sample(logits, inputs, **variant._asdict())
+    return out._replace(tokens=jnp.pad(out.tokens, (0, rows - out.tokens.shape[0])))
 
 
 class SamplerVariant(NamedTuple):
@@ -105,6 +114,20 @@ class RowResult:
     prompt_logprobs: list[TokenLogprob]
     """For rows of a sequence that asked for prompt logprobs: one per prompt token this row
     predicts (tokens start+1 .. of the prompt)."""
+
+
+@dataclasses.dataclass
+class LaunchedStep:
+    """A step dispatched to the device; `ModelRunner.fetch` waits for and reads its results."""
+
+    plan: Plan
+    sd: int
+    out: SampleOutput
+    """On device until fetched; `out.tokens` feeds the next step's placeholders."""
+    slot_of: dict[str, int]
+    """Sampling slot (index into out.tokens) of each sampling row, by request id."""
+    prompt_logprobs: Optional[tuple]
+    """(owners, targets, device arrays) of the prompt logprobs this step computes, if any."""
 
 
 def _sample_slots(plan: Plan, sd: int) -> list[tuple[int, Row]]:
@@ -145,9 +168,12 @@ class ModelRunner:
         self.num_pages = config.num_pages or 1 + config.max_num_seqs * self.max_pages_per_seq
         self.max_prefill_rows = _pow2(max(1, config.max_num_batched_tokens // config.prefill_chunk))
         self.max_decode_rows = _pow2(config.max_num_seqs)
+        self.max_rows = self.max_decode_rows + self.max_prefill_rows  # sampled rows of a step at most
         self.min_bucket_pages = min(self.max_pages_per_seq, _pow2(-(-256 // self.page_size)))
         self.page_buckets = self._page_buckets()
         self.cache = self._init_cache()
+        with self._device_context():
+            self._no_tokens = jnp.zeros(self.max_rows, jnp.int32)  # prev_tokens when nothing is in flight
 
     # ---- public ----
 
@@ -167,19 +193,27 @@ class ModelRunner:
         shapes = [(d, 0) for d in sd] + [(0, p) for p in sp] + [(self.max_decode_rows, p) for p in sp]
         return [(d, p, pages) for (d, p), pages in itertools.product(shapes, self.page_buckets)]
 
-    def execute(self, plan: Plan) -> list[RowResult]:
-        """Run one step; results follow `plan.rows` order."""
+    def launch(self, plan: Plan, previous: Optional[LaunchedStep] = None) -> LaunchedStep:
+        """Dispatch one step without waiting for it. Rows whose last input token is still being
+        sampled by `previous` (a placeholder on the host) take it from previous's output."""
         sd, sp, pages = self._bucket(plan)
         with self._device_context():
-            inputs = self._step_inputs(plan, sd, sp, pages)
-            logits, hidden, self.cache = self.steps.forward(self.cache, inputs)
+            inputs, prev_slot = self._step_inputs(plan, sd, sp, pages, previous)
+            prev_tokens = previous.out.tokens if previous is not None else self._no_tokens
+            logits, hidden, self.cache = self.steps.forward(self.cache, inputs, prev_tokens, prev_slot)
             sampling, variant = self._sampling_inputs(plan, sd, sp)
-            out = _sample_step(logits, sampling, variant)
-            prompt_lps = self._prompt_logprobs(plan, sd, hidden)
-            out = jax.device_get(out)
+            out = _sample_step(logits, sampling, variant, self.max_rows)
+            prompt_lps = self._launch_prompt_logprobs(plan, sd, hidden)
+        slots = _sample_slots(plan, sd)
+        return LaunchedStep(plan, sd, out, {row.seq.request_id: slot for slot, row in slots if row.samples}, prompt_lps)
+
+    def fetch(self, step: LaunchedStep) -> list[RowResult]:
+        """Wait for a launched step; results follow `step.plan.rows` order."""
+        out = jax.device_get(step.out)
+        prompt_lps = self._fetch_prompt_logprobs(step)
         # prompt_lps is keyed by prefill row (slot - sd); decode slots (< sd) have none
-        return [self._row_result(row, slot, out, prompt_lps.get(slot - sd, []))
-                for slot, row in _sample_slots(plan, sd)]
+        return [self._row_result(row, slot, out, prompt_lps.get(slot - step.sd, []))
+                for slot, row in _sample_slots(step.plan, step.sd)]
 
     # ---- shapes ----
 
@@ -200,36 +234,46 @@ class ModelRunner:
 
     # ---- host-side arrays ----
 
-    def _step_inputs(self, plan: Plan, sd: int, sp: int, num_pages: int) -> StepInputs:
+    def _step_inputs(self, plan: Plan, sd: int, sp: int, num_pages: int,
+                     previous: Optional[LaunchedStep]) -> tuple[StepInputs, np.ndarray]:
         chunk = self.config.prefill_chunk
         total = sd + sp * chunk
         tokens = np.zeros(total, np.int32)
         positions = np.zeros(total, np.int32)
         dest = np.full(total, SCRATCH_PAGE * self.page_size, np.int32)
+        prev_slot = np.full(total, -1, np.int32)
         sample_index = np.zeros(sd + sp, np.int32)
         dec_pages, dec_lens = np.zeros((sd, num_pages), np.int32), np.zeros(sd, np.int32)
         pre_pages, pre_lens, pre_start = (np.zeros((sp, num_pages), np.int32), np.zeros(sp, np.int32),
                                           np.zeros(sp, np.int32))
         for i, row in enumerate(plan.decode):
-            self._fill_row(row, i, tokens, positions, dest)
+            self._fill_row(row, i, tokens, positions, dest, prev_slot, previous)
             dec_pages[i, : len(row.seq.pages)] = row.seq.pages[:num_pages]
             dec_lens[i] = row.start + 1
             sample_index[i] = i
         for r, row in enumerate(plan.prefill):
             offset = sd + r * chunk
-            self._fill_row(row, offset, tokens, positions, dest)
+            self._fill_row(row, offset, tokens, positions, dest, prev_slot, previous)
             pre_pages[r, : len(row.seq.pages)] = row.seq.pages[:num_pages]
             pre_lens[r], pre_start[r] = row.start + row.length, row.start
             sample_index[sd + r] = offset + row.length - 1
         # numpy leaves: jit transfers them in C++ (jnp.asarray would dispatch an op per array)
-        return StepInputs(tokens, positions, dest, dec_pages, dec_lens, pre_pages, pre_lens, pre_start, sample_index)
+        inputs = StepInputs(tokens, positions, dest, dec_pages, dec_lens, pre_pages, pre_lens, pre_start, sample_index)
+        return inputs, prev_slot
 
-    def _fill_row(self, row: Row, offset: int, tokens, positions, dest) -> None:
+    def _fill_row(self, row: Row, offset: int, tokens, positions, dest, prev_slot,
+                  previous: Optional[LaunchedStep]) -> None:
         span = slice(offset, offset + row.length)
         pos = np.arange(row.start, row.start + row.length)
         tokens[span] = row.seq.token_ids[row.start : row.start + row.length]
         positions[span] = pos
         dest[span] = np.asarray(row.seq.pages)[pos // self.page_size] * self.page_size + pos % self.page_size
+        if row.start + row.length > row.seq.num_known_tokens:  # reads the token `previous` is sampling
+            slot = previous.slot_of.get(row.seq.request_id) if previous is not None else None
+            if slot is None or row.start + row.length != row.seq.num_known_tokens + 1:
+                raise RuntimeError(f"request {row.seq.request_id}: a planned token is pending without a step "
+                                   "in flight to sample it (engine bug)")
+            prev_slot[offset + row.length - 1] = slot
 
     def _sampling_inputs(self, plan: Plan, sd: int, sp: int) -> tuple[SamplingInputs, SamplerVariant]:
         n = sd + sp
@@ -266,8 +310,9 @@ class ModelRunner:
             seq, params = row.seq, row.seq.params
             presence[i], frequency[i], repetition[i] = (params.presence_penalty, params.frequency_penalty,
                                                          params.repetition_penalty)
-            if seq.output_ids:
-                counts[i] = np.bincount(np.asarray(seq.output_ids) % vocab, minlength=vocab)
+            known = seq.output_ids[: len(seq.output_ids) - seq.tokens_in_flight]
+            if known:
+                counts[i] = np.bincount(np.asarray(known) % vocab, minlength=vocab)
             if params.repetition_penalty != 1.0:
                 prompt_mask[i, np.asarray(seq.prompt_ids) % vocab] = True
             for token, value in params.logit_bias:
@@ -280,12 +325,10 @@ class ModelRunner:
 
     # ---- prompt logprobs ----
 
-    def _prompt_logprobs(self, plan: Plan, sd: int, hidden) -> dict[int, list[TokenLogprob]]:
-        """For prefill rows of sequences that asked for prompt logprobs: logprobs of the prompt
-        tokens each row's positions predict. Keyed by prefill row index."""
+    def _launch_prompt_logprobs(self, plan: Plan, sd: int, hidden) -> Optional[tuple]:
+        """For prefill rows of sequences that asked for prompt logprobs: dispatch the logprobs of
+        the prompt tokens each row's positions predict. None if no row asked."""
         wanted = [(r, row) for r, row in enumerate(plan.prefill) if row.seq.params.prompt_logprobs is not None]
-        if not wanted:
-            return {}
         chunk, index, targets, owners = self.config.prefill_chunk, [], [], []
         for r, row in wanted:
             prompt = row.seq.prompt_ids
@@ -295,14 +338,21 @@ class ModelRunner:
                     targets.append(prompt[row.start + j + 1])
                     owners.append(r)
         if not index:
+            return None
+        pad = _pow2(len(index)) - len(index)
+        arrays = self.steps.prompt_logprobs(hidden, np.asarray(index + [0] * pad, np.int32),
+                                            np.asarray(targets + [0] * pad, np.int32))
+        return owners, targets, arrays
+
+    def _fetch_prompt_logprobs(self, step: LaunchedStep) -> dict[int, list[TokenLogprob]]:
+        """The launched prompt logprobs, keyed by prefill row index."""
+        if step.prompt_logprobs is None:
             return {}
-        size = _pow2(len(index))
-        pad = size - len(index)
-        chosen, top_ids, top_lps = jax.device_get(self.steps.prompt_logprobs(
-            hidden, np.asarray(index + [0] * pad, np.int32), np.asarray(targets + [0] * pad, np.int32)))
+        owners, targets, arrays = step.prompt_logprobs
+        chosen, top_ids, top_lps = jax.device_get(arrays)
         result: dict[int, list] = {}
         for k, r in enumerate(owners):
-            top_n = plan.prefill[r].seq.params.prompt_logprobs
+            top_n = step.plan.prefill[r].seq.params.prompt_logprobs
             result.setdefault(r, []).append(_token_logprob(targets[k], chosen[k], top_ids[k], top_lps[k], top_n))
         return result
 
@@ -326,7 +376,7 @@ class ModelRunner:
 
     def _run_empty(self, sd: int, sp: int, num_pages: int) -> None:
         """Run a step of padding only (writes go to the scratch page) to compile its shapes. The
-        arrays are made exactly as `execute` makes them, so the compiled step is the one reused."""
+        arrays are made exactly as `launch` makes them, so the compiled step is the one reused."""
         tokens = sd + sp * self.config.prefill_chunk
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         n = sd + sp
@@ -335,10 +385,10 @@ class ModelRunner:
                                 zeros(sp, num_pages), zeros(sp), zeros(sp), zeros(n))
             sampling = SamplingInputs(np.zeros(n, np.float32), zeros(n), np.ones(n, np.float32),
                                       np.zeros(n, np.float32), np.zeros(n, np.uint32), zeros(n))
-            logits, _, self.cache = self.steps.forward(self.cache, inputs)
+            logits, _, self.cache = self.steps.forward(self.cache, inputs, self._no_tokens, np.full(tokens, -1, np.int32))
             for variant in WARM_SAMPLER_VARIANTS:
                 variant = variant._replace(cpu_argmax=self.model.packed)
-                jax.block_until_ready(_sample_step(logits, sampling, variant))
+                jax.block_until_ready(_sample_step(logits, sampling, variant, self.max_rows))
 
 def _enable_compilation_cache(path: str) -> None:
     """Persist compiled executables (process-wide jax setting; the same path for every engine)."""

@@ -11,7 +11,12 @@ of the queue, to be recomputed (prompt and output so far) later. Waiting sequenc
 running ones, and none is admitted in a step that preempted.
 
 Full pages are offered to the prefix cache when the plan that fills them is final (so a sibling
-admitted in the same step can share them), never for a row that was dropped.
+admitted in the same step can share them), never for a row that was dropped, and only once every
+token in them is known (see `Sequence.tokens_in_flight`).
+
+With async scheduling the engine plans a step while the previous one still runs: a sequence's
+last output token may be a placeholder (`PENDING_TOKEN`) whose value the device fills in. A
+sequence whose pending tokens already reach its length limit is not planned again.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from typing import Optional
 
 from engine.pages import PageAllocator, prefix_hashes
 from engine.request import SamplingParams, TokenLogprob
+
+PENDING_TOKEN = -1
+"""Placeholder in `Sequence.output_ids` for a token a step still in flight is sampling."""
 
 
 class Status(enum.Enum):
@@ -40,6 +48,9 @@ class Sequence:
     params: SamplingParams
     seed: int
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    tokens_in_flight: int = 0
+    """Output tokens sampled by steps still running: the last ones of `output_ids`, each
+    `PENDING_TOKEN` until the step's results arrive."""
     pages: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     """Tokens of `token_ids` whose keys and values are in the cache (pages)."""
@@ -63,6 +74,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        return self.num_tokens - self.tokens_in_flight
 
     @property
     def num_pending(self) -> int:
@@ -179,7 +194,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         for decoding in (True, False):
             for seq in [s for s in self.running if (s.num_pending == 1) == decoding]:
-                if seq.status is not Status.RUNNING or budget == 0:
+                if seq.status is not Status.RUNNING or budget == 0 or self._at_length_limit(seq):
                     continue
                 length = min(seq.num_pending, self.config.prefill_chunk, budget)
                 if self._is_prefill(seq, length) and len(plan.prefill) == self.config.max_prefill_rows:
@@ -223,6 +238,11 @@ class Scheduler:
             self._add_row(plan, Row(seq, seq.num_computed, length))
             self._register_full_pages(seq, seq.num_computed + length)  # an n>1 sibling may match them next
             budget -= length
+
+    def _at_length_limit(self, seq: Sequence) -> bool:
+        """Whether the output tokens already planned (some still in flight) end the sequence."""
+        return bool(seq.output_ids) and (len(seq.output_ids) >= seq.params.max_tokens
+                                         or seq.num_tokens >= self.config.max_model_len)
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Start `seq` from the longest cached prefix, keeping at least one token to compute (its
@@ -279,7 +299,7 @@ class Scheduler:
         sequence admitted later in the same step (an n>1 sibling) may already read these pages."""
         if not self.allocator.enable_prefix_caching:
             return
-        full = end // self.page_size
+        full = min(end, seq.num_known_tokens) // self.page_size  # a pending token has no hash yet
         hashes = self._hashes(seq, full)
         for i in range(seq.num_registered_pages, full):
             self.allocator.register(seq.pages[i], hashes[i])

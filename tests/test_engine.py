@@ -231,6 +231,56 @@ def test_logit_bias_forces_a_token_and_top_k_1_is_greedy(llama_engine):
     assert tokens_of(top1) == greedy
 
 
+def test_async_scheduling_gives_the_output_of_one_step_at_a_time(llama_dir):
+    """Planning step N+1 while step N runs changes nothing a client sees: the same tokens,
+    logprobs and finish reasons as a step-by-step engine, through early stops (the extra row in
+    flight is dropped), seeded sampling, prompt logprobs, penalties (which pause the overlap),
+    chunking and preemption; and every page comes back."""
+    overlapped = LLMEngine(EngineConfig(model=str(llama_dir), **TIGHT))
+    stepwise = LLMEngine(EngineConfig(model=str(llama_dir), async_scheduling=False, **TIGHT))
+    prompts = make_prompts([50, 33, 40, 28, 7, 12, 20, 9, 13, 13], seed=11)  # the first four overflow the pool
+    free = {"f": (prompts[5], SamplingParams(max_tokens=30, ignore_eos=True))}
+    free_run = tokens_of(run_to_completion(overlapped, free)["f"])
+    assert tokens_of(run_to_completion(stepwise, free)["f"]) == free_run
+    requests = {str(i): (p, SamplingParams(max_tokens=40, ignore_eos=True)) for i, p in enumerate(prompts)}
+    requests["5"] = (prompts[5], SamplingParams(max_tokens=30, stop_token_ids=(free_run[4],)))
+    requests["6"] = (prompts[6], SamplingParams(max_tokens=25, temperature=1.0, top_p=0.9, seed=7, logprobs=2))
+    requests["7"] = (prompts[7], SamplingParams(max_tokens=6, prompt_logprobs=1, ignore_eos=True))
+    requests["8"] = (prompts[8], SamplingParams(max_tokens=20, presence_penalty=1.5, ignore_eos=True))
+    requests["9"] = (prompts[9], SamplingParams(max_tokens=1, ignore_eos=True))
+
+    want = run_to_completion(stepwise, requests)
+    got = run_to_completion(overlapped, requests)
+
+    def seen(deltas):  # logprob values apart: batches differ, and with them XLA's float sums
+        def lps(logprobs):
+            return [None if lp is None else (lp.token_id, [t for t, _ in lp.top]) for lp in logprobs or []]
+        return [(d.token_ids, lps(d.logprobs), d.finish_reason, d.num_prompt_tokens, d.num_cached_tokens,
+                 lps(d.prompt_logprobs)) for d in deltas]
+
+    def logprob_values(deltas):
+        return [lp.logprob for d in deltas for lp in (d.logprobs or []) + (d.prompt_logprobs or []) if lp]
+
+    for rid in requests:
+        assert seen(got[rid]) == seen(want[rid]), f"request {rid}"
+        np.testing.assert_allclose(logprob_values(got[rid]), logprob_values(want[rid]), atol=1e-4)
+    assert got["5"][-1].finish_reason is FinishReason.STOP and len(tokens_of(got["5"])) == free_run.index(free_run[4]) + 1
+    assert overlapped.stats().num_preemptions > 0, "the page pool is small enough to preempt"
+    assert_all_pages_free(overlapped)
+    assert_all_pages_free(stepwise)
+
+
+def test_async_scheduling_keeps_one_step_in_flight(llama_engine):
+    """A step's tokens arrive with the next step() call, which has launched its successor."""
+    prompt = make_prompts([5], seed=12)[0]
+    llama_engine.add_request("x", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    batches = []
+    while llama_engine.has_work():
+        batches.append([len(d.token_ids) for d in llama_engine.step()])
+    assert batches == [[], [1], [1], [1]]  # launch 1; launch 2, fetch 1; launch 3, fetch 2; fetch 3
+    assert_all_pages_free(llama_engine)
+
+
 def test_requests_that_cannot_fit_are_refused_with_the_numbers(llama_engine):
     with pytest.raises(InvalidRequestError, match=r"maximum context length is 128 tokens.*130 tokens \(30 in the "
                                                   r"prompt, 100 for the completion\)"):
