@@ -126,6 +126,8 @@ class LaunchedStep:
     """On device until fetched; `out.tokens` feeds the next step's placeholders."""
     slot_of: dict[str, int]
     """Sampling slot (index into out.tokens) of each sampling row, by request id."""
+    logprobs: bool
+    """Whether any row wants the logprobs of its sampled token."""
     prompt_logprobs: Optional[tuple]
     """(owners, targets, device arrays) of the prompt logprobs this step computes, if any."""
 
@@ -205,11 +207,13 @@ class ModelRunner:
             out = _sample_step(logits, sampling, variant, self.max_rows)
             prompt_lps = self._launch_prompt_logprobs(plan, sd, hidden)
         slots = _sample_slots(plan, sd)
-        return LaunchedStep(plan, sd, out, {row.seq.request_id: slot for slot, row in slots if row.samples}, prompt_lps)
+        return LaunchedStep(plan, sd, out, {row.seq.request_id: slot for slot, row in slots if row.samples},
+                            variant.logprobs, prompt_lps)
 
     def fetch(self, step: LaunchedStep) -> list[RowResult]:
         """Wait for a launched step; results follow `step.plan.rows` order."""
-        out = jax.device_get(step.out)
+        # each array fetched costs host time: the logprob arrays only when a row asked for them
+        out = jax.device_get(step.out) if step.logprobs else SampleOutput(jax.device_get(step.out.tokens), None, None, None)
         prompt_lps = self._fetch_prompt_logprobs(step)
         # prompt_lps is keyed by prefill row (slot - sd); decode slots (< sd) have none
         return [self._row_result(row, slot, out, prompt_lps.get(slot - step.sd, []))
@@ -263,15 +267,22 @@ class ModelRunner:
 
     def _fill_row(self, row: Row, offset: int, tokens, positions, dest, prev_slot,
                   previous: Optional[LaunchedStep]) -> None:
-        span = slice(offset, offset + row.length)
-        pos = np.arange(row.start, row.start + row.length)
-        tokens[span] = row.seq.token_ids[row.start : row.start + row.length]
-        positions[span] = pos
-        dest[span] = np.asarray(row.seq.pages)[pos // self.page_size] * self.page_size + pos % self.page_size
-        if row.start + row.length > row.seq.num_known_tokens:  # reads the token `previous` is sampling
-            slot = previous.slot_of.get(row.seq.request_id) if previous is not None else None
-            if slot is None or row.start + row.length != row.seq.num_known_tokens + 1:
-                raise RuntimeError(f"request {row.seq.request_id}: a planned token is pending without a step "
+        seq, start, end = row.seq, row.start, row.start + row.length
+        if row.length == 1:  # a decode row: scalar stores (numpy's per-call cost dominates at batch 32)
+            prompt_len = len(seq.prompt_ids)
+            tokens[offset] = seq.prompt_ids[start] if start < prompt_len else seq.output_ids[start - prompt_len]
+            positions[offset] = start
+            dest[offset] = seq.pages[start // self.page_size] * self.page_size + start % self.page_size
+        else:
+            span = slice(offset, offset + row.length)
+            pos = np.arange(start, end)
+            tokens[span] = seq.token_ids[start:end]
+            positions[span] = pos
+            dest[span] = np.asarray(seq.pages)[pos // self.page_size] * self.page_size + pos % self.page_size
+        if end > seq.num_known_tokens:  # reads the token `previous` is sampling
+            slot = previous.slot_of.get(seq.request_id) if previous is not None else None
+            if slot is None or end != seq.num_known_tokens + 1:
+                raise RuntimeError(f"request {seq.request_id}: a planned token is pending without a step "
                                    "in flight to sample it (engine bug)")
             prev_slot[offset + row.length - 1] = slot
 

@@ -300,6 +300,8 @@ class Scheduler:
         if not self.allocator.enable_prefix_caching:
             return
         full = min(end, seq.num_known_tokens) // self.page_size  # a pending token has no hash yet
+        if full <= seq.num_registered_pages:
+            return
         hashes = self._hashes(seq, full)
         for i in range(seq.num_registered_pages, full):
             self.allocator.register(seq.pages[i], hashes[i])
