@@ -121,6 +121,7 @@ class LLMEngine:
             else:
                 deltas += self._finish(launched)
         return deltas
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),

@@ -213,7 +213,10 @@ class ModelRunner:
     def fetch(self, step: LaunchedStep) -> list[RowResult]:
         """Wait for a launched step; results follow `step.plan.rows` order."""
         # each array fetched costs host time: the logprob arrays only when a row asked for them
-        out = jax.device_get(step.out) if step.logprobs else SampleOutput(jax.device_get(step.out.tokens), None, None, None)
+        if step.logprobs:
+            out = jax.device_get(step.out)
+        else:
+            out = SampleOutput(jax.device_get(step.out.tokens), None, None, None)
         prompt_lps = self._fetch_prompt_logprobs(step)
         # prompt_lps is keyed by prefill row (slot - sd); decode slots (< sd) have none
         return [self._row_result(row, slot, out, prompt_lps.get(slot - step.sd, []))
@@ -396,7 +399,8 @@ class ModelRunner:
                                 zeros(sp, num_pages), zeros(sp), zeros(sp), zeros(n))
             sampling = SamplingInputs(np.zeros(n, np.float32), zeros(n), np.ones(n, np.float32),
                                       np.zeros(n, np.float32), np.zeros(n, np.uint32), zeros(n))
-            logits, _, self.cache = self.steps.forward(self.cache, inputs, self._no_tokens, np.full(tokens, -1, np.int32))
+            no_slots = np.full(tokens, -1, np.int32)
+            logits, _, self.cache = self.steps.forward(self.cache, inputs, self._no_tokens, no_slots)
             for variant in WARM_SAMPLER_VARIANTS:
                 variant = variant._replace(cpu_argmax=self.model.packed)
                 jax.block_until_ready(_sample_step(logits, sampling, variant, self.max_rows))
