@@ -201,6 +201,6 @@ class LLMEngine:
             last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids)
         ):
             return FinishReason.STOP
-        if generated >= params.max_tokens or len(seq.prompt_ids) + generated >= self.max_model_len:
+        if seq.ends_by_length(generated, self.max_model_len):
             return FinishReason.LENGTH
         return None

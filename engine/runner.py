@@ -122,14 +122,19 @@ class LaunchedStep:
 
     plan: Plan
     sd: int
+    slots: list[tuple[int, Row]]
+    """(sampling slot, row) of every row, as `_sample_slots` lays them out."""
     out: SampleOutput
     """On device until fetched; `out.tokens` feeds the next step's placeholders."""
-    slot_of: dict[str, int]
-    """Sampling slot (index into out.tokens) of each sampling row, by request id."""
     logprobs: bool
     """Whether any row wants the logprobs of its sampled token."""
     prompt_logprobs: Optional[tuple]
     """(owners, targets, device arrays) of the prompt logprobs this step computes, if any."""
+
+    @functools.cached_property
+    def slot_of(self) -> dict[str, int]:
+        """Sampling slot (index into out.tokens) of each sampling row, by request id."""
+        return {row.seq.request_id: slot for slot, row in self.slots if row.samples}
 
 
 def _sample_slots(plan: Plan, sd: int) -> list[tuple[int, Row]]:
@@ -203,12 +208,11 @@ class ModelRunner:
             inputs, prev_slot = self._step_inputs(plan, sd, sp, pages, previous)
             prev_tokens = previous.out.tokens if previous is not None else self._no_tokens
             logits, hidden, self.cache = self.steps.forward(self.cache, inputs, prev_tokens, prev_slot)
-            sampling, variant = self._sampling_inputs(plan, sd, sp)
+            slots = _sample_slots(plan, sd)
+            sampling, variant = self._sampling_inputs(slots, sd + sp)
             out = _sample_step(logits, sampling, variant, self.max_rows)
             prompt_lps = self._launch_prompt_logprobs(plan, sd, hidden)
-        slots = _sample_slots(plan, sd)
-        return LaunchedStep(plan, sd, out, {row.seq.request_id: slot for slot, row in slots if row.samples},
-                            variant.logprobs, prompt_lps)
+        return LaunchedStep(plan, sd, slots, out, variant.logprobs, prompt_lps)
 
     def fetch(self, step: LaunchedStep) -> list[RowResult]:
         """Wait for a launched step; results follow `step.plan.rows` order."""
@@ -220,7 +224,7 @@ class ModelRunner:
         prompt_lps = self._fetch_prompt_logprobs(step)
         # prompt_lps is keyed by prefill row (slot - sd); decode slots (< sd) have none
         return [self._row_result(row, slot, out, prompt_lps.get(slot - step.sd, []))
-                for slot, row in _sample_slots(step.plan, step.sd)]
+                for slot, row in step.slots]
 
     # ---- shapes ----
 
@@ -289,9 +293,7 @@ class ModelRunner:
                                    "in flight to sample it (engine bug)")
             prev_slot[offset + row.length - 1] = slot
 
-    def _sampling_inputs(self, plan: Plan, sd: int, sp: int) -> tuple[SamplingInputs, SamplerVariant]:
-        n = sd + sp
-        rows = _sample_slots(plan, sd)
+    def _sampling_inputs(self, rows: list[tuple[int, Row]], n: int) -> tuple[SamplingInputs, SamplerVariant]:
         temperature, top_p, min_p = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.float32)
         top_k, seed, position = np.zeros(n, np.int32), np.zeros(n, np.uint32), np.zeros(n, np.int32)
         for i, row in rows:

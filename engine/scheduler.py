@@ -79,6 +79,10 @@ class Sequence:
     def num_known_tokens(self) -> int:
         return self.num_tokens - self.tokens_in_flight
 
+    def ends_by_length(self, num_outputs: int, max_model_len: int) -> bool:
+        """Whether the sequence ends by length once it has `num_outputs` output tokens."""
+        return num_outputs >= self.params.max_tokens or len(self.prompt_ids) + num_outputs >= max_model_len
+
     @property
     def num_pending(self) -> int:
         return self.num_tokens - self.num_computed
@@ -241,8 +245,7 @@ class Scheduler:
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         """Whether the output tokens already planned (some still in flight) end the sequence."""
-        return bool(seq.output_ids) and (len(seq.output_ids) >= seq.params.max_tokens
-                                         or seq.num_tokens >= self.config.max_model_len)
+        return bool(seq.output_ids) and seq.ends_by_length(len(seq.output_ids), self.config.max_model_len)
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Start `seq` from the longest cached prefix, keeping at least one token to compute (its
