@@ -83,15 +83,16 @@ def test_fused_linear_rejects_parts_with_different_inputs():
         FusedLinear.fuse(parts)
 
 
-@pytest.mark.parametrize("shape", [(1, 2048), (3, 13), (64, 8200), (0, 16)])
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 13), (64, 8200), (5, 3000), (0, 16)])
 def test_silu_mul_equals_silu_times_up(shape):
-    """Vector body and scalar tail, several chunks, no elements; gates far out in both tails (where
-    e^-g overflows a naive sigmoid) and around zero."""
+    """gate and up side by side in each row, as the fused gate/up matmul writes them. Vector body and
+    scalar tail, chunks that start and end mid-row and span rows, no rows; gates far out in both
+    tails (where e^-g overflows a naive sigmoid) and around zero."""
     rng = np.random.default_rng(sum(shape))
     g = (rng.standard_normal(shape) * 8).astype(np.float32)
     g.flat[:4] = [-200.0, -88.0, 0.0, 200.0][: g.size]
     u = rng.standard_normal(shape).astype(np.float32)
-    got = np.asarray(jax.jit(silu_mul)(jnp.asarray(g), jnp.asarray(u)))
+    got = np.asarray(jax.jit(silu_mul)(jnp.asarray(np.concatenate([g, u], axis=1))))
     g64 = g.astype(np.float64)
     want = g64 / (1.0 + np.exp(-g64)) * u
     assert got.shape == shape and got.dtype == np.float32
