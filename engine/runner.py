@@ -10,7 +10,9 @@ sampling straight from its device output (`prev_slot`), so the host never waits 
 
 Shapes come from a small set of buckets so that XLA compiles each once:
 - decode rows `Sd` and prefill rows `Sp` round up to powers of two; a step that has both pads
-  its decode group to the maximum, so mixed steps add only one shape per `Sp`;
+  its decode group to a quarter of the maximum or to the maximum (`mixed_decode_rows`), so mixed
+  steps add only two shapes per `Sp`, and a few decodes beside a prompt chunk do not carry
+  `max_num_seqs` padding rows through every layer and the LM head;
 - pages per row `L` round up to powers of two from `min_bucket_pages`.
 Warm-up compiles every (Sd, Sp, L) bucket at start, with the common sampler variants, and logs
 the time; the rarer variants (penalties, top-k/p filtering) and prompt logprobs compile on first use.
@@ -175,6 +177,7 @@ class ModelRunner:
         self.num_pages = config.num_pages or 1 + config.max_num_seqs * self.max_pages_per_seq
         self.max_prefill_rows = _pow2(max(1, config.max_num_batched_tokens // config.prefill_chunk))
         self.max_decode_rows = _pow2(config.max_num_seqs)
+        self.mixed_decode_rows = sorted({max(1, self.max_decode_rows // 4), self.max_decode_rows})
         self.max_rows = self.max_decode_rows + self.max_prefill_rows  # sampled rows of a step at most
         self.min_bucket_pages = min(self.max_pages_per_seq, _pow2(-(-256 // self.page_size)))
         self.page_buckets = self._page_buckets()
@@ -197,7 +200,7 @@ class ModelRunner:
     def buckets(self) -> list[tuple[int, int, int]]:
         sd = [1 << i for i in range(self.max_decode_rows.bit_length())]
         sp = [1 << i for i in range(self.max_prefill_rows.bit_length())]
-        shapes = [(d, 0) for d in sd] + [(0, p) for p in sp] + [(self.max_decode_rows, p) for p in sp]
+        shapes = [(d, 0) for d in sd] + [(0, p) for p in sp] + [(d, p) for d in self.mixed_decode_rows for p in sp]
         return [(d, p, pages) for (d, p), pages in itertools.product(shapes, self.page_buckets)]
 
     def launch(self, plan: Plan, previous: Optional[LaunchedStep] = None) -> LaunchedStep:
@@ -238,7 +241,7 @@ class ModelRunner:
     def _bucket(self, plan: Plan) -> tuple[int, int, int]:
         n_dec, n_pre = len(plan.decode), len(plan.prefill)
         sp = _pow2(n_pre) if n_pre else 0
-        sd = (self.max_decode_rows if sp else _pow2(n_dec)) if n_dec else 0
+        sd = (next(d for d in self.mixed_decode_rows if d >= n_dec) if sp else _pow2(n_dec)) if n_dec else 0
         needed = max(-(-(row.start + row.length) // self.page_size) for row in plan.rows)
         pages = next(b for b in self.page_buckets if b >= needed)
         return sd, sp, pages

@@ -282,6 +282,44 @@ def test_async_scheduling_keeps_one_step_in_flight(llama_engine):
     assert_all_pages_free(llama_engine)
 
 
+def test_a_mixed_step_pads_its_decodes_to_a_compiled_tier(llama_dir, monkeypatch):
+    """Decode rows beside prompt chunks pad to max_num_seqs / 4 or to max_num_seqs (both compiled
+    at warm-up), not always to max_num_seqs."""
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), **{**TIGHT, "max_num_seqs": 8, "max_num_batched_tokens": 64, "num_pages": 80}))
+    runner = engine.runner
+    assert runner.mixed_decode_rows == [2, 8]
+    picked, bucket = [], runner._bucket
+
+    def spy(plan):
+        shape = bucket(plan)
+        picked.append(((len(plan.decode), len(plan.prefill)), shape[:2]))
+        return shape
+
+    monkeypatch.setattr(runner, "_bucket", spy)
+    prompts = make_prompts([3] * 6, seed=13)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def admit(ids: str) -> None:  # add requests, then step until a step plans no prompt chunk
+        for rid in ids:
+            engine.add_request(rid, prompts["abcdef".index(rid)], params)
+        engine.step()
+        while engine.stats().num_waiting or picked[-1][0][1] > 0:
+            engine.step()
+
+    admit("a")
+    admit("b")
+    admit("cde")
+    admit("f")
+    while engine.has_work():
+        engine.step()
+    assert ((1, 1), (2, 1)) in picked  # 1 decode + 1 prompt chunk: decodes padded to 2
+    assert ((2, 3), (2, 4)) in picked
+    assert ((5, 1), (8, 1)) in picked
+    compiled = {shape[:2] for shape in runner.buckets()}
+    assert {shape for _, shape in picked} <= compiled
+    assert_all_pages_free(engine)
+
+
 def test_requests_that_cannot_fit_are_refused_with_the_numbers(llama_engine):
     with pytest.raises(InvalidRequestError, match=r"maximum context length is 128 tokens.*130 tokens \(30 in the "
                                                   r"prompt, 100 for the completion\)"):
