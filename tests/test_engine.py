@@ -285,7 +285,8 @@ def test_async_scheduling_keeps_one_step_in_flight(llama_engine):
 def test_a_mixed_step_pads_its_decodes_to_a_compiled_tier(llama_dir, monkeypatch):
     """Decode rows beside prompt chunks pad to max_num_seqs / 4 or to max_num_seqs (both compiled
     at warm-up), not always to max_num_seqs."""
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), **{**TIGHT, "max_num_seqs": 8, "max_num_batched_tokens": 64, "num_pages": 80}))
+    config = {**TIGHT, "max_num_seqs": 8, "max_num_batched_tokens": 64, "num_pages": 80}
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), **config))
     runner = engine.runner
     assert runner.mixed_decode_rows == [2, 8]
     picked, bucket = [], runner._bucket
