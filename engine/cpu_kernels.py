@@ -95,8 +95,7 @@ class PackedLinear(eqx.Module):
     def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
         del key
         batch, y = _packed_matmul(inputs, self.In, self.weight.array)
-        y = y.reshape(*(ax.size for ax in batch), *(ax.size for ax in self.Out))
-        out = hax.named(y, (*batch, *self.Out))
+        out = unflatten_rows(y, batch, self.Out)
         return out if self.bias is None else out + self.bias
 
 
@@ -124,8 +123,7 @@ class FusedLinear(eqx.Module):
         outs, start = [], 0
         for Out in self.Outs:
             size = hax.axis_size(Out)
-            part = y[:, start : start + size].reshape(*(ax.size for ax in batch), *(ax.size for ax in Out))
-            outs.append(hax.named(part, (*batch, *Out)))
+            outs.append(unflatten_rows(y[:, start : start + size], batch, Out))
             start += size
         return tuple(outs)
 
@@ -137,6 +135,11 @@ class FusedLinear(eqx.Module):
                                      else bias.rearrange(Out).array.reshape(-1)
                                      for Out, bias in zip(self.Outs, self.biases)])
         return batch, y
+
+
+def unflatten_rows(y: jax.Array, batch, Out) -> NamedArray:
+    """y f[prod(batch), prod(Out)] as the NamedArray (*batch, *Out): `_packed_matmul`'s inverse."""
+    return hax.named(y.reshape(*(ax.size for ax in batch), *(ax.size for ax in Out)), (*batch, *Out))
 
 
 def _packed_matmul(inputs: NamedArray, In, packed: jax.Array) -> tuple[list[hax.Axis], jax.Array]:

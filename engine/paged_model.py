@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from levanter.layers.attention import Attention
 
-from engine.cpu_kernels import PANEL, FusedLinear, PackedLinear, decode_attention, silu_mul
+from engine.cpu_kernels import PANEL, FusedLinear, PackedLinear, decode_attention, silu_mul, unflatten_rows
 
 NEG_INF = -1e30
 
@@ -254,9 +254,7 @@ def _mlp(mlp, x: NamedArray) -> NamedArray:
     if not (_swiglu(mlp) and isinstance(mlp.gate_proj, FusedLinear)):
         return mlp(x)
     batch, gate_up = mlp.gate_proj.concatenated(x)
-    Hidden = mlp.gate_proj.Outs[0]
-    h = silu_mul(gate_up).reshape(*(ax.size for ax in batch), *(ax.size for ax in Hidden))
-    return mlp.down_proj(hax.named(h, (*batch, *Hidden)))
+    return mlp.down_proj(unflatten_rows(silu_mul(gate_up), batch, mlp.gate_proj.Outs[0]))
 
 
 def _attention(attn, h, k_all, v_all, index, pos_ids, inputs: StepInputs, tables, rope):
