@@ -25,9 +25,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.core.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
 
 BENCH_MODEL = dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048,
                    vocab_size=32000, max_position_embeddings=2048, initializer_range=0.02, dtype="bfloat16")

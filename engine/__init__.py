@@ -1,6 +1,14 @@
 """A continuous-batching, paged-attention LLM engine in JAX on levanter models.
 
-Surface: `LLMEngine.add_request / abort / step` (engine.engine, imports jax) and `AsyncEngine`
-(engine.async_engine, pure Python). This package's `__init__` imports nothing heavy so that the
-serving layer can use `engine.request` and `engine.async_engine` without jax.
+Surface: `LLMEngine.add_request / abort / step` (engine.llm_engine, imports jax) and `AsyncEngine`
+(engine.async_engine, pure Python). Grouped by concern:
+
+- `core/`: request, config, pages, scheduler, step plan: pure Python, no jax;
+- `runner/`: the device side (model runner, sampler, sharding);
+- `attention/`: the attention backends (cpu, xla, tpu) and their KV cache layouts;
+- `model/`: the forward pass over levanter modules, checkpoint loading;
+- `formats/`: GGUF conversion and model sources.
+
+This package's `__init__` imports nothing heavy so that the serving layer can use `engine.core`
+and `engine.async_engine` without jax.
 """

@@ -17,7 +17,7 @@ import queue
 import threading
 from typing import AsyncIterator, Optional, Protocol
 
-from engine.request import EngineDeadError, EngineStats, InvalidRequestError, SamplingParams, TokenDelta
+from engine.core.request import EngineDeadError, EngineStats, InvalidRequestError, SamplingParams, TokenDelta
 
 logger = logging.getLogger(__name__)
 

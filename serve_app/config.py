@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, field_validator, model_validator
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model"}
 
@@ -33,13 +33,13 @@ class ModelConfig(BaseModel):
 
     model: str
     """A local Hugging Face checkpoint directory, a local .gguf file, or a builtin alias such as
-    `smollm2-135m-instruct` (see engine.model_sources)."""
+    `smollm2-135m-instruct` (see engine.formats.model_sources)."""
     model_id: Optional[str] = None
     """The name clients send as `model`. Default: the directory name (a .gguf file's stem), or the
     alias."""
     cache_dir: Optional[str] = None
     """Where converted/downloaded models are kept on each replica's host (default: the engine's)."""
-    engine_cls: str = "engine.engine:LLMEngine"
+    engine_cls: str = "engine.llm_engine:LLMEngine"
     """Import path `module:Class` of the engine core, constructed as `cls(EngineConfig)`; imported
     lazily on the model-server replica (the serving layer never imports jax)."""
     engine: dict[str, Any] = {}

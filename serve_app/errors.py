@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from ray.serve.exceptions import BackPressureError
 
-from engine.request import EngineDeadError, InvalidRequestError
+from engine.core.request import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

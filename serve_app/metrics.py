@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Optional
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from engine.request import EngineStats
+from engine.core.request import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ request model:
   * an unknown field is a 400 (`extra="forbid"`), like OpenAI's own API, so typos are never ignored;
   * a known OpenAI field this server cannot honour yet is a 400 that says so, unless it has its
     neutral value (e.g. `response_format={"type": "text"}`, `tools=[]`).
-Numeric ranges of sampling fields are checked once, by `engine.request.SamplingParams`.
+Numeric ranges of sampling fields are checked once, by `engine.core.request.SamplingParams`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from serve_app.errors import BadRequest
 
 MAX_N = 128

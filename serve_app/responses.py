@@ -11,7 +11,7 @@ import dataclasses
 import time
 from typing import Optional
 
-from engine.request import TokenLogprob
+from engine.core.request import TokenLogprob
 from serve_app.detokenize import TokenStrings
 from serve_app.protocol import (
     ChatChoice,

@@ -27,7 +27,7 @@ from ray.serve.exceptions import RayServeException
 from transformers import AutoTokenizer
 
 from engine.async_engine import AsyncEngine
-from engine.request import SamplingParams, TokenDelta
+from engine.core.request import SamplingParams, TokenDelta
 from serve_app.config import ModelConfig
 from serve_app.detokenize import TextStream, TokenStrings
 from serve_app.errors import BadRequest, to_api_error
@@ -121,7 +121,7 @@ class ModelServer:
     """One replica of a model: tokenizer + async engine + metrics."""
 
     def __init__(self, config: ModelConfig):
-        from engine.model_sources import resolve_model
+        from engine.formats.model_sources import resolve_model
 
         route_logs_to_replica_log()
         if config.engine_niceness is not None:

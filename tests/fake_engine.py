@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from engine.config import EngineConfig
-from engine.request import (
+from engine.core.config import EngineConfig
+from engine.core.request import (
     EngineStats,
     FinishReason,
     InvalidRequestError,

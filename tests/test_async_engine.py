@@ -9,9 +9,9 @@ import time
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from engine.request import EngineDeadError, FinishReason, InvalidRequestError, SamplingParams
+from engine.core.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.core.request import EngineDeadError, FinishReason, InvalidRequestError, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -138,7 +138,7 @@ class _DyingCore:
         raise RuntimeError("device lost")
 
     def stats(self):
-        from engine.request import EngineStats
+        from engine.core.request import EngineStats
 
         return EngineStats()
 

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import cpu_kernels
-from engine.cpu_kernels import FusedLinear, PackedLinear, argmax, decode_attention, matmul, pack, silu_mul
+from engine.attention import cpu_kernels
+from engine.attention.cpu_kernels import FusedLinear, PackedLinear, argmax, decode_attention, matmul, pack, silu_mul
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 + FMA and g++")
 
@@ -160,7 +160,7 @@ def test_attention_over_a_mixed_steps_token_tables_equals_the_xla_path():
     """Two decode rows (one padding) and three prefill rows of chunk 4: a full chunk continuing a
     cached prefix, a 2-token chunk, a padding row. Every real token attends causally to its row's
     cache; padding tokens get zeros."""
-    from engine.paged_model import StepInputs, _decode_attention, _prefill_attention, _token_tables
+    from engine.model.paged_model import StepInputs, _decode_attention, _prefill_attention, _token_tables
 
     rng = np.random.default_rng(7)
     layers, num_pages, heads, group, dim, page_size, table_len, chunk = 2, 30, 2, 3, 16, 4, 4, 4
@@ -194,7 +194,7 @@ def test_a_failing_build_falls_back_with_a_warning(tmp_path):
     import subprocess
     import sys
 
-    code = "import logging; logging.basicConfig(); from engine import cpu_kernels; print(cpu_kernels.available())"
+    code = "import logging; logging.basicConfig(); from engine.attention import cpu_kernels; print(cpu_kernels.available())"
     env = {**os.environ, "CXX": "false", "JAX_SERVE_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "False"

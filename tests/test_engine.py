@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 
-from engine.config import EngineConfig
-from engine.cpu_kernels import FusedLinear, available as cpu_kernels_available
-from engine.engine import LLMEngine
-from engine.request import FinishReason, InvalidRequestError, SamplingParams
+from engine.core.config import EngineConfig
+from engine.attention.cpu_kernels import FusedLinear, available as cpu_kernels_available
+from engine.llm_engine import LLMEngine
+from engine.core.request import FinishReason, InvalidRequestError, SamplingParams
 
 PROMPT_LENGTHS = [3, 7, 12, 20, 33, 50, 9, 17]
 NEW_TOKENS = 32
@@ -154,9 +154,9 @@ def test_n4_siblings_share_their_prompt_pages(llama_dir):
         engine.add_request(f"s{i}", prompt, params)
     for _ in range(4):  # two prefill rows per step: all four run after two steps
         engine.step()
-        if len(engine.scheduler.running) == 4:
+        if len(engine.core.scheduler.running) == 4:
             break
-    pages = [seq.pages for seq in engine.scheduler.running]
+    pages = [seq.pages for seq in engine.core.scheduler.running]
     assert len(pages) == 4
     assert all(p[:3] == pages[0][:3] for p in pages), "siblings hold the same three prompt pages"
     assert [engine.allocator.ref_count(page) for page in pages[0][:3]] == [4, 4, 4]
@@ -344,6 +344,6 @@ def test_a_relative_checkpoint_path_loads_offline(llama_dir, llama_engine, monke
 def test_bfloat16_without_the_cpu_kernels_warns_on_cpu(llama_dir, caplog):
     import logging
 
-    with caplog.at_level(logging.WARNING, logger="engine.runner"):
+    with caplog.at_level(logging.WARNING, logger="engine.runner.model_runner"):
         LLMEngine(EngineConfig(model=str(llama_dir), dtype="bfloat16", cpu_kernels=False, **TIGHT))
     assert any("set dtype: float32" in r.message for r in caplog.records)

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from benchmarks.engine_bench import run_once
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.core.config import EngineConfig
+from engine.llm_engine import LLMEngine
 
 
 def test_closed_loop_replaces_finished_requests_until_all_ran(llama_dir):

@@ -1,4 +1,4 @@
-"""GGUF -> Hugging Face conversion (engine.gguf) on a tiny synthetic file and on the real default model.
+"""GGUF -> Hugging Face conversion (engine.formats.gguf) on a tiny synthetic file and on the real default model.
 
 The synthetic test writes a GGUF the way llama.cpp's converter does (Q/K rows permuted, a byte-level
 BPE vocabulary with merges, a chat template), converts it back and checks that transformers computes
@@ -20,8 +20,8 @@ import regex
 from safetensors.numpy import load_file
 
 import gguf
-from engine.gguf import convert_gguf_to_hf
-from engine.model_sources import BUILTIN_MODELS, fetch_wheel_member, resolve_model
+from engine.formats.gguf import convert_gguf_to_hf
+from engine.formats.model_sources import BUILTIN_MODELS, fetch_wheel_member, resolve_model
 from tiny_models import CHATML_TEMPLATE, SPECIAL_TOKENS, make_checkpoint
 
 torch = pytest.importorskip("torch")
@@ -44,7 +44,7 @@ TRICKY_TEXTS = [
     " ",
 ]
 
-# HF name -> GGUF name, written out independently of engine.gguf's own table.
+# HF name -> GGUF name, written out independently of engine.formats.gguf's own table.
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",

@@ -1,4 +1,4 @@
-"""engine.model_sources: spec resolution, error messages, and the cache's build-once invariants.
+"""engine.formats.model_sources: spec resolution, error messages, and the cache's build-once invariants.
 
 Conversion and downloads are replaced by fakes here; tests/test_gguf.py runs the real ones.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import model_sources
-from engine.model_sources import COMPLETE_MARKER, WheelModel, resolve_model
+from engine.formats import model_sources
+from engine.formats.model_sources import COMPLETE_MARKER, WheelModel, resolve_model
 
 
 def fake_convert(calls: list):

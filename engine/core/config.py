@@ -40,11 +40,11 @@ class EngineConfig:
     scan_layers: bool = False
     """Run the layers as one `scan` instead of an unrolled loop: compile time stops growing with
     depth (deep models warm up in about half the time), but on CPU each step copies every layer's
-    weights, which slows small-batch decoding (see engine/paged_model.py); with the CPU kernels
+    weights, which slows small-batch decoding (see engine/model/paged_model.py); with the CPU kernels
     a scanned step is ~15x slower (SmolLM2: 320 vs 21 ms at batch 1), so keep it off on CPU."""
     cpu_kernels: bool = True
     """On an x86 CPU with AVX2 + FMA, run the linear layers and the LM head on the project's matmul
-    kernel (engine/cpu_kernels.cc; built on first use with the system C++ compiler): 1.5-2.5x faster
+    kernel (engine/attention/cpu_kernels.cc; built on first use with the system C++ compiler): 1.5-2.5x faster
     than XLA's dot on decode-sized batches, and bfloat16 weights are read as bfloat16. Ignored on
     other backends; falls back to XLA's dot (with a warning) when the kernel cannot be built."""
     async_scheduling: bool = True

@@ -1,4 +1,4 @@
-"""The engine's CPU kernels (engine/cpu_kernels.cc): build, load and call them from JAX.
+"""The engine's CPU kernels (engine/attention/cpu_kernels.cc): build, load and call them from JAX.
 
 - `matmul` / `PackedLinear`: XLA's CPU dot is slow on the few-row products of decoding and has no
   fast bfloat16 path; this kernel streams packed weights (bfloat16 or float32) and accumulates in

@@ -21,17 +21,17 @@ import logging
 import random
 from typing import Optional
 
-from engine.config import EngineConfig
-from engine.pages import PageAllocator
-from engine.request import (
+from engine.core.config import EngineConfig
+from engine.core.pages import PageAllocator
+from engine.core.request import (
     EngineStats,
     FinishReason,
     InvalidRequestError,
     SamplingParams,
     TokenDelta,
 )
-from engine.runner import LaunchedStep, ModelRunner, RowResult
-from engine.scheduler import PENDING_TOKEN, Row, Scheduler, SchedulerConfig, Sequence, Status
+from engine.runner.model_runner import LaunchedStep, ModelRunner, RowResult
+from engine.core.scheduler import PENDING_TOKEN, Row, Scheduler, SchedulerConfig, Sequence, Status
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from levanter.layers.attention import Attention
 
-from engine.cpu_kernels import PANEL, FusedLinear, PackedLinear, decode_attention, silu_mul, unflatten_rows
+from engine.attention.cpu_kernels import PANEL, FusedLinear, PackedLinear, decode_attention, silu_mul, unflatten_rows
 
 NEG_INF = -1e30
 

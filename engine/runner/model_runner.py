@@ -37,14 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from engine import cpu_kernels
-from engine.config import EngineConfig
-from engine.models import ModelInfo, load_model
-from engine.paged_model import KVCache, ServingModel, StepInputs, forward, logits_at
-from engine.pages import SCRATCH_PAGE
-from engine.request import TokenLogprob
-from engine.sampler import SampleOutput, SamplingInputs, sample, token_logprobs
-from engine.scheduler import Plan, Row
+from engine.attention import cpu_kernels
+from engine.core.config import EngineConfig
+from engine.model.loading import ModelInfo, load_model
+from engine.model.paged_model import KVCache, ServingModel, StepInputs, forward, logits_at
+from engine.core.pages import SCRATCH_PAGE
+from engine.core.request import TokenLogprob
+from engine.runner.sampler import SampleOutput, SamplingInputs, sample, token_logprobs
+from engine.core.scheduler import Plan, Row
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _sample_step(logits, inputs: SamplingInputs, variant: "SamplerVariant", rows
 
 
 class SamplerVariant(NamedTuple):
-    """Static switches of the sampler (see engine.sampler)."""
+    """Static switches of the sampler (see engine.runner.sampler)."""
 
     random: bool = False
     logprobs: bool = False

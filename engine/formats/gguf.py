@@ -274,7 +274,7 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([split, bytes_only])
     raise ValueError(
         f"tokenizer.ggml.pre {pre!r} is not supported; known: {', '.join(SUPPORTED_PRE_TOKENIZERS)}. "
-        "Add its split regex (see llama.cpp's llama-vocab.cpp) to engine/gguf.py"
+        "Add its split regex (see llama.cpp's llama-vocab.cpp) to engine/formats/gguf.py"
     )
 
 

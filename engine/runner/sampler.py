@@ -24,8 +24,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from engine import cpu_kernels
-from engine.request import MAX_TOP_LOGPROBS
+from engine.attention import cpu_kernels
+from engine.core.request import MAX_TOP_LOGPROBS
 
 
 class SamplingInputs(NamedTuple):

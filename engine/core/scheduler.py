@@ -26,8 +26,8 @@ import enum
 from collections import deque
 from typing import Optional
 
-from engine.pages import PageAllocator, prefix_hashes
-from engine.request import SamplingParams, TokenLogprob
+from engine.core.pages import PageAllocator, prefix_hashes
+from engine.core.request import SamplingParams, TokenLogprob
 
 PENDING_TOKEN = -1
 """Placeholder in `Sequence.output_ids` for a token a step still in flight is sampling."""
