@@ -81,28 +81,32 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=128)
     parser.add_argument("--requests", type=int, default=None,
                         help="closed loop: keep `batch` requests running until this many have run")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
-                        help="the engine's CPU matmul/attention kernels (--no-cpu-kernels: XLA's ops)")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "xla", "tpu"],
+                        help="the engine's attention backend (auto: cpu kernels on x86 CPUs)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     model = bench_checkpoint(args.model)
-    kernels = "CPU kernels" if args.cpu_kernels else "XLA ops"
-    print(f"| batch | output tok/s | decode step ms | run s | steps |  ({args.dtype}, {kernels}, {args.prompt_len} in"
-          f" / {args.new_tokens} out)")
-    print("|---|---|---|---|---|")
-    for batch in [int(b) for b in args.batch.split(",")]:
+    batches = [int(b) for b in args.batch.split(",")]
+    for batch in batches:
         engine = LLMEngine(EngineConfig(
             model=str(model), dtype=args.dtype, page_size=args.page_size, max_num_seqs=batch,
             max_num_batched_tokens=max(batch, args.max_num_batched_tokens), prefill_chunk=args.prefill_chunk,
-            max_model_len=args.prompt_len + args.new_tokens, cpu_kernels=args.cpu_kernels))
+            max_model_len=args.prompt_len + args.new_tokens, attention_backend=args.attention_backend,
+            tensor_parallel_size=args.tensor_parallel_size))
+        if batch == batches[0]:
+            d = engine.describe()
+            print(f"| batch | output tok/s | decode step ms | run s | steps |  ({d['dtype']}, {d['attention_backend']} "
+                  f"backend, tp={d['tensor_parallel_size']}, {args.prompt_len} in / {args.new_tokens} out)")
+            print("|---|---|---|---|---|")
         runs = [run_once(engine, batch, args.prompt_len, args.new_tokens, seed, args.requests)
                 for seed in range(args.repeats)]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}

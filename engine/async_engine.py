@@ -36,6 +36,9 @@ class EngineCore(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def describe(self) -> dict[str, str]:
+        """How the engine runs its model (attention backend, dtypes, devices, mesh): fixed at start."""
+
 
 class _Stream:
     """One request's delivery queue, living on the caller's event loop."""
@@ -59,6 +62,7 @@ class AsyncEngine:
         self._idle_wait_s = idle_wait_s
         self._error: Optional[BaseException] = None
         self._stats = core.stats()
+        self._description = core.describe()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -105,6 +109,9 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The snapshot taken after the most recent step (cheap; no lock on the engine)."""
         return self._stats
+
+    def describe(self) -> dict[str, str]:
+        return self._description
 
     @property
     def error(self) -> Optional[BaseException]:

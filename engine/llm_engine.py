@@ -1,9 +1,10 @@
 """The engine: add requests, abort them, and step.
 
 One request's path: `add_request` validates it and queues a `Sequence`; each `step()` asks the
-scheduler for a plan (which sequences run, how many tokens each), has the runner launch it, and
-returns one `TokenDelta` per sequence that produced a token (plus one per aborted request). A
-finished or aborted sequence returns all its pages at once.
+scheduler for a plan (which sequences run, how many tokens each), turns it into a step plan (plain
+arrays, engine.core.step_plan), has the runner launch it, and returns one `TokenDelta` per
+sequence that produced a token (plus one per aborted request). A finished or aborted sequence
+returns all its pages at once.
 
 Async scheduling (the default): `step()` launches step N+1 before it waits for step N, so the host
 work of one step runs while the device computes the previous one. Launching advances each row at
@@ -17,6 +18,7 @@ Single-threaded by design: `AsyncEngine` drives it from one background thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from typing import Optional
@@ -29,11 +31,33 @@ from engine.core.request import (
     InvalidRequestError,
     SamplingParams,
     TokenDelta,
+    TokenLogprob,
 )
-from engine.runner.model_runner import LaunchedStep, ModelRunner, RowResult
-from engine.core.scheduler import PENDING_TOKEN, Row, Scheduler, SchedulerConfig, Sequence, Status
+from engine.core.scheduler import PENDING_TOKEN, Plan, Row, Scheduler, SchedulerConfig, Sequence, Status
+from engine.core.step_plan import RowSlots, StepOutput, StepPlanner
+from engine.runner.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchedStep:
+    """A step on the devices, with what maps its outputs back to the plan's rows."""
+
+    plan: Plan
+    slots: RowSlots
+    handle: StepHandle
+
+
+@dataclasses.dataclass(frozen=True)
+class RowResult:
+    """What one row of a step produced (`token` is meaningful only when the row samples)."""
+
+    token: int
+    logprob: Optional[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob]
+    """For rows of a sequence that asked for prompt logprobs: one per prompt token this row
+    predicts (tokens start+1 .. of the prompt)."""
 
 
 class LLMEngine:
@@ -47,13 +71,14 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 prefill_chunk=config.prefill_chunk,
-                max_prefill_rows=self.runner.max_prefill_rows,
+                max_prefill_rows=self.runner.buckets.max_prefill_rows,
                 max_model_len=self.max_model_len,
             ),
             self.allocator,
         )
         self.eos_token_ids = frozenset(self.runner.info.eos_token_ids)
         self.vocab_size = self.runner.vocab_size
+        self.planner = StepPlanner(self.runner.buckets, self.vocab_size, self.runner.info.eos_token_ids)
         self._sequences: dict[str, Sequence] = {}
         self._aborted: list[str] = []
         self._in_flight: Optional[LaunchedStep] = None
@@ -122,6 +147,10 @@ class LLMEngine:
                 deltas += self._finish(launched)
         return deltas
 
+    def describe(self) -> dict[str, str]:
+        """How this engine runs its model: attention backend, dtypes, devices, mesh, KV pool."""
+        return {**self.runner.describe(), "max_model_len": str(self.max_model_len)}
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -150,7 +179,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.rows:
             return None
-        launched = self.runner.launch(plan, previous)
+        step, slots = self.planner.build(plan, self._num_steps, previous.slots if previous is not None else None)
+        launched = LaunchedStep(plan, slots, self.runner.launch(step))
         for row in plan.rows:
             row.seq.num_computed += row.length
             if row.samples:
@@ -163,7 +193,7 @@ class LLMEngine:
 
     def _finish(self, launched: LaunchedStep) -> list[TokenDelta]:
         """Wait for a launched step and turn its results into deltas."""
-        results = self.runner.fetch(launched)
+        results = _row_results(launched.plan, launched.slots, self.runner.fetch(launched.handle))
         deltas = [self._advance(row, result) for row, result in zip(launched.plan.rows, results)]
         return [delta for delta in deltas if delta is not None]
 
@@ -204,3 +234,26 @@ class LLMEngine:
         if seq.ends_by_length(generated, self.max_model_len):
             return FinishReason.LENGTH
         return None
+
+
+def _row_results(plan: Plan, slots: RowSlots, out: StepOutput) -> list[RowResult]:
+    """One result per row of `plan.rows`, read from the step's outputs."""
+    prompt: list[list[TokenLogprob]] = [[] for _ in plan.rows]
+    if out.prompt is not None:
+        chosen, top_ids, top_lps = out.prompt
+        for k, r in enumerate(slots.prompt_rows):
+            seq = plan.rows[r].seq
+            target = seq.prompt_ids[plan.rows[r].start + len(prompt[r]) + 1]
+            prompt[r].append(_token_logprob(target, chosen[k], top_ids[k], top_lps[k], seq.params.prompt_logprobs))
+    results = []
+    for row, slot, prompt_lps in zip(plan.rows, slots.slots, prompt):
+        token, k = int(out.tokens[slot]), row.seq.params.logprobs
+        logprob = None if k is None else _token_logprob(token, out.logprobs[slot], out.top_ids[slot],
+                                                        out.top_logprobs[slot], k)
+        results.append(RowResult(token, logprob, prompt_lps))
+    return results
+
+
+def _token_logprob(token: int, logprob, top_ids, top_lps, k: int) -> TokenLogprob:
+    top = tuple((int(t), float(lp)) for t, lp in zip(top_ids[:k], top_lps[:k]))
+    return TokenLogprob(int(token), float(logprob), top)

@@ -43,9 +43,9 @@ class ModelConfig(BaseModel):
     """Import path `module:Class` of the engine core, constructed as `cls(EngineConfig)`; imported
     lazily on the model-server replica (the serving layer never imports jax)."""
     engine: dict[str, Any] = {}
-    """EngineConfig fields other than `model` (dtype, page_size, num_pages, max_num_seqs,
-    max_num_batched_tokens, prefill_chunk, max_model_len, enable_prefix_caching, async_scheduling,
-    warmup, seed).
+    """EngineConfig fields other than `model` (dtype, attention_backend, tensor_parallel_size,
+    page_size, num_pages, max_num_seqs, max_num_batched_tokens, prefill_chunk, max_model_len,
+    enable_prefix_caching, async_scheduling, warmup, seed, ...).
     They may also be given flat, next to `model`."""
 
     num_replicas: int = Field(1, ge=1)

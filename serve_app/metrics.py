@@ -1,4 +1,6 @@
-"""Prometheus metrics with vLLM's names, computed in each model-server replica.
+"""Prometheus metrics with vLLM's names, computed in each model-server replica, and
+one info metric of our own, `jax_serve:engine_info` (like vLLM's `cache_config_info`: value 1, the
+engine's description as labels: attention backend, dtypes, tensor_parallel_size, devices, mesh).
 
 Each `ServerMetrics` owns its registry (no process-global state). Request metrics are recorded by a
 `RequestTracker` per engine request (one per choice); engine gauges and counters are read from
@@ -13,7 +15,7 @@ import logging
 import time
 from typing import Callable, Iterable, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.core.request import EngineStats
@@ -27,9 +29,12 @@ REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 
 class ServerMetrics:
     """The metrics of one model-server replica."""
 
-    def __init__(self, model_name: str, replica: str, stats: Callable[[], EngineStats]):
+    def __init__(self, model_name: str, replica: str, stats: Callable[[], EngineStats], engine_info: dict[str, str]):
         self.registry = CollectorRegistry()
         self._labels = {"model_name": model_name, "replica": replica}
+        info = {**self._labels, **engine_info}
+        Gauge("jax_serve:engine_info", "How the replica runs its model (value 1): attention backend, dtypes, "
+              "tensor_parallel_size, devices, mesh, KV pool.", list(info), registry=self.registry).labels(**info).set(1)
         self.time_to_first_token = self._histogram(
             "vllm:time_to_first_token_seconds", "Time from arrival to the first output token.", LATENCY_BUCKETS
         )

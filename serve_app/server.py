@@ -133,11 +133,12 @@ class ModelServer:
         self._strings = TokenStrings(self.tokenizer)
         engine_cls = import_engine_class(config.engine_cls)
         self.engine = AsyncEngine(engine_cls(config.engine_config(model_dir)))
-        self.metrics = ServerMetrics(config.model_id, replica_name(), self.engine.stats)
+        self.metrics = ServerMetrics(config.model_id, replica_name(), self.engine.stats, self.engine.describe())
         self._stream_interval_s = config.stream_batch_ms / 1000.0
         self._stream_chunks_per_s = config.stream_chunks_per_s
         self._open_streams = 0
-        logger.info("model %s loaded from %s with %s", self.model_id, model_dir, config.engine_cls)
+        logger.info("model %s loaded from %s with %s: %s", self.model_id, model_dir, config.engine_cls,
+                    ", ".join(f"{k}={v}" for k, v in self.engine.describe().items()))
 
     # ---- called through deployment handles ----
 

@@ -54,6 +54,7 @@ class FakeEngine:
         self.max_model_len = config.max_model_len or min(model["max_position_embeddings"], 4096)
         self.max_num_seqs = config.max_num_seqs
         self.page_size = config.page_size
+        self.dtype, self.tensor_parallel_size = config.dtype, config.tensor_parallel_size
         self.num_pages = config.num_pages or config.max_num_seqs * math.ceil(self.max_model_len / config.page_size)
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._running: dict[str, _Seq] = {}
@@ -104,6 +105,10 @@ class FakeEngine:
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._aborted)
+
+    def describe(self) -> dict[str, str]:
+        return {"attention_backend": "fake", "dtype": self.dtype, "tensor_parallel_size": str(self.tensor_parallel_size),
+                "num_devices": "0", "page_size": str(self.page_size), "num_pages": str(self.num_pages)}
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -142,6 +142,9 @@ class _DyingCore:
 
         return EngineStats()
 
+    def describe(self):
+        return {}
+
 
 def test_a_dead_loop_fails_every_stream_and_refuses_new_ones():
     dying = AsyncEngine(_DyingCore())

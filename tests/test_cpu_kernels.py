@@ -160,27 +160,32 @@ def test_attention_over_a_mixed_steps_token_tables_equals_the_xla_path():
     """Two decode rows (one padding) and three prefill rows of chunk 4: a full chunk continuing a
     cached prefix, a 2-token chunk, a padding row. Every real token attends causally to its row's
     cache; padding tokens get zeros."""
-    from engine.model.paged_model import StepInputs, _decode_attention, _prefill_attention, _token_tables
+    from engine.attention.cpu import _token_tables
+    from engine.attention.xla import SplitKVCache, _decode_attention, _prefill_attention
+    from engine.core.buckets import Bucket
+    from engine.core.step_plan import StepInputs
 
     rng = np.random.default_rng(7)
     layers, num_pages, heads, group, dim, page_size, table_len, chunk = 2, 30, 2, 3, 16, 4, 4, 4
     k_all = rng.standard_normal((layers, num_pages, heads, dim, page_size)).astype(np.float32)
     v_all = rng.standard_normal((layers, num_pages, heads, page_size, dim)).astype(np.float32)
     pages = rng.permutation(np.arange(1, num_pages))[:5 * table_len].reshape(5, table_len).astype(np.int32)
-    dec_lens = np.array([9, 0], np.int32)
-    pre_start, pre_lens = np.array([6, 0, 0], np.int32), np.array([10, 2, 0], np.int32)
-    tokens = 2 + 3 * chunk
-    inputs = StepInputs(np.zeros(tokens, np.int32), np.zeros(tokens, np.int32), np.zeros(tokens, np.int32),
-                        pages[:2], dec_lens, pages[2:], pre_lens, pre_start, np.zeros(5, np.int32))
+    bucket = Bucket(decode_rows=2, rows=5, tokens=2 + 3 * chunk, pages=table_len, chunk=chunk)
+    zeros = np.zeros(bucket.tokens, np.int32)
+    inputs = StepInputs(zeros, zeros, zeros, zeros - 1, pages,
+                        kv_lens=np.array([9, 0, 10, 2, 0], np.int32), q_start=np.array([0, 1, 2, 6, 10], np.int32),
+                        q_lens=np.array([1, 0, 4, 2, 0], np.int32), sample_index=np.zeros(5, np.int32))
     inputs = StepInputs(*map(jnp.asarray, inputs))
-    q = rng.standard_normal((tokens, heads, group, dim)).astype(np.float32) * 0.5
+    q = rng.standard_normal((bucket.tokens, heads, group, dim)).astype(np.float32) * 0.5
     k_all, v_all, q = map(jnp.asarray, (k_all, v_all, q))
+    cache = SplitKVCache(k_all, v_all)
 
-    table, lens = _token_tables(inputs)
+    table, lens = _token_tables(inputs, bucket)
     assert np.asarray(lens).tolist() == [9, 0, 7, 8, 9, 10, 1, 2, 0, 0, 0, 0, 0, 0]
     got = np.asarray(jax.jit(decode_attention)(q, k_all, v_all, 1, table, lens))
-    want_dec = np.asarray(_decode_attention(q[:2], k_all, v_all, 1, inputs))
-    want_pre = np.asarray(_prefill_attention(q[2:], k_all, v_all, 1, inputs))
+    want_dec = np.asarray(_decode_attention(q[:2], cache, 1, inputs.page_table[:2], inputs.kv_lens[:2]))
+    start = inputs.kv_lens[2:] - inputs.q_lens[2:]
+    want_pre = np.asarray(_prefill_attention(q[2:], cache, 1, inputs.page_table[2:], start))
     np.testing.assert_allclose(got[:1], want_dec[:1], rtol=1e-5, atol=1e-5)
     real = np.asarray(lens)[2:] > 0
     np.testing.assert_allclose(got[2:][real], want_pre[real], rtol=1e-5, atol=1e-5)

@@ -47,7 +47,7 @@ def test_default_app_engine_config_answers_paris(smollm2_dir):
 
     args = yaml.safe_load((Path(__file__).parents[1] / "deploy/config.yaml").read_text())["applications"][0]["args"]
     config = AppConfig.from_args(args).models[0].engine_config(smollm2_dir)
-    assert config.dtype == "bfloat16" and config.cpu_kernels and not config.scan_layers
+    assert config.dtype == "bfloat16" and config.attention_backend == "auto" and not config.scan_layers
     engine = LLMEngine(dataclasses.replace(config, max_num_seqs=2, max_model_len=256, warmup=False))
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
     engine.add_request("paris", tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True),

@@ -9,98 +9,33 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers
+from parity import (TIGHT, assert_all_pages_free, assert_greedy_parity, hf_greedy, hf_model, make_prompts,
+                    run_to_completion, tokens_of)
 
+from engine.attention.cpu import PackedSwiGLU
+from engine.attention.cpu_kernels import FusedLinear
 from engine.core.config import EngineConfig
-from engine.attention.cpu_kernels import FusedLinear, available as cpu_kernels_available
-from engine.llm_engine import LLMEngine
 from engine.core.request import FinishReason, InvalidRequestError, SamplingParams
-
-PROMPT_LENGTHS = [3, 7, 12, 20, 33, 50, 9, 17]
-NEW_TOKENS = 32
-
-TIGHT = dict(max_num_seqs=4, max_num_batched_tokens=24, prefill_chunk=16, page_size=4, num_pages=40,
-             max_model_len=128, warmup=False)
+from engine.llm_engine import LLMEngine
 
 
-def make_prompts(lengths=PROMPT_LENGTHS, seed=0, vocab=400) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(3, vocab, size=n)] for n in lengths]
-
-
-def run_to_completion(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]):
-    """Add every request, step until idle; returns {id: list of deltas}."""
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    deltas = {rid: [] for rid in requests}
-    while engine.has_work():
-        for delta in engine.step():
-            deltas[delta.request_id].append(delta)
-    return deltas
-
-
-def tokens_of(deltas) -> list[int]:
-    return [t for d in deltas for t in d.token_ids]
-
-
-def assert_all_pages_free(engine: LLMEngine) -> None:
-    stats = engine.stats()
-    assert stats.num_running == stats.num_waiting == 0
-    assert stats.num_free_pages == stats.num_pages
-    assert stats.kv_cache_usage == 0.0
-
-
-def hf_greedy(model_dir, prompt: list[int], new_tokens: int, **generate_kwargs):
-    """transformers' greedy tokens and the log-softmax logprob of each."""
-    model = _hf_model(str(model_dir))
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                         pad_token_id=0, output_logits=True, return_dict_in_generate=True, **generate_kwargs)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
-_HF_MODELS: dict[str, transformers.PreTrainedModel] = {}
-
-
-def _hf_model(path: str):
-    if path not in _HF_MODELS:
-        _HF_MODELS[path] = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return _HF_MODELS[path]
-
-
-@pytest.mark.parametrize("family,scan_layers,cpu_kernels", [
-    ("llama", False, True), ("llama", True, True), ("llama", False, False), ("qwen3", False, True),
-    ("qwen2", False, True), ("mistral", True, True)])
-def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, scan_layers, cpu_kernels):
-    """cpu_kernels=True runs on the project's CPU kernels (on an AVX2 machine); False on XLA's ops,
-    the path TPUs take."""
+@pytest.mark.parametrize("family,scan_layers,backend", [
+    ("llama", False, "cpu"), ("llama", True, "cpu"), ("llama", False, "xla"), ("llama", True, "xla"),
+    ("llama", False, "tpu"), ("qwen3", False, "cpu"), ("qwen3", False, "tpu"), ("qwen2", False, "cpu"),
+    ("mistral", True, "cpu")])
+def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, scan_layers, backend):
+    """cpu: the project's kernels (an AVX2 machine); xla: dense attention in plain JAX; tpu:
+    levanter's ragged paged attention (its reference implementation off TPU), ragged token layout."""
     model_dir = checkpoint_factory(family)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), scan_layers=scan_layers, cpu_kernels=cpu_kernels,
+    engine = LLMEngine(EngineConfig(model=str(model_dir), scan_layers=scan_layers, attention_backend=backend,
                                     **TIGHT))
-    model = engine.runner.model
-    assert model.packed == (cpu_kernels and cpu_kernels_available())
-    if model.packed:  # q/k/v and gate/up run as one matmul each
-        layer = model.layers.stacked if scan_layers else model.layers[0]
+    assert engine.runner.backend.name == backend
+    assert engine.runner.buckets.ragged == (backend == "tpu")
+    if backend == "cpu":  # q/k/v and gate/up run as one matmul each
+        layer = engine.runner.model.first_layer
         assert isinstance(layer.self_attn.q_proj, FusedLinear) and layer.self_attn.k_proj is None
-        assert isinstance(layer.mlp.gate_proj, FusedLinear) and layer.mlp.up_proj is None
-    prompts = make_prompts()
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    deltas = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
-
-    stats = engine.stats()
-    assert stats.num_preemptions >= 1, "the page pool was meant to force a preemption"
-    assert stats.max_batch_size == 4
-    for i, prompt in enumerate(prompts):
-        want_tokens, want_logprobs = hf_greedy(model_dir, prompt, NEW_TOKENS)
-        got = deltas[str(i)]
-        assert tokens_of(got) == want_tokens, f"prompt {i} (length {len(prompt)})"
-        got_logprobs = [lp.logprob for d in got for lp in d.logprobs]
-        np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-3)
-        assert got[-1].finish_reason is FinishReason.LENGTH
-        assert [d.finish_reason for d in got[:-1]] == [None] * (NEW_TOKENS - 1)
-        assert got[0].num_prompt_tokens == len(prompt)
-    assert_all_pages_free(engine)
+        assert isinstance(layer.mlp, PackedSwiGLU)
+    assert_greedy_parity(engine, model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +89,9 @@ def test_n4_siblings_share_their_prompt_pages(llama_dir):
         engine.add_request(f"s{i}", prompt, params)
     for _ in range(4):  # two prefill rows per step: all four run after two steps
         engine.step()
-        if len(engine.core.scheduler.running) == 4:
+        if len(engine.scheduler.running) == 4:
             break
-    pages = [seq.pages for seq in engine.core.scheduler.running]
+    pages = [seq.pages for seq in engine.scheduler.running]
     assert len(pages) == 4
     assert all(p[:3] == pages[0][:3] for p in pages), "siblings hold the same three prompt pages"
     assert [engine.allocator.ref_count(page) for page in pages[0][:3]] == [4, 4, 4]
@@ -185,7 +120,7 @@ def test_prompt_logprobs_equal_transformers(llama_engine, llama_dir):
     deltas = run_to_completion(llama_engine, {"e": (prompt, params)})["e"]
     got = deltas[0].prompt_logprobs
     assert got[0] is None and len(got) == len(prompt)
-    logits = _hf_model(str(llama_dir))(torch.tensor([prompt])).logits[0]
+    logits = hf_model(str(llama_dir))(torch.tensor([prompt])).logits[0]
     want = torch.log_softmax(logits, -1)
     for i in range(1, len(prompt)):
         assert got[i].token_id == prompt[i]
@@ -286,17 +221,17 @@ def test_a_mixed_step_pads_its_decodes_to_a_compiled_tier(llama_dir, monkeypatch
     """Decode rows beside prompt chunks pad to max_num_seqs / 4 or to max_num_seqs (both compiled
     at warm-up), not always to max_num_seqs."""
     config = {**TIGHT, "max_num_seqs": 8, "max_num_batched_tokens": 64, "num_pages": 80}
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), **config))
-    runner = engine.runner
-    assert runner.mixed_decode_rows == [2, 8]
-    picked, bucket = [], runner._bucket
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), attention_backend="cpu", **config))
+    buckets = engine.runner.buckets
+    assert buckets.mixed_decode_rows == [2, 8]
+    picked, for_step = [], buckets.for_step
 
-    def spy(plan):
-        shape = bucket(plan)
-        picked.append(((len(plan.decode), len(plan.prefill)), shape[:2]))
-        return shape
+    def spy(num_decode, prefill_lengths, pages_needed):
+        bucket = for_step(num_decode, prefill_lengths, pages_needed)
+        picked.append(((num_decode, len(prefill_lengths)), (bucket.decode_rows, bucket.prefill_rows)))
+        return bucket
 
-    monkeypatch.setattr(runner, "_bucket", spy)
+    monkeypatch.setattr(engine.planner, "buckets", _Spy(buckets, spy))
     prompts = make_prompts([3] * 6, seed=13)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -316,9 +251,19 @@ def test_a_mixed_step_pads_its_decodes_to_a_compiled_tier(llama_dir, monkeypatch
     assert ((1, 1), (2, 1)) in picked  # 1 decode + 1 prompt chunk: decodes padded to 2
     assert ((2, 3), (2, 4)) in picked
     assert ((5, 1), (8, 1)) in picked
-    compiled = {shape[:2] for shape in runner.buckets()}
+    compiled = {(b.decode_rows, b.prefill_rows) for b in buckets.all()}
     assert {shape for _, shape in picked} <= compiled
     assert_all_pages_free(engine)
+
+
+class _Spy:
+    """`buckets` with `for_step` replaced."""
+
+    def __init__(self, buckets, for_step):
+        self._buckets, self.for_step = buckets, for_step
+
+    def __getattr__(self, name):
+        return getattr(self._buckets, name)
 
 
 def test_requests_that_cannot_fit_are_refused_with_the_numbers(llama_engine):
@@ -345,5 +290,28 @@ def test_bfloat16_without_the_cpu_kernels_warns_on_cpu(llama_dir, caplog):
     import logging
 
     with caplog.at_level(logging.WARNING, logger="engine.runner.model_runner"):
-        LLMEngine(EngineConfig(model=str(llama_dir), dtype="bfloat16", cpu_kernels=False, **TIGHT))
+        LLMEngine(EngineConfig(model=str(llama_dir), dtype="bfloat16", attention_backend="xla", **TIGHT))
     assert any("set dtype: float32" in r.message for r in caplog.records)
+
+
+def test_step_plans_carry_everything_the_device_side_needs(llama_dir, llama_engine, monkeypatch):
+    """Every step plan goes through pickle before the runner sees it (what a leader sends to its
+    hosts): the answers equal those of the engine that hands plans over in memory."""
+    import pickle
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), **TIGHT))
+    launch, seen = engine.runner.launch, []
+
+    def launch_a_copy(plan):
+        seen.append(plan.step_id)
+        return launch(pickle.loads(pickle.dumps(plan)))
+
+    monkeypatch.setattr(engine.runner, "launch", launch_a_copy)
+    requests = {str(i): (p, SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1))
+                for i, p in enumerate(make_prompts([9, 30, 4], seed=14))}
+    requests["s"] = (make_prompts([6], seed=15)[0], SamplingParams(max_tokens=10, temperature=1.0, seed=3))
+    got, want = run_to_completion(engine, requests), run_to_completion(llama_engine, requests)
+    assert len(seen) > 10
+    for rid in requests:
+        assert tokens_of(got[rid]) == tokens_of(want[rid])
+    assert_all_pages_free(engine)

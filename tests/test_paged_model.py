@@ -27,7 +27,7 @@ def test_rotate_with_tables_equals_the_levanter_module(config):
 
     @jax.jit
     def both(x, positions):
-        return rotate(x, rotary_tables(rot_embs, positions, jnp.float32), Head), rot_embs(x, positions)
+        return rotate(x, rotary_tables(rot_embs, positions), Head), rot_embs(x, positions)
 
     got, want = both(x, positions)
     assert got.axes == want.axes

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal, Optional
 
 DType = Literal["float32", "bfloat16"]
+AttentionBackendName = Literal["auto", "cpu", "xla", "tpu"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,18 +16,24 @@ class EngineConfig:
     model: str
     """Local Hugging Face checkpoint directory (absolute or relative) of a Llama, Qwen2, Qwen3 or
     Mistral model."""
-    dtype: DType = "float32"
-    """Weights and activations. bfloat16 halves memory; matmuls accumulate in float32. With
-    `cpu_kernels` active, activations stay float32 whatever the weights' dtype."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights and activations. auto: the checkpoint's own, as its config.json declares it
+    (float16 served as bfloat16). bfloat16 halves memory; matmuls accumulate in float32. On the cpu
+    attention backend, activations stay float32 whatever the weights' dtype."""
     kv_cache_dtype: Optional[DType] = None
-    """The KV cache's dtype; None: the weights' `dtype`. bfloat16 halves the cache (twice the
+    """The KV cache's dtype; None: the weights' dtype. bfloat16 halves the cache (twice the
     tokens in the same memory) and the bytes attention reads per cached token; scores and sums
     are float32 either way."""
     page_size: int = 16
     """Tokens per KV page; also the prefix cache's granularity."""
     num_pages: int = 0
-    """KV pages in the pool (page 0 is reserved as a scratch page for padding). 0 sizes the pool so
-    that every sequence slot can hold `max_model_len` tokens."""
+    """KV pages in the pool (page 0 is reserved as a scratch page for padding). 0: on an
+    accelerator, `kv_cache_memory_fraction` of the memory left after the weights; on a CPU, enough
+    for every sequence slot to hold `max_model_len` tokens."""
+    kv_cache_memory_fraction: float = 0.9
+    """With `num_pages: 0` on an accelerator: the fraction of each device's memory left after
+    loading the weights that the KV pool takes (like vLLM's gpu_memory_utilization, but of what
+    the weights leave). The rest is headroom for activations and compiled programs."""
     max_num_seqs: int = 32
     """Sequences decoded together at most (the batch size)."""
     max_num_batched_tokens: int = 512
@@ -40,13 +47,20 @@ class EngineConfig:
     scan_layers: bool = False
     """Run the layers as one `scan` instead of an unrolled loop: compile time stops growing with
     depth (deep models warm up in about half the time), but on CPU each step copies every layer's
-    weights, which slows small-batch decoding (see engine/model/paged_model.py); with the CPU kernels
-    a scanned step is ~15x slower (SmolLM2: 320 vs 21 ms at batch 1), so keep it off on CPU."""
-    cpu_kernels: bool = True
-    """On an x86 CPU with AVX2 + FMA, run the linear layers and the LM head on the project's matmul
-    kernel (engine/attention/cpu_kernels.cc; built on first use with the system C++ compiler): 1.5-2.5x faster
-    than XLA's dot on decode-sized batches, and bfloat16 weights are read as bfloat16. Ignored on
-    other backends; falls back to XLA's dot (with a warning) when the kernel cannot be built."""
+    weights, which slows small-batch decoding (see engine/model/paged_model.py); on the cpu backend
+    a scanned step is ~15x slower (SmolLM2: 320 vs 21 ms at batch 1), so keep it off on CPU. The
+    tpu backend runs unrolled layers only (its cache is one buffer per layer)."""
+    attention_backend: AttentionBackendName = "auto"
+    """How attention and the KV cache run (engine/attention): `cpu` the project's x86 kernels
+    (AVX2 + FMA; packed bf16 weights, built on first use with the system C++ compiler; one device
+    only), `xla` dense masked attention in plain JAX (any device, any mesh), `tpu` levanter's ragged
+    paged attention (the Pallas kernel on TPU; its exact, slow reference elsewhere). auto: cpu on
+    x86 CPUs, tpu on TPUs, xla elsewhere. A backend that cannot run as asked (no compiler, several
+    devices for cpu) gives way to xla with a warning."""
+    tensor_parallel_size: int = 1
+    """Devices the model is split over (a ("data", "model") mesh of 1 x N): attention heads, KV
+    heads, MLP and vocabulary on "model"; the KV cache split by KV head (KV heads repeated when
+    fewer than N). N must divide the query heads and the MLP size."""
     async_scheduling: bool = True
     """Overlap host work with the device: plan and dispatch step N+1 while step N runs, its
     sampled tokens fed to N+1 on the device. The host's share of a step (planning, input arrays,
@@ -76,7 +90,13 @@ class EngineConfig:
             )
         if self.num_pages < 0 or self.num_pages == 1:
             raise ValueError(f"num_pages must be 0 (auto) or at least 2, got {self.num_pages}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "cpu", "xla", "tpu"):
+            raise ValueError(f"attention_backend must be 'auto', 'cpu', 'xla' or 'tpu', got {self.attention_backend!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.kv_cache_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be None, 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")

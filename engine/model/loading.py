@@ -38,11 +38,15 @@ class ModelInfo:
 
     family: str
     num_layers: int
+    num_heads: int
     num_kv_heads: int
     head_dim: int
+    intermediate_size: int
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    dtype: str
+    """The weights' dtype as config.json declares it (float32 when it does not)."""
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
@@ -66,12 +70,27 @@ def model_info(model_dir: str | Path) -> ModelInfo:
     return ModelInfo(
         family=family,
         num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         eos_token_ids=_eos_ids(Path(model_dir), hf),
+        dtype=_declared_dtype(hf),
     )
+
+
+def _declared_dtype(hf: dict) -> str:
+    """config.json's `torch_dtype` (`dtype` in newer transformers) as a dtype the engine serves:
+    float16 is served as bfloat16 (same bytes, float32's range), anything else as float32."""
+    declared = str(hf.get("torch_dtype") or hf.get("dtype") or "float32").removeprefix("torch.")
+    return "bfloat16" if declared in ("bfloat16", "float16") else "float32"
+
+
+def resolve_dtype(dtype: str, info: ModelInfo) -> str:
+    """The dtype to serve in: `auto` is the checkpoint's own (see `_declared_dtype`)."""
+    return info.dtype if dtype == "auto" else dtype
 
 
 def _eos_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
@@ -88,7 +107,8 @@ def _eos_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
 def load_model(model_dir: str | Path, dtype: str):
     """Load the levanter LM-head model for `model_dir` in `dtype` ("float32" or "bfloat16").
 
-    Call under the engine's mesh (`haliax.partitioning.set_mesh` / axis mapping context).
+    Call under the engine's mesh and axis mapping (`haliax.partitioning.set_mesh`,
+    `haliax.axis_mapping`): levanter places the weights as the mapping splits them.
     """
     from levanter.compat.hf_checkpoints import HFCheckpointConverter
     from transformers import AutoTokenizer

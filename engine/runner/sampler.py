@@ -10,39 +10,22 @@ penalties, bias and temperature, as vLLM reports them.
 Sampling draws one uniform number per row and inverts the cumulative distribution, which on CPU
 costs far less than a Gumbel draw over the whole vocabulary.
 
-Five switches are static, each compiled variant built on first use (warm-up builds the common
-ones): `random` (any row samples; otherwise argmax only), `logprobs` (any row wants logprobs),
-`penalize` (dense per-row arrays for presence/frequency/repetition penalties, logit bias and
-min_tokens), `filter` (a sort over the vocabulary for top-k / top-p / min-p) and `cpu_argmax`
-(greedy tokens from the CPU kernel's argmax rather than XLA's; set when the CPU kernels run).
+Four switches are static (engine.core.step_plan.SamplerSwitches), each compiled variant built on
+first use (warm-up builds the common ones): `random` (any row samples; otherwise argmax only),
+`logprobs` (any row wants logprobs), `penalize` (dense per-row arrays for presence/frequency/
+repetition penalties, logit bias and min_tokens) and `filter` (a sort over the vocabulary for
+top-k / top-p / min-p). Greedy tokens come from the attention backend's `argmax`.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from engine.attention import cpu_kernels
 from engine.core.request import MAX_TOP_LOGPROBS
-
-
-class SamplingInputs(NamedTuple):
-    """Per-row sampling parameters, f/i[R]; the dense arrays are None unless `penalize`."""
-
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    min_p: jax.Array
-    seed: jax.Array  # u32[R]
-    position: jax.Array  # i32[R] position of the token being sampled
-    presence: jax.Array | None = None
-    frequency: jax.Array | None = None
-    repetition: jax.Array | None = None
-    output_counts: jax.Array | None = None  # f32[R, V] occurrences in the output so far
-    prompt_mask: jax.Array | None = None  # bool[R, V] token occurs in the prompt
-    bias: jax.Array | None = None  # f32[R, V] logit bias; -inf blocks EOS before min_tokens
+from engine.core.step_plan import SamplerSwitches, SamplingInputs
 
 
 class SampleOutput(NamedTuple):
@@ -52,19 +35,20 @@ class SampleOutput(NamedTuple):
     top_logprobs: jax.Array  # f32[R, MAX_TOP_LOGPROBS]
 
 
-def sample(logits: jax.Array, inputs: SamplingInputs, *, random: bool, logprobs: bool, penalize: bool,
-           filter: bool, cpu_argmax: bool = False) -> SampleOutput:
+def sample(logits: jax.Array, inputs: SamplingInputs, switches: SamplerSwitches,
+           argmax: Callable[[jax.Array], jax.Array]) -> SampleOutput:
+    """Tokens (and logprobs, when switched on) of every row; `argmax` gives greedy tokens."""
     logits = logits.astype(jnp.float32)
-    adjusted = _penalize(logits, inputs) if penalize else logits
-    tokens = cpu_kernels.argmax(adjusted) if cpu_argmax else jnp.argmax(adjusted, axis=-1)
-    if random:
+    adjusted = _penalize(logits, inputs) if switches.penalize else logits
+    tokens = argmax(adjusted)
+    if switches.random:
         scaled = adjusted / jnp.maximum(inputs.temperature, 1e-5)[:, None]
         uniform = jax.vmap(_uniform)(inputs.seed, inputs.position)
-        drawn = _filtered_draw(scaled, uniform, inputs) if filter else _draw(scaled, uniform)
+        drawn = _filtered_draw(scaled, uniform, inputs) if switches.filter else _draw(scaled, uniform)
         tokens = jnp.where(inputs.temperature == 0.0, tokens, drawn)
     tokens = tokens.astype(jnp.int32)
     rows = logits.shape[0]
-    if not logprobs:
+    if not switches.logprobs:
         k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
         return SampleOutput(tokens, jnp.zeros(rows), jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows, k)))
     chosen, top_ids, top_logprobs = token_logprobs(logits, tokens)

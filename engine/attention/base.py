@@ -1,0 +1,98 @@
+"""The interface every attention backend implements.
+
+A backend owns four things, and nothing outside it asks which backend runs:
+- the KV cache: its layout, its storage dtype, its initialisation and its sharding by KV head;
+- the cache write and attention over one step's tokens (`attend`, once per layer);
+- the token layout it reads (`ragged`: rows packed, or padded to `prefill_chunk`; see
+  engine.core.buckets) and any per-step tables it precomputes (`begin_step`);
+- weight preparation (`prepare`) and the activation dtype, for backends with their own kernels.
+
+Attention is over named arrays: q (position, kv_head, q_heads_per_group, head_size), k and v
+(position, kv_head, head_size); the result has q's axes. `scale` multiplies the scores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+from jax.sharding import PartitionSpec
+
+from engine.core.buckets import Bucket
+from engine.core.step_plan import StepInputs
+
+Q_AXES = ("position", "kv_head", "q_heads_per_group", "head_size")
+KV_AXES = ("position", "kv_head", "head_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheShape:
+    """The sizes of one replica's KV pool (all of it; sharding splits `kv_heads`)."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: Any
+    """The dtype of the values (float32 or bfloat16); a backend may store them otherwise."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionStep:
+    """What every layer's attention of one step reads: the step's arrays, its bucket, and the
+    tables a backend precomputed once for all layers (`begin_step`)."""
+
+    inputs: StepInputs
+    bucket: Bucket
+    tables: Any = None
+
+
+class AttentionBackend:
+    name: ClassVar[str]
+    ragged: ClassVar[bool] = False
+    """Whether the backend reads the ragged token layout (else the padded one)."""
+    shardable: ClassVar[bool] = True
+    """Whether it runs with tensor parallelism (its ops partition over a mesh)."""
+    scannable: ClassVar[bool] = True
+    """Whether it runs a scanned layer loop (a traced layer index)."""
+
+    def prepare(self, model):
+        """The serving model with weights laid out for this backend (engine.model.paged_model)."""
+        return model
+
+    def activation_dtype(self, weight_dtype) -> jnp.dtype:
+        return jnp.dtype(weight_dtype)
+
+    def init_cache(self, shape: CacheShape):
+        """The empty KV cache (a pytree of arrays)."""
+        raise NotImplementedError
+
+    def cache_partition(self, model_axis: str) -> PartitionSpec:
+        """The PartitionSpec of every array of the cache: KV heads split on `model_axis`."""
+        raise NotImplementedError
+
+    def cache_bytes_per_page(self, shape: CacheShape) -> int:
+        """Bytes one page takes over all layers, all KV heads (keys and values)."""
+        itemsize = jnp.dtype(self.storage_dtype(shape.dtype)).itemsize
+        return shape.num_layers * shape.page_size * shape.kv_heads * shape.head_dim * 2 * itemsize
+
+    def storage_dtype(self, dtype) -> jnp.dtype:
+        return jnp.dtype(dtype)
+
+    def begin_step(self, inputs: StepInputs, bucket: Bucket) -> AttentionStep:
+        return AttentionStep(inputs, bucket)
+
+    def attend(self, cache, layer, q: NamedArray, k: NamedArray, v: NamedArray, scale: float,
+               step: AttentionStep) -> tuple[NamedArray, Any]:
+        """Write the step's keys and values into layer `layer` of the cache, then attend; returns
+        (attention output with q's axes, updated cache)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def argmax(logits: jax.Array) -> jax.Array:
+        """Greedy tokens i32[R] of logits f32[R, V] (the first maximum, as jnp.argmax)."""
+        return jnp.argmax(logits, axis=-1)

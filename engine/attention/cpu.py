@@ -1,0 +1,138 @@
+"""The `cpu` backend: the project's x86 kernels (engine/attention/cpu_kernels.cc) where XLA is slow
+on CPU. One device only: the FFI calls have no partitioning rule.
+
+- Weights: every linear layer whose output size is a multiple of 16, and the LM head (tied or not),
+  becomes a `PackedLinear` (16-column panels in the weights' dtype, streamed by a register-blocked
+  matmul that widens bf16 in registers); q/k/v and a SwiGLU MLP's gate/up are fused into one
+  `FusedLinear` each, so a layer makes four matmul calls instead of seven.
+- Activations are float32 whatever the weights' dtype (XLA's bf16 converts are slow on CPU).
+- Attention: one kernel call per layer for the whole step, reading the pages in place. A prompt
+  token is a row of its own (its sequence's page table, its own causal length), so causal prefill
+  attention is decode attention with one query per token.
+- The cache has the xla backend's layout (`SplitKVCache`); a bfloat16 cache is stored as its
+  uint16 bits: XLA's CPU backend widens a bfloat16 scatter to float32 (converting the whole cache
+  twice per layer and step); an integer scatter writes in place, and the kernel reads the bits as
+  bfloat16.
+- SwiGLU's silu(gate) * up runs on a kernel straight from the fused gate/up output; greedy
+  argmax on another (XLA runs both on one thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+from levanter.layers.attention import Attention
+
+from engine.attention import cpu_kernels
+from engine.attention.base import Q_AXES, AttentionStep
+from engine.attention.cpu_kernels import PANEL, FusedLinear, PackedLinear, silu_mul, unflatten_rows
+from engine.attention.xla import SplitKVCache, XlaBackend
+
+
+class CpuBackend(XlaBackend):
+    name = "cpu"
+    shardable = False
+
+    def __init__(self, weight_dtype):
+        self.weight_dtype = jnp.dtype(weight_dtype)
+
+    @staticmethod
+    def available() -> bool:
+        return cpu_kernels.available()
+
+    def prepare(self, model):
+        """Pack the linear layers and the LM head; fuse q/k/v and gate/up (see the module docstring)."""
+        pack = lambda m: PackedLinear.from_linear(m, self.weight_dtype) if _packable(m) else m  # noqa: E731
+        layers = jax.tree_util.tree_map(pack, model.layers, is_leaf=_packable)
+        if isinstance(layers, tuple):
+            layers = tuple(_fuse(layer) for layer in layers)
+        else:
+            layers = eqx.tree_at(lambda s: s.stacked, layers, _fuse(layers.stacked))
+        lm_head = model.lm_head
+        Vocab = model.embeddings.Vocab
+        if lm_head is None and Vocab.size % PANEL == 0:  # tied: unembed with the embedding matrix
+            embedding = model.embeddings.token_embeddings.weight
+            lm_head = PackedLinear.from_weight(embedding, model.embeddings.Embed, Vocab, None, self.weight_dtype)
+        elif lm_head is not None:
+            lm_head = pack(lm_head)
+        return dataclasses.replace(model, layers=layers, lm_head=lm_head)
+
+    def activation_dtype(self, weight_dtype) -> jnp.dtype:
+        return jnp.dtype(jnp.float32)
+
+    def storage_dtype(self, dtype) -> jnp.dtype:
+        dtype = jnp.dtype(dtype)
+        return jnp.dtype(jnp.uint16) if dtype == jnp.bfloat16 else dtype
+
+    def begin_step(self, inputs, bucket) -> AttentionStep:
+        return AttentionStep(inputs, bucket, _token_tables(inputs, bucket))
+
+    def attend(self, cache: SplitKVCache, layer, q, k, v, scale, step: AttentionStep):
+        cache = cache.write(layer, step.inputs.kv_dest, k, v)
+        q_arr = q.rearrange(Q_AXES).array.astype(jnp.float32) * scale
+        o = cpu_kernels.decode_attention(q_arr, cache.k, cache.v, layer, *step.tables)
+        return hax.named(o, Q_AXES), cache
+
+    argmax = staticmethod(cpu_kernels.argmax)
+
+
+def _token_tables(inputs, bucket) -> tuple[jax.Array, jax.Array]:
+    """Every token's page table i32[T, L] and visible tokens i32[T] (0 for padding), decode tokens
+    first: prefill token j of row r sees positions [0, start[r] + j]."""
+    sd, chunk = bucket.decode_rows, bucket.chunk
+    if not bucket.prefill_rows:
+        return inputs.page_table, inputs.kv_lens
+    q_lens = inputs.q_lens[sd:, None]
+    start = inputs.kv_lens[sd:, None] - q_lens
+    j = jnp.arange(chunk, dtype=jnp.int32)[None, :]
+    lens = jnp.where(j < q_lens, start + j + 1, 0).reshape(-1)  # [Sp * C]
+    pages = jnp.repeat(inputs.page_table[sd:], chunk, axis=0)
+    return (jnp.concatenate([inputs.page_table[:sd], pages]), jnp.concatenate([inputs.kv_lens[:sd], lens]))
+
+
+class PackedSwiGLU(eqx.Module):
+    """A SwiGLU MLP, down(silu(gate(x)) * up(x)), on packed weights: gate and up as one fused
+    matmul, gated by the `silu_mul` kernel straight from its output."""
+
+    gate_up: FusedLinear
+    down_proj: eqx.Module
+
+    def __call__(self, x: NamedArray, *, key=None) -> NamedArray:
+        del key
+        batch, gate_up = self.gate_up.concatenated(x)
+        return self.down_proj(unflatten_rows(silu_mul(gate_up), batch, self.gate_up.Outs[0]))
+
+
+def _packable(module) -> bool:
+    return isinstance(module, hnn.Linear) and PackedLinear.packable(module)
+
+
+def _fuse(layer):
+    """A packed layer with q/k/v fused into `self_attn.q_proj` (which then returns all three;
+    k_proj, v_proj -> None) and a SwiGLU MLP as a `PackedSwiGLU`, where all parts are packed.
+    Anything else keeps its own modules."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if type(attn) is Attention and _all_packed(attn.q_proj, attn.k_proj, attn.v_proj):
+        fused = FusedLinear.fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        layer = eqx.tree_at(lambda m: (m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj), layer,
+                            (fused, None, None))
+    if _swiglu(mlp) and _all_packed(mlp.gate_proj, mlp.up_proj):
+        layer = eqx.tree_at(lambda m: m.mlp, layer,
+                            PackedSwiGLU(FusedLinear.fuse([mlp.gate_proj, mlp.up_proj]), mlp.down_proj))
+    return layer
+
+
+def _all_packed(*modules) -> bool:
+    return all(isinstance(m, PackedLinear) for m in modules)
+
+
+def _swiglu(mlp) -> bool:
+    """An MLP computing down(act(gate(x)) * up(x)) with act = silu."""
+    silu = getattr(mlp, "act", None) in (hnn.silu, hnn.swish)
+    return silu and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj")

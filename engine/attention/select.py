@@ -1,0 +1,48 @@
+"""Which attention backend a replica runs: `attention_backend` in the engine config.
+
+`auto` picks `cpu` on an x86 CPU (the project's kernels), `tpu` on TPUs (levanter's Pallas ragged
+paged attention) and `xla` elsewhere (GPUs, other CPUs). A backend that cannot run as asked gives
+way to `xla`, with a warning that says why: the CPU kernels need AVX2 + FMA and a C++ compiler,
+and cannot shard over several devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+
+import jax
+
+from engine.attention.base import AttentionBackend
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "cpu", "xla", "tpu")
+
+
+def select_backend(name: str, *, tensor_parallel_size: int, weight_dtype) -> AttentionBackend:
+    from engine.attention.cpu import CpuBackend
+    from engine.attention.tpu import TpuBackend
+    from engine.attention.xla import XlaBackend
+
+    device = jax.default_backend()
+    if name == "auto":
+        x86 = platform.machine().lower() in ("x86_64", "amd64")
+        name = "tpu" if device == "tpu" else "cpu" if device == "cpu" and x86 else "xla"
+    if name == "cpu" and tensor_parallel_size > 1:
+        logger.warning("the cpu attention backend's kernels cannot shard over devices; tensor_parallel_size=%d "
+                       "runs on the xla backend", tensor_parallel_size)
+        name = "xla"
+    elif name == "cpu" and not CpuBackend.available():
+        logger.warning("the cpu attention backend needs an x86 CPU with AVX2 + FMA and a C++ compiler; "
+                       "running the xla backend")
+        name = "xla"
+    if name == "tpu" and device != "tpu":
+        logger.info("the tpu backend on %s runs levanter's reference ragged paged attention (exact, slow)", device)
+    if name == "cpu":
+        return CpuBackend(weight_dtype)
+    if name == "tpu":
+        return TpuBackend()
+    if name == "xla":
+        return XlaBackend()
+    raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")

@@ -1,0 +1,282 @@
+"""The step plan: the scheduler's decision for one step as plain data. Pure Python and numpy.
+
+`StepPlanner.build` turns a scheduler `Plan` (live `Sequence` objects) into a `StepPlan`: numpy
+arrays in a shape bucket, sampling inputs and the sampler's switches. The device side reads
+nothing else, so a plan pickles and can be sent to the other hosts of a replica. What maps the
+step's outputs back to sequences (`RowSlots`) stays with the engine.
+
+Token layout (see engine.core.buckets): row k of `plan.rows` (decodes first, then prefill rows)
+owns tokens [q_start[k], q_start[k] + q_lens[k]); every token writes its key and value to
+`kv_dest` (page * page_size + slot) before attention reads the pages, so a row sees its own
+chunk; padding tokens write to the scratch page, padding rows have q_lens = kv_lens = 0. Each row
+samples from its last token (`sample_index`); its sampled token lands in slot k of the step's
+output (decode row i at slot i and prefill row r at slot Sd + r in the padded layout).
+
+A row whose last token is still being sampled by the previous step (async scheduling: a
+placeholder on the host) takes it from that step's sampled tokens on the device: `prev_slot[t]`
+names the slot, and `reads_step` names the step, so a host that did not run that step refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from engine.core.buckets import Bucket, ShapeBuckets, pow2
+from engine.core.pages import SCRATCH_PAGE
+from engine.core.scheduler import Plan, Row
+
+U32 = 2**32
+
+
+class StepInputs(NamedTuple):
+    """The model's inputs of one step (numpy on the host; a NamedTuple, flattened by jit in C++)."""
+
+    tokens: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T]
+    kv_dest: np.ndarray  # i32[T] flat cache slot of each token's key/value; padding -> scratch page
+    prev_slot: np.ndarray  # i32[T] slot of the previous step's sampled token that replaces it, or -1
+    page_table: np.ndarray  # i32[R, L] pages of each row's sequence (padding -> scratch page 0)
+    kv_lens: np.ndarray  # i32[R] tokens in the cache after this step (0 for padding rows)
+    q_start: np.ndarray  # i32[R] first token of the row
+    q_lens: np.ndarray  # i32[R] tokens of the row in this step (0 for padding rows)
+    sample_index: np.ndarray  # i32[R] token whose logits the row samples from
+
+
+class SamplingInputs(NamedTuple):
+    """Per-row sampling parameters, f/i[R]; the dense arrays are None unless `penalize`."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    seed: np.ndarray  # u32[R]
+    position: np.ndarray  # i32[R] position of the token being sampled
+    presence: Optional[np.ndarray] = None
+    frequency: Optional[np.ndarray] = None
+    repetition: Optional[np.ndarray] = None
+    output_counts: Optional[np.ndarray] = None  # f32[R, V] occurrences in the output so far
+    prompt_mask: Optional[np.ndarray] = None  # bool[R, V] token occurs in the prompt
+    bias: Optional[np.ndarray] = None  # f32[R, V] logit bias; -inf blocks EOS before min_tokens
+
+
+class SamplerSwitches(NamedTuple):
+    """The sampler's static switches (one compiled variant each; see engine.runner.sampler)."""
+
+    random: bool = False
+    logprobs: bool = False
+    penalize: bool = False
+    filter: bool = False
+
+
+WARM_SAMPLER_SWITCHES = (SamplerSwitches(), SamplerSwitches(random=True),
+                         SamplerSwitches(random=True, logprobs=True))
+"""The variants warm-up compiles; penalties and top-k/p filtering compile on first use."""
+
+
+class PromptLogprobInputs(NamedTuple):
+    index: np.ndarray  # i32[P] token whose logits predict the target (P a power of two, padded)
+    targets: np.ndarray  # i32[P] the prompt token predicted
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Everything the device side needs to run one step, and nothing live."""
+
+    step_id: int
+    bucket: Bucket
+    inputs: StepInputs
+    sampling: SamplingInputs
+    switches: SamplerSwitches
+    prompt_logprobs: Optional[PromptLogprobInputs] = None
+    reads_step: Optional[int] = None
+    """The step whose sampled tokens `inputs.prev_slot` indexes (None: no token is pending)."""
+
+
+class StepOutput(NamedTuple):
+    """What a step produced, on the host: the device side's answer to a `StepPlan`."""
+
+    tokens: np.ndarray  # i32[R] sampled token of each row (padding rows: garbage)
+    logprobs: Optional[np.ndarray] = None  # f32[R] of the sampled token, when the switches asked
+    top_ids: Optional[np.ndarray] = None  # i32[R, 20]
+    top_logprobs: Optional[np.ndarray] = None  # f32[R, 20]
+    prompt: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+    """(logprob of each target, top ids, top logprobs) for `StepPlan.prompt_logprobs`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSlots:
+    """Host-side map from a plan's rows to its step's outputs."""
+
+    step_id: int
+    slots: list[int]
+    """Sampling slot of each row of `plan.rows`."""
+    slot_of: dict[str, int]
+    """Sampling slot of each row that samples, by request id (what the next step reads)."""
+    prompt_rows: list[int]
+    """For each prompt logprob entry: the index (into `plan.rows`) of the row it belongs to."""
+
+
+class StepPlanner:
+    """Builds step plans for one engine: its buckets, page size, vocabulary and EOS ids."""
+
+    def __init__(self, buckets: ShapeBuckets, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.buckets = buckets
+        self.page_size = buckets.page_size
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def build(self, plan: Plan, step_id: int, previous: Optional[RowSlots] = None) -> tuple[StepPlan, RowSlots]:
+        """The plan of one step. `previous`: the step in flight, whose sampled tokens fill the
+        placeholders of this one."""
+        pages_needed = max(-(-(row.start + row.length) // self.page_size) for row in plan.rows)
+        bucket = self.buckets.for_step(len(plan.decode), [row.length for row in plan.prefill], pages_needed)
+        inputs = _empty_inputs(bucket, self.page_size)
+        starts = self._row_starts(plan, bucket)
+        first_prefill = len(plan.decode) if bucket.ragged else bucket.decode_rows
+        slots = list(range(len(plan.decode))) + [first_prefill + r for r in range(len(plan.prefill))]
+        reads_previous = False
+        for row, start, slot in zip(plan.rows, starts, slots):
+            reads_previous |= self._fill_row(row, start, slot, inputs, bucket, previous)
+        if bucket.ragged:  # padding rows start where the tokens end, so q_start stays sorted
+            inputs.q_start[len(plan.rows):] = starts[-1] + plan.rows[-1].length
+        rows = list(zip(slots, plan.rows))
+        sampling, switches = self._sampling_inputs(rows, bucket.rows)
+        prompt_lps, prompt_rows = self._prompt_logprob_inputs(plan, starts)
+        step = StepPlan(step_id, bucket, inputs, sampling, switches, prompt_lps,
+                        previous.step_id if reads_previous else None)
+        slot_of = {row.seq.request_id: slot for slot, row in rows if row.samples}
+        return step, RowSlots(step_id, slots, slot_of, prompt_rows)
+
+    # ---- internals ----
+
+    def _row_starts(self, plan: Plan, bucket: Bucket) -> list[int]:
+        """First token of each row of `plan.rows` in the step's layout."""
+        starts = list(range(len(plan.decode)))
+        if bucket.ragged:
+            offset = len(plan.decode)
+            for row in plan.prefill:
+                starts.append(offset)
+                offset += row.length
+        else:
+            starts += [bucket.decode_rows + r * bucket.chunk for r in range(len(plan.prefill))]
+        return starts
+
+    def _fill_row(self, row: Row, offset: int, slot: int, inputs: StepInputs, bucket: Bucket,
+                  previous: Optional[RowSlots]) -> bool:
+        """Write one row's tokens and row arrays; True when it reads a token of `previous`."""
+        seq, start, end = row.seq, row.start, row.start + row.length
+        page_size = self.page_size
+        if row.length == 1:  # a decode row: scalar stores (numpy's per-call cost dominates at batch 32)
+            prompt_len = len(seq.prompt_ids)
+            inputs.tokens[offset] = seq.prompt_ids[start] if start < prompt_len else seq.output_ids[start - prompt_len]
+            inputs.positions[offset] = start
+            inputs.kv_dest[offset] = seq.pages[start // page_size] * page_size + start % page_size
+        else:
+            span = slice(offset, offset + row.length)
+            pos = np.arange(start, end)
+            inputs.tokens[span] = seq.token_ids[start:end]
+            inputs.positions[span] = pos
+            inputs.kv_dest[span] = np.asarray(seq.pages)[pos // page_size] * page_size + pos % page_size
+        inputs.page_table[slot, : len(seq.pages)] = seq.pages[: bucket.pages]
+        inputs.kv_lens[slot], inputs.q_start[slot], inputs.q_lens[slot] = end, offset, row.length
+        inputs.sample_index[slot] = offset + row.length - 1
+        if end <= seq.num_known_tokens:
+            return False
+        # the row's last token is the one `previous` is sampling
+        prev = previous.slot_of.get(seq.request_id) if previous is not None else None
+        if prev is None or end != seq.num_known_tokens + 1:
+            raise RuntimeError(f"request {seq.request_id}: a planned token is pending without a step "
+                               "in flight to sample it (engine bug)")
+        inputs.prev_slot[offset + row.length - 1] = prev
+        return True
+
+    def _sampling_inputs(self, rows: list[tuple[int, Row]], n: int) -> tuple[SamplingInputs, SamplerSwitches]:
+        temperature, top_p, min_p = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.float32)
+        top_k, seed, position = np.zeros(n, np.int32), np.zeros(n, np.uint32), np.zeros(n, np.int32)
+        for i, row in rows:
+            params = row.seq.params
+            temperature[i], top_k[i], top_p[i], min_p[i] = params.temperature, params.top_k, params.top_p, params.min_p
+            seed[i], position[i] = row.seq.seed % U32, row.seq.num_tokens
+        params = [row.seq.params for _, row in rows]
+        switches = SamplerSwitches(
+            random=any(not p.greedy for p in params),
+            logprobs=any(p.logprobs is not None for p in params),
+            penalize=any(_needs_dense(row) for _, row in rows),
+            filter=any(p.needs_filtering and not p.greedy for p in params),
+        )
+        inputs = SamplingInputs(temperature, top_k, top_p, min_p, seed, position)
+        if switches.penalize:
+            inputs = inputs._replace(**self._dense_inputs(rows, n))
+        return inputs, switches
+
+    def _dense_inputs(self, rows: list[tuple[int, Row]], n: int) -> dict:
+        vocab = self.vocab_size
+        presence, frequency, repetition = np.zeros(n, np.float32), np.zeros(n, np.float32), np.ones(n, np.float32)
+        counts, prompt_mask = np.zeros((n, vocab), np.float32), np.zeros((n, vocab), bool)
+        bias = np.zeros((n, vocab), np.float32)
+        for i, row in rows:
+            seq, params = row.seq, row.seq.params
+            presence[i], frequency[i], repetition[i] = (params.presence_penalty, params.frequency_penalty,
+                                                         params.repetition_penalty)
+            known = seq.output_ids[: len(seq.output_ids) - seq.tokens_in_flight]
+            if known:
+                counts[i] = np.bincount(np.asarray(known) % vocab, minlength=vocab)
+            if params.repetition_penalty != 1.0:
+                prompt_mask[i, np.asarray(seq.prompt_ids) % vocab] = True
+            for token, value in params.logit_bias:
+                bias[i, token] += value
+            if len(seq.output_ids) < params.min_tokens:
+                bias[i, [t for t in (*self.eos_token_ids, *params.stop_token_ids) if t < vocab]] = -np.inf
+        return dict(presence=presence, frequency=frequency, repetition=repetition, output_counts=counts,
+                    prompt_mask=prompt_mask, bias=bias)
+
+    def _prompt_logprob_inputs(self, plan: Plan, starts: list[int]) -> tuple[Optional[PromptLogprobInputs], list[int]]:
+        """For rows of sequences that asked for prompt logprobs: the logits that predict each
+        prompt token the row's positions can predict. (None, []) if no row asked."""
+        index, targets, owners = [], [], []
+        for k, (row, start) in enumerate(zip(plan.rows, starts)):
+            if row.seq.params.prompt_logprobs is None:
+                continue
+            prompt = row.seq.prompt_ids
+            for j in range(row.length):
+                if row.start + j + 1 < len(prompt):
+                    index.append(start + j)
+                    targets.append(prompt[row.start + j + 1])
+                    owners.append(k)
+        if not index:
+            return None, []
+        pad = pow2(len(index)) - len(index)
+        return PromptLogprobInputs(np.asarray(index + [0] * pad, np.int32), np.asarray(targets + [0] * pad, np.int32)), owners
+
+
+def empty_step_plan(bucket: Bucket, page_size: int, step_id: int,
+                    switches: SamplerSwitches = SamplerSwitches()) -> StepPlan:
+    """A step of padding only (every write goes to the scratch page): warm-up compiles with it
+    exactly the arrays `StepPlanner.build` makes."""
+    n = bucket.rows
+    sampling = SamplingInputs(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
+                              np.zeros(n, np.float32), np.zeros(n, np.uint32), np.zeros(n, np.int32))
+    return StepPlan(step_id, bucket, _empty_inputs(bucket, page_size), sampling, switches)
+
+
+def _needs_dense(row: Row) -> bool:
+    seq = row.seq
+    return seq.params.needs_penalties or len(seq.output_ids) < seq.params.min_tokens
+
+
+def _empty_inputs(bucket: Bucket, page_size: int) -> StepInputs:
+    t, r = bucket.tokens, bucket.rows
+    return StepInputs(
+        tokens=np.zeros(t, np.int32),
+        positions=np.zeros(t, np.int32),
+        kv_dest=np.full(t, SCRATCH_PAGE * page_size, np.int32),
+        prev_slot=np.full(t, -1, np.int32),
+        page_table=np.zeros((r, bucket.pages), np.int32),
+        kv_lens=np.zeros(r, np.int32),
+        q_start=np.zeros(r, np.int32),
+        q_lens=np.zeros(r, np.int32),
+        sample_index=np.zeros(r, np.int32),
+    )

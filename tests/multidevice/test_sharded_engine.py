@@ -1,0 +1,64 @@
+"""Tensor parallelism on 4 host CPU devices: sharded engines answer exactly as transformers does,
+and every device holds the share of each weight and of the KV cache that the split implies."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from parity import TIGHT, assert_greedy_parity
+
+from engine.core.config import EngineConfig
+from engine.llm_engine import LLMEngine
+
+EIGHT_HEADS = dict(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
+"""8 query heads over 2 KV heads: at TP=4 each KV head is repeated on two devices."""
+
+
+@pytest.mark.parametrize("family,sizes,tp,backend", [
+    ("llama", {}, 2, "auto"), ("llama", {}, 4, "auto"), ("qwen3", {}, 2, "auto"), ("qwen3", EIGHT_HEADS, 4, "auto"),
+    ("llama", {}, 2, "tpu")], ids=["llama-tp2", "llama-tp4", "qwen3-tp2", "qwen3-8q2kv-tp4", "llama-tp2-tpu"])
+def test_sharded_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, sizes, tp, backend):
+    """Queueing, chunking and preemption as in the single-device parity tests. auto gives way to
+    xla: the cpu backend's kernels cannot shard."""
+    model_dir = checkpoint_factory(family, **sizes)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), tensor_parallel_size=tp, attention_backend=backend,
+                                    **TIGHT))
+    described = engine.describe()
+    assert (described["tensor_parallel_size"], described["num_devices"]) == (str(tp), str(tp))
+    assert described["attention_backend"] == ("xla" if backend == "auto" else backend)
+    assert described["mesh"] == f"data=1,model={tp}"
+    assert_greedy_parity(engine, model_dir)
+
+
+def shard_shapes(array: jax.Array) -> list[tuple[int, ...]]:
+    assert len({shard.device for shard in array.addressable_shards}) == len(array.addressable_shards)
+    return [shard.data.shape for shard in array.addressable_shards]
+
+
+def test_every_device_holds_its_share(checkpoint_factory):
+    """Qwen3 with 8 query heads and 2 KV heads at TP=4 (head_size 16, MLP 256, vocab 492)."""
+    engine = LLMEngine(EngineConfig(model=str(checkpoint_factory("qwen3", **EIGHT_HEADS)), tensor_parallel_size=4,
+                                    **TIGHT))
+    model = engine.runner.model
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    # weights are (in..., out...): q (embed, kv_head, q_heads_per_group, head_size), KV heads repeated 2 -> 4
+    assert shard_shapes(attn.q_proj.weight.array) == [(128, 1, 2, 16)] * 4
+    assert shard_shapes(attn.k_proj.weight.array) == [(128, 1, 16)] * 4
+    assert shard_shapes(attn.v_proj.weight.array) == [(128, 1, 16)] * 4
+    assert shard_shapes(attn.o_proj.weight.array) == [(2, 16, 128)] * 4  # (heads, head_size, embed)
+    assert shard_shapes(mlp.gate_proj.weight.array) == [(128, 64)] * 4
+    assert shard_shapes(mlp.up_proj.weight.array) == [(128, 64)] * 4
+    assert shard_shapes(mlp.down_proj.weight.array) == [(64, 128)] * 4
+    assert shard_shapes(model.embeddings.token_embeddings.weight.array) == [(123, 128)] * 4
+    assert shard_shapes(model.lm_head.weight.array) == [(128, 123)] * 4
+    # the KV cache: keys [layer, page, kv_head, head_dim, slot], one (repeated) KV head per device
+    cache = engine.runner.cache
+    assert shard_shapes(cache.k) == [(2, 40, 1, 16, 4)] * 4
+    assert shard_shapes(cache.v) == [(2, 40, 1, 4, 16)] * 4
+
+
+def test_the_tpu_backend_splits_its_cache_by_kv_head(checkpoint_factory):
+    engine = LLMEngine(EngineConfig(model=str(checkpoint_factory("llama")), tensor_parallel_size=2,
+                                    attention_backend="tpu", **TIGHT))
+    # one array per layer: [page, slot, 2 * kv_head, head_dim], keys and values interleaved
+    assert [shard_shapes(layer) for layer in engine.runner.cache.pages] == [[(40, 4, 2, 16)] * 2] * 2

@@ -1,0 +1,86 @@
+"""Helpers shared by the engine tests: the tight engine configuration that forces queueing,
+chunking and preemption, prompts, running an engine to completion, and transformers' answers (the
+reference implementation) for the same prompts."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers
+
+from engine.core.request import FinishReason, SamplingParams
+from engine.llm_engine import LLMEngine
+
+PROMPT_LENGTHS = [3, 7, 12, 20, 33, 50, 9, 17]
+NEW_TOKENS = 32
+
+TIGHT = dict(max_num_seqs=4, max_num_batched_tokens=24, prefill_chunk=16, page_size=4, num_pages=40,
+             max_model_len=128, warmup=False)
+
+
+def make_prompts(lengths=PROMPT_LENGTHS, seed=0, vocab=400) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, vocab, size=n)] for n in lengths]
+
+
+def run_to_completion(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]):
+    """Add every request, step until idle; returns {id: list of deltas}."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    deltas = {rid: [] for rid in requests}
+    while engine.has_work():
+        for delta in engine.step():
+            deltas[delta.request_id].append(delta)
+    return deltas
+
+
+def tokens_of(deltas) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def assert_all_pages_free(engine: LLMEngine) -> None:
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_free_pages == stats.num_pages
+    assert stats.kv_cache_usage == 0.0
+
+
+def hf_greedy(model_dir, prompt: list[int], new_tokens: int, **generate_kwargs):
+    """transformers' greedy tokens and the log-softmax logprob of each."""
+    model = hf_model(str(model_dir))
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True, **generate_kwargs)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+HF_MODELS: dict[str, transformers.PreTrainedModel] = {}
+
+
+def hf_model(path: str):
+    if path not in HF_MODELS:
+        HF_MODELS[path] = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return HF_MODELS[path]
+
+
+def assert_greedy_parity(engine: LLMEngine, model_dir) -> None:
+    """8 prompts queue (4 slots), chunk (a budget below the longest prompt) and preempt (a small
+    pool); every greedy token equals transformers', every logprob within 1e-3, all pages return."""
+    prompts = make_prompts()
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    deltas = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+
+    stats = engine.stats()
+    assert stats.num_preemptions >= 1, "the page pool was meant to force a preemption"
+    assert stats.max_batch_size == 4
+    for i, prompt in enumerate(prompts):
+        want_tokens, want_logprobs = hf_greedy(model_dir, prompt, NEW_TOKENS)
+        got = deltas[str(i)]
+        assert tokens_of(got) == want_tokens, f"prompt {i} (length {len(prompt)})"
+        got_logprobs = [lp.logprob for d in got for lp in d.logprobs]
+        np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-3)
+        assert got[-1].finish_reason is FinishReason.LENGTH
+        assert [d.finish_reason for d in got[:-1]] == [None] * (NEW_TOKENS - 1)
+        assert got[0].num_prompt_tokens == len(prompt)
+    assert_all_pages_free(engine)

@@ -1,0 +1,167 @@
+"""engine.core.step_plan: step plans built from real scheduler runs, without a model: the exact
+arrays of both token layouts, pending tokens read from the step in flight, sampling inputs, prompt
+logprobs, and plans that pickle into plain data."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import numpy as np
+import pytest
+
+from engine.core.buckets import Bucket, ShapeBuckets
+from engine.core.pages import PageAllocator
+from engine.core.request import SamplingParams
+from engine.core.scheduler import PENDING_TOKEN, Plan, Scheduler, SchedulerConfig, Sequence
+from engine.core.step_plan import RowSlots, StepPlan, StepPlanner
+
+PAGE = 4
+VOCAB = 64
+EOS = (2,)
+
+
+def setup(ragged: bool) -> tuple[Scheduler, StepPlanner]:
+    buckets = ShapeBuckets(ragged=ragged, max_num_seqs=4, max_num_batched_tokens=24, prefill_chunk=8,
+                           max_pages_per_seq=8, page_size=PAGE)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, prefill_chunk=8,
+                             max_prefill_rows=buckets.max_prefill_rows, max_model_len=32)
+    return Scheduler(config, PageAllocator(40, PAGE, True)), StepPlanner(buckets, VOCAB, EOS)
+
+
+def launched(plan: Plan, token: int = PENDING_TOKEN) -> None:
+    """Advance every row as the engine does when it launches a step (`token`: the sampled one,
+    or a placeholder still in flight)."""
+    for row in plan.rows:
+        row.seq.num_computed += row.length
+        if row.samples:
+            row.seq.output_ids.append(token)
+            row.seq.tokens_in_flight += token == PENDING_TOKEN
+
+
+def decode_and_chunk(ragged: bool):
+    """A decoding (prompt 5, one output token 33) next to the first 8-token chunk of B (prompt 10)."""
+    sched, planner = setup(ragged)
+    a = Sequence("a", [10, 11, 12, 13, 14], SamplingParams(max_tokens=8), seed=7)
+    sched.add(a)
+    launched(sched.schedule(), token=33)
+    b = Sequence("b", list(range(40, 50)), SamplingParams(max_tokens=8, temperature=0.5, top_p=0.9), seed=2**32 + 3)
+    sched.add(b)
+    plan = sched.schedule()
+    assert [(r.seq.request_id, r.start, r.length) for r in plan.rows] == [("a", 5, 1), ("b", 0, 8)]
+    return plan, planner, a, b
+
+
+def dest(seq: Sequence, positions) -> list[int]:
+    return [seq.pages[p // PAGE] * PAGE + p % PAGE for p in positions]
+
+
+def table(seq: Sequence) -> list[int]:
+    return seq.pages + [0] * (8 - len(seq.pages))
+
+
+def test_padded_layout_puts_decodes_first_and_each_prompt_chunk_in_its_own_slots():
+    plan, planner, a, b = decode_and_chunk(ragged=False)
+    step, slots = planner.build(plan, step_id=1)
+    assert step.bucket == Bucket(decode_rows=1, rows=2, tokens=9, pages=8, chunk=8)
+    x = step.inputs
+    assert x.tokens.tolist() == [33, *range(40, 48)]
+    assert x.positions.tolist() == [5, *range(8)]
+    assert x.kv_dest.tolist() == dest(a, [5]) + dest(b, range(8))
+    assert x.prev_slot.tolist() == [-1] * 9
+    assert x.page_table.tolist() == [table(a), table(b)]
+    assert (x.kv_lens.tolist(), x.q_start.tolist(), x.q_lens.tolist()) == ([6, 8], [0, 1], [1, 8])
+    assert x.sample_index.tolist() == [0, 8]
+    assert slots == RowSlots(1, [0, 1], {"a": 0}, [])  # b's chunk does not reach its prompt's end
+    assert step.reads_step is None and step.prompt_logprobs is None
+
+
+def test_ragged_layout_packs_rows_and_pads_only_the_end():
+    plan, planner, a, b = decode_and_chunk(ragged=True)
+    step, slots = planner.build(plan, step_id=1)
+    assert step.bucket == Bucket(decode_rows=0, rows=2, tokens=16, pages=8, chunk=0)
+    x = step.inputs
+    assert x.tokens.tolist() == [33, *range(40, 48)] + [0] * 7
+    assert x.kv_dest.tolist() == dest(a, [5]) + dest(b, range(8)) + [0] * 7  # padding -> scratch page 0
+    assert (x.kv_lens.tolist(), x.q_start.tolist(), x.q_lens.tolist()) == ([6, 8], [0, 1], [1, 8])
+    assert x.sample_index.tolist() == [0, 8]
+    assert slots.slots == [0, 1]
+
+
+def test_ragged_padding_rows_start_where_the_tokens_end():
+    """cu_q_lens = q_start + [end] must not decrease: padding rows sit at the end of the tokens."""
+    sched, planner = setup(ragged=True)
+    for rid, n in (("a", 3), ("b", 2), ("c", 4)):
+        sched.add(Sequence(rid, list(range(10, 10 + n)), SamplingParams(), seed=0))
+    step, _ = planner.build(sched.schedule(), step_id=0)
+    assert step.bucket.rows == 4 and step.bucket.tokens == 16
+    assert step.inputs.q_start.tolist() == [0, 3, 5, 9]
+    assert step.inputs.q_lens.tolist() == [3, 2, 4, 0]
+
+
+def test_a_pending_token_is_read_from_the_step_in_flight():
+    """Async scheduling: a's output token is still being sampled by step 4 (slot 0 there); the
+    next step names step 4 and takes the token from that slot."""
+    sched, planner = setup(ragged=False)
+    a = Sequence("a", [10, 11, 12], SamplingParams(max_tokens=8), seed=0)
+    sched.add(a)
+    first = sched.schedule()
+    _, in_flight = planner.build(first, step_id=4)
+    launched(first)  # a's first output is a placeholder
+    plan = sched.schedule()
+    step, _ = planner.build(plan, step_id=5, previous=in_flight)
+    assert a.output_ids == [PENDING_TOKEN]
+    assert step.reads_step == 4
+    assert step.inputs.prev_slot.tolist() == [in_flight.slot_of["a"]]
+    with pytest.raises(RuntimeError, match="pending without a step in flight"):
+        planner.build(plan, step_id=5)
+
+
+def test_sampling_inputs_switches_and_dense_penalties():
+    sched, planner = setup(ragged=False)
+    greedy = Sequence("g", [5, 6], SamplingParams(), seed=1)
+    picky = Sequence("p", [7, 8, 9], SamplingParams(temperature=0.7, top_k=5, presence_penalty=0.5,
+                                                    logit_bias=((3, 2.5),), min_tokens=2, stop_token_ids=(9,),
+                                                    logprobs=2), seed=11)
+    sched.add(greedy)
+    sched.add(picky)
+    step, slots = planner.build(sched.schedule(), step_id=0)
+    assert slots.slots == [0, 1]  # two prompt rows: no decode group
+    assert step.switches == (True, True, True, True)
+    s = step.sampling
+    assert s.temperature.tolist() == pytest.approx([0.0, 0.7])
+    assert (s.top_k.tolist(), s.seed.tolist(), s.position.tolist()) == ([0, 5], [1, 11], [2, 3])
+    assert s.presence.tolist() == [0.0, 0.5] and s.bias.shape == (2, VOCAB)
+    assert s.bias[1, 3] == 2.5 and s.bias[1, 2] == s.bias[1, 9] == -np.inf  # EOS and stop blocked
+    assert not s.bias[0].any()
+
+
+def test_prompt_logprob_targets_are_the_next_prompt_tokens():
+    sched, planner = setup(ragged=False)
+    sched.add(Sequence("e", [20, 21, 22, 23, 24, 25], SamplingParams(prompt_logprobs=1), seed=0))
+    step, slots = planner.build(sched.schedule(), step_id=0)
+    index, targets = step.prompt_logprobs
+    assert index.tolist() == [0, 1, 2, 3, 4, 0, 0, 0]  # the last position predicts an output token
+    assert targets.tolist() == [21, 22, 23, 24, 25, 0, 0, 0]
+    assert slots.prompt_rows == [0] * 5
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_step_plan_is_plain_data_that_survives_pickling(ragged):
+    plan, planner, _, _ = decode_and_chunk(ragged)
+    step, _ = planner.build(plan, step_id=9)
+    assert _plain(step)
+    copy = pickle.loads(pickle.dumps(step))
+    assert (copy.step_id, copy.bucket, copy.switches, copy.reads_step) == (9, step.bucket, step.switches, None)
+    for name in ("inputs", "sampling"):
+        for got, want in zip(getattr(copy, name), getattr(step, name)):
+            assert (got is None and want is None) or (got.dtype == want.dtype and np.array_equal(got, want))
+
+
+def _plain(value) -> bool:
+    """Only numpy arrays, numbers, bools, None, buckets and tuples of them: nothing live."""
+    if isinstance(value, StepPlan):
+        return all(_plain(getattr(value, f.name)) for f in dataclasses.fields(value))
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (np.ndarray, int, float, bool, Bucket))
