@@ -42,10 +42,12 @@ class ServingModel(eqx.Module):
     lm_head: eqx.Module | None
 
     @staticmethod
-    def from_levanter(model, scan_layers: bool = False) -> "ServingModel":
+    def from_levanter(model, scan_layers: bool = False, place=lambda layer: layer) -> "ServingModel":
+        """`place` puts each unstacked layer on its devices as it is made (a slice of a stacked
+        array is not split as the stack was), so no more than one layer is ever replicated."""
         layers = model.transformer.layers
         if not scan_layers:
-            layers = tuple(jax.tree_util.tree_map(jnp.copy, layer) for layer in layers.unstacked())
+            layers = tuple(place(jax.tree_util.tree_map(jnp.copy, layers.get_layer(i))) for i in range(layers.Block.size))
         return ServingModel(model.embeddings, layers, model.transformer.norm, model.lm_head)
 
     @property

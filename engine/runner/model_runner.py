@@ -124,8 +124,11 @@ class ModelRunner:
         self._check_speed_traps()
         with self._device_context(self._load_mapping()):
             model, self.info = load_model(config.model, self.dtype)
-            model = sharding.shard_model(model, self.layout, self.mesh)
-            self.model = self.backend.prepare(ServingModel.from_levanter(model, config.scan_layers))
+            if self.layout.kv_repeats > 1:
+                model = sharding.repeat_kv_heads(model, self.layout.kv_repeats)
+            place = functools.partial(sharding.place, layout=self.layout, mesh=self.mesh)
+            serving = place(ServingModel.from_levanter(model, config.scan_layers, place))
+            self.model = self.backend.prepare(serving)
         self.vocab_size = model.Vocab.size
         self.max_model_len = config.max_model_len or min(self.info.max_position_embeddings, 4096)
         if self.max_model_len > self.info.max_position_embeddings:

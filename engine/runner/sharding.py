@@ -87,13 +87,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def shard_model(model, layout: TensorParallelLayout, mesh: Mesh):
-    """Repeat KV heads as the layout says, then place every weight as the axis mapping splits it."""
-    if layout.kv_repeats > 1:
-        model = repeat_kv_heads(model, layout.kv_repeats)
-    if layout.size == 1:
-        return model
-    return hax.shard(model, layout.axis_mapping, mesh)
+def place(tree, layout: TensorParallelLayout, mesh: Mesh):
+    """Every named array of `tree` split over the mesh as the layout's axis mapping says."""
+    return tree if layout.size == 1 else hax.shard(tree, layout.axis_mapping, mesh)
 
 
 def repeat_kv_heads(model, repeats: int):
