@@ -1,9 +1,11 @@
 """End to end: a real local Ray Serve application with the real engine on a tiny random checkpoint,
 driven through HTTP by the official `openai` client (and httpx where exact bytes matter).
 
-Ray Serve starts once for the whole session (`serving`) and is shut down at its end. The app has an
-API key, so every /v1 call authenticates, and small bounds (8 ongoing requests per replica, 8
-queued) so that the 429 path can be reached. (Ray Serve counts a request as queued until it is assigned to a
+Ray Serve starts once for the whole session (`serving`) and is shut down at its end. The app serves
+the checkpoint twice, on one device and split over two (tensor_parallel_size 2), plus a slow fake
+engine whose requests can hold a replica's slots (the 429 test). It has an API key, so every /v1
+call authenticates, and small bounds (8 ongoing requests per replica, 8 queued) so that the 429
+path can be reached. (Ray Serve counts a request as queued until it is assigned to a
 replica, so a burst can be turned away even when slots are free: the queue bound must exceed the
 largest burst a test sends.) Reference outputs come from transformers running the
 same checkpoint (greedy decoding and prompt logprobs).
@@ -14,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import socket
 import types
+from pathlib import Path
 
 import httpx
 import pytest
@@ -27,6 +30,11 @@ pytestmark = pytest.mark.integration
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"
+MODEL_TP2 = "tiny-llama-tp2"
+"""The same checkpoint on a replica that splits it over 2 host devices (tensor_parallel_size 2)."""
+MODEL_SLOW = "slow-fake"
+"""A replica whose engine is tests/fake_engine.py's SlowFakeEngine (20 ms a step): requests that
+hold its slots for as long as a test needs, whatever the speed of the machine (the 429 test)."""
 MAX_MODEL_LEN = 512
 MAX_ONGOING = 8
 MAX_QUEUED = 8
@@ -53,18 +61,20 @@ def serving(checkpoint_factory):
     ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        engine = {"max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN, "max_num_batched_tokens": 256, "prefill_chunk": 64}
+        tp2 = {"tensor_parallel_size": 2, "warmup": False,
+               "env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}}
         app = build_app(
             {
-                "model": str(checkpoint),
-                "model_id": MODEL,
                 "api_key": API_KEY,
-                "max_num_seqs": 8,
-                "max_model_len": MAX_MODEL_LEN,
-                "max_num_batched_tokens": 256,
-                "prefill_chunk": 64,
-                "max_ongoing_requests": MAX_ONGOING,
-                "max_queued_requests": MAX_QUEUED,
-                "stream_batch_ms": 5,
+                "models": [
+                    {"model": str(checkpoint), "model_id": MODEL, **engine, "max_ongoing_requests": MAX_ONGOING,
+                     "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
+                    {"model": str(checkpoint), "model_id": MODEL_TP2, **engine, **tp2, "stream_batch_ms": 5},
+                    {"model": str(checkpoint), "model_id": MODEL_SLOW, **engine, "engine_cls": "fake_engine:SlowFakeEngine",
+                     "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "max_ongoing_requests": MAX_ONGOING,
+                     "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
+                ],
             }
         )
         serve.run(app, name="llm", route_prefix="/")
@@ -113,16 +123,17 @@ def greedy_text(serving, prompt_ids: list[int], count: int) -> str:
     return serving.tokenizer.decode(hf_greedy(serving, prompt_ids, count), skip_special_tokens=True)
 
 
-def metric(http, name: str, **labels) -> float:
-    """Sum of the samples of `name` (over replicas) whose labels include `labels`."""
+def metric(http, name: str, model_name: str = MODEL, **labels) -> float:
+    """Sum of the samples of `name` (over replicas) of `model_name` whose labels include `labels`."""
+    return sum(sample.value for sample in samples(http, name, model_name=model_name, **labels))
+
+
+def samples(http, name: str, **labels) -> list:
+    """The samples of `name` whose labels include `labels`."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    total = 0.0
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and labels.items() <= sample.labels.items():
-                total += sample.value
-    return total
+    return [sample for family in text_string_to_metric_families(http.get("/metrics").text)
+            for sample in family.samples if sample.name == name and labels.items() <= sample.labels.items()]
 
 
 def openai_error(message: str, param=None, type="invalid_request_error", code=None) -> dict:
@@ -254,7 +265,7 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(serving, client,
 
 
 def test_models(client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, MODEL_TP2, MODEL_SLOW]
     assert client.models.retrieve(MODEL).id == MODEL
 
 
@@ -294,7 +305,7 @@ def test_404_for_an_unknown_model(client):
         client.completions.create(model="gpt-5", prompt="x")
     assert info.value.status_code == 404
     assert info.value.body == {
-        "message": f"the model 'gpt-5' does not exist; served models: ['{MODEL}']",
+        "message": f"the model 'gpt-5' does not exist; served models: ['{MODEL_SLOW}', '{MODEL}', '{MODEL_TP2}']",
         "type": "invalid_request_error",
         "param": "model",
         "code": "model_not_found",
@@ -305,11 +316,11 @@ class OpenStream:
     """A long streamed completion (seconds of engine steps), read up to its first event and held open
     until `close()`."""
 
-    def __init__(self, http, max_tokens: int = 480):
+    def __init__(self, http, max_tokens: int = 480, model: str = MODEL):
         request = http.build_request(
             "POST",
             "/v1/completions",
-            json={"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True},
+            json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True},
         )
         self.response = http.send(request, stream=True)
         assert self.response.status_code == 200
@@ -321,11 +332,13 @@ class OpenStream:
 
 
 def test_429_with_retry_after_when_the_queue_is_full(http):
-    streams = [OpenStream(http) for _ in range(MAX_ONGOING)]  # every slot of the replica is busy
+    """Ray Serve's backpressure through the ingress. The slot holders run on the slow fake engine
+    (~10 s for 480 tokens), so they outlast the burst on any machine."""
+    streams = [OpenStream(http, model=MODEL_SLOW) for _ in range(MAX_ONGOING)]  # every slot of the replica is busy
     try:
         with concurrent.futures.ThreadPoolExecutor(EXTRA) as pool:
             futures = [
-                pool.submit(http.post, "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+                pool.submit(http.post, "/v1/completions", json={"model": MODEL_SLOW, "prompt": PROMPT, "max_tokens": 2})
                 for _ in range(EXTRA)
             ]
             # At most MAX_QUEUED wait in the queue; the others are turned away at once.
@@ -412,3 +425,32 @@ def test_concurrent_requests_share_engine_steps(http):
 def test_health_needs_no_key(serving):
     response = httpx.get(f"{serving.url}/health")
     assert (response.status_code, response.json()) == (200, {"status": "ok"})
+
+
+# ---- tensor parallelism ----
+
+
+def test_a_tensor_parallel_replica_answers_as_the_single_device_one(serving, client, http):
+    """The TP=2 replica (2 host devices, the xla backend: the cpu kernels do not shard) gives the
+    same greedy text, streamed or not, as the TP=1 replica (the cpu backend), and says how it runs."""
+    prompts = [PROMPT, "Once upon a time", "def add(a, b):"]
+    for prompt in prompts:
+        want = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        got = client.completions.create(model=MODEL_TP2, prompt=prompt, max_tokens=24, temperature=0)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage == want.usage
+    want = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0)
+    stream = client.chat.completions.create(model=MODEL_TP2, messages=MESSAGES, max_tokens=20, temperature=0,
+                                            stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == \
+        want.choices[0].message.content
+
+    (tp1,) = samples(http, "jax_serve:engine_info", model_name=MODEL)
+    (tp2,) = samples(http, "jax_serve:engine_info", model_name=MODEL_TP2)
+    assert tp1.value == tp2.value == 1.0
+    assert {k: tp1.labels[k] for k in ("tensor_parallel_size", "num_devices", "attention_backend", "mesh")} == {
+        "tensor_parallel_size": "1", "num_devices": "1", "attention_backend": "cpu", "mesh": "data=1,model=1"}
+    assert {k: tp2.labels[k] for k in ("tensor_parallel_size", "num_devices", "attention_backend", "mesh")} == {
+        "tensor_parallel_size": "2", "num_devices": "2", "attention_backend": "xla", "mesh": "data=1,model=2"}
+    assert tp1.labels["dtype"] == tp2.labels["dtype"] == "float32"  # dtype auto: the checkpoint's own
+
