@@ -6,6 +6,7 @@ token budget below the longest prompt) and must preempt (a small page pool).
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -315,3 +316,41 @@ def test_step_plans_carry_everything_the_device_side_needs(llama_dir, llama_engi
     for rid in requests:
         assert tokens_of(got[rid]) == tokens_of(want[rid])
     assert_all_pages_free(engine)
+
+
+def test_dtype_auto_serves_a_checkpoint_in_its_own_dtype(checkpoint_factory, llama_engine):
+    bf16 = LLMEngine(EngineConfig(model=str(checkpoint_factory("llama", dtype="bfloat16")), **TIGHT))
+    assert bf16.describe()["dtype"] == bf16.describe()["kv_cache_dtype"] == "bfloat16"
+    assert bf16.runner.model.first_layer.mlp.down_proj.weight.dtype == jnp.bfloat16
+    assert llama_engine.describe()["dtype"] == "float32"  # the float32 checkpoint
+    tokens = tokens_of(run_to_completion(bf16, {"b": (make_prompts([9], seed=16)[0], SamplingParams(max_tokens=4))})["b"])
+    assert len(tokens) == 4
+
+
+@pytest.mark.parametrize("declared,served", [("bfloat16", "bfloat16"), ("float16", "bfloat16"),
+                                             ("float32", "float32"), (None, "float32")])
+def test_the_declared_dtype_decides_auto(declared, served):
+    from engine.model.loading import _declared_dtype
+
+    assert _declared_dtype({} if declared is None else {"torch_dtype": declared}) == served
+    assert _declared_dtype({"dtype": declared} if declared else {}) == served  # transformers 5's key
+
+
+def test_the_kv_pool_takes_its_share_of_the_memory_the_weights_leave(llama_dir, monkeypatch, caplog):
+    """On an accelerator (faked: the device reports 1 MiB free), num_pages 0 sizes the pool from
+    memory: a page of the tiny model is 2 layers x 4 slots x 2 KV heads x 16 x (K, V) x 4 bytes."""
+    import logging
+
+    from engine.runner import sharding
+
+    monkeypatch.setattr(sharding, "free_device_memory", lambda devices: 2**20)
+    config = {**TIGHT, "num_pages": 0, "kv_cache_memory_fraction": 0.5}
+    with caplog.at_level(logging.INFO, logger="engine.runner.model_runner"):
+        engine = LLMEngine(EngineConfig(model=str(llama_dir), **config))
+    assert engine.runner.num_pages == 2**19 // 2048 == 256
+    assert engine.stats().num_pages == 255  # the scratch page is not for requests
+    assert "KV pool: 256 pages of 4 tokens (1024 tokens, 0.00 GiB per device) from 50% of 0.00 GiB free" in caplog.text
+    monkeypatch.setattr(sharding, "free_device_memory", lambda devices: 32 * 2048)
+    with pytest.raises(ValueError, match="hold 16 KV pages, fewer than one sequence of max_model_len=128 needs "
+                                         r"\(33\); lower max_model_len"):
+        LLMEngine(EngineConfig(model=str(llama_dir), **config))
