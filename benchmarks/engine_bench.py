@@ -91,6 +91,8 @@ def main(argv=None) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "xla", "tpu"],
                         help="the engine's attention backend (auto: cpu kernels on x86 CPUs)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "kernel", "xla"],
+                        help="cpu backend: per-shape choice (auto) or one matmul for every product")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -101,11 +103,12 @@ def main(argv=None) -> None:
             model=str(model), dtype=args.dtype, page_size=args.page_size, max_num_seqs=batch,
             max_num_batched_tokens=max(batch, args.max_num_batched_tokens), prefill_chunk=args.prefill_chunk,
             max_model_len=args.prompt_len + args.new_tokens, attention_backend=args.attention_backend,
-            tensor_parallel_size=args.tensor_parallel_size))
+            tensor_parallel_size=args.tensor_parallel_size, cpu_matmul=args.cpu_matmul))
         if batch == batches[0]:
             d = engine.describe()
             print(f"| batch | output tok/s | decode step ms | run s | steps |  ({d['dtype']}, {d['attention_backend']} "
-                  f"backend, tp={d['tensor_parallel_size']}, {args.prompt_len} in / {args.new_tokens} out)")
+                  f"backend, cpu_matmul {args.cpu_matmul}, tp={d['tensor_parallel_size']}, {args.prompt_len} in / "
+                  f"{args.new_tokens} out)")
             print("|---|---|---|---|---|")
         runs = [run_once(engine, batch, args.prompt_len, args.new_tokens, seed, args.requests)
                 for seed in range(args.repeats)]

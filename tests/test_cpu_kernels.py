@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from engine.attention import cpu_kernels
-from engine.attention.cpu_kernels import FusedLinear, PackedLinear, argmax, decode_attention, matmul, pack, silu_mul
+from engine.attention.cpu_kernels import (FusedLinear, PackedLinear, argmax, decode_attention, matmul, pack, silu_mul,
+                                          xla_matmul)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 + FMA and g++")
 
@@ -35,6 +36,18 @@ def test_matmul_equals_numpy(m, k, n, dtype):
     got = np.asarray(jax.jit(matmul)(jnp.asarray(x), pack(jnp.asarray(w), dtype)))
     assert got.shape == (m, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, x.astype(np.float64) @ w_rounded, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_xla_matmul_reads_the_same_packed_weights(dtype):
+    """XLA's path (what matmul_choice may pick per shape) multiplies x in the weights' dtype."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((37, 300)).astype(np.float32)
+    w = (rng.standard_normal((300, 96)) * 0.05).astype(np.float32)
+    got = np.asarray(jax.jit(xla_matmul)(jnp.asarray(x), pack(jnp.asarray(w), dtype)))
+    rounded = [np.asarray(jnp.asarray(a).astype(dtype).astype(jnp.float32), np.float64) for a in (x, w)]
+    assert got.shape == (37, 96) and got.dtype == np.float32
+    np.testing.assert_allclose(got, rounded[0] @ rounded[1], rtol=1e-4, atol=1e-4)
 
 
 def test_pack_rejects_widths_off_the_panel():

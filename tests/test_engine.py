@@ -354,3 +354,28 @@ def test_the_kv_pool_takes_its_share_of_the_memory_the_weights_leave(llama_dir, 
     with pytest.raises(ValueError, match="hold 16 KV pages, fewer than one sequence of max_model_len=128 needs "
                                          r"\(33\); lower max_model_len"):
         LLMEngine(EngineConfig(model=str(llama_dir), **config))
+
+
+@pytest.mark.parametrize("cpu_matmul", ["kernel", "xla", "auto"])
+def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monkeypatch, cpu_matmul):
+    """kernel / xla force one path for every product; auto, with a fake timer that makes XLA's dot
+    faster from 16 rows on, mixes them: the prompt-chunk steps' layers (16, 17 and 20 tokens) on
+    XLA's dot, decode steps and the LM head (at most 5 rows) on the kernel. (A vocabulary of 512
+    ids, so that the LM head is packed too.)"""
+    from engine.attention import matmul_choice
+
+    llama_dir = checkpoint_factory("llama", vocab_size=512)
+    def timer(product, path):
+        return 1.0 if (path == "xla") == (product.rows >= 16) else 2.0
+
+    monkeypatch.setattr(matmul_choice, "time_product", timer)
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), attention_backend="cpu", cpu_matmul=cpu_matmul,
+                                    compilation_cache_dir=None, **{**TIGHT, "warmup": True}))
+    layer_rows = {b.tokens for b in engine.runner.buckets.all()}
+    want = {"kernel": frozenset(), "xla": frozenset(layer_rows), "auto": frozenset({16, 17, 20})}[cpu_matmul]
+    layer = engine.runner.model.first_layer
+    assert layer_rows == {1, 2, 4, 16, 17, 20}
+    assert layer.self_attn.q_proj.xla_rows == layer.self_attn.o_proj.xla_rows == layer.mlp.gate_up.xla_rows == want
+    head = engine.runner.model.lm_head.xla_rows
+    assert head == (frozenset({b.rows for b in engine.runner.buckets.all()}) if cpu_matmul == "xla" else frozenset())
+    assert_greedy_parity(engine, llama_dir)

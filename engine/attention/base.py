@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from jax.sharding import PartitionSpec
 
-from engine.core.buckets import Bucket
+from engine.core.buckets import Bucket, ShapeBuckets
 from engine.core.step_plan import StepInputs
 
 Q_AXES = ("position", "kv_head", "q_heads_per_group", "head_size")
@@ -60,8 +60,9 @@ class AttentionBackend:
     scannable: ClassVar[bool] = True
     """Whether it runs a scanned layer loop (a traced layer index)."""
 
-    def prepare(self, model):
-        """The serving model with weights laid out for this backend (engine.model.paged_model)."""
+    def prepare(self, model, buckets: ShapeBuckets, measure: bool):
+        """The serving model with weights laid out for this backend (engine.model.paged_model),
+        for steps of `buckets`' shapes; `measure`: time what depends on the machine (at warm-up)."""
         return model
 
     def activation_dtype(self, weight_dtype) -> jnp.dtype:

@@ -4,7 +4,8 @@ on CPU. One device only: the FFI calls have no partitioning rule.
 - Weights: every linear layer whose output size is a multiple of 16, and the LM head (tied or not),
   becomes a `PackedLinear` (16-column panels in the weights' dtype, streamed by a register-blocked
   matmul that widens bf16 in registers); q/k/v and a SwiGLU MLP's gate/up are fused into one
-  `FusedLinear` each, so a layer makes four matmul calls instead of seven.
+  `FusedLinear` each, so a layer makes four matmul calls instead of seven. Each product shape runs
+  on the kernel or on XLA's dot, whichever is faster on this machine (engine.attention.matmul_choice).
 - Activations are float32 whatever the weights' dtype (XLA's bf16 converts are slow on CPU).
 - Attention: one kernel call per layer for the whole step, reading the pages in place. A prompt
   token is a row of its own (its sequence's page table, its own causal length), so causal prefill
@@ -32,22 +33,26 @@ from levanter.layers.attention import Attention
 from engine.attention import cpu_kernels
 from engine.attention.base import Q_AXES, AttentionStep
 from engine.attention.cpu_kernels import PANEL, FusedLinear, PackedLinear, silu_mul, unflatten_rows
+from engine.attention.matmul_choice import XLA, MatmulChooser, Product
 from engine.attention.xla import SplitKVCache, XlaBackend
+from engine.core.buckets import ShapeBuckets
 
 
 class CpuBackend(XlaBackend):
     name = "cpu"
     shardable = False
 
-    def __init__(self, weight_dtype):
+    def __init__(self, weight_dtype, chooser: MatmulChooser):
         self.weight_dtype = jnp.dtype(weight_dtype)
+        self.chooser = chooser
 
     @staticmethod
     def available() -> bool:
         return cpu_kernels.available()
 
-    def prepare(self, model):
-        """Pack the linear layers and the LM head; fuse q/k/v and gate/up (see the module docstring)."""
+    def prepare(self, model, buckets: ShapeBuckets, measure: bool):
+        """Pack the linear layers and the LM head, fuse q/k/v and gate/up (see the module
+        docstring), and give every packed product its matmul (`measure`: time the shapes)."""
         pack = lambda m: PackedLinear.from_linear(m, self.weight_dtype) if _packable(m) else m  # noqa: E731
         layers = jax.tree_util.tree_map(pack, model.layers, is_leaf=_packable)
         if isinstance(layers, tuple):
@@ -61,6 +66,25 @@ class CpuBackend(XlaBackend):
             lm_head = PackedLinear.from_weight(embedding, model.embeddings.Embed, Vocab, None, self.weight_dtype)
         elif lm_head is not None:
             lm_head = pack(lm_head)
+        return self._choose_matmuls(dataclasses.replace(model, layers=layers, lm_head=lm_head), buckets, measure)
+
+    def _choose_matmuls(self, model, buckets: ShapeBuckets, measure: bool):
+        """Layers multiply every token of a step (the bucket's tokens), the LM head its rows."""
+        shapes = buckets.all()
+        layer_rows, head_rows = sorted({b.tokens for b in shapes}), sorted({b.rows for b in shapes})
+        modules = [(m, layer_rows) for m in jax.tree_util.tree_leaves(model.layers, is_leaf=_is_packed)
+                   if _is_packed(m)]
+        if _is_packed(model.lm_head):
+            modules.append((model.lm_head, head_rows))
+        choices = self.chooser.choose([p for m, rows in modules for p in _products(m, rows)], measure)
+
+        def choose(module, rows):
+            return dataclasses.replace(module, xla_rows=frozenset(p.rows for p in _products(module, rows)
+                                                                  if choices[p] == XLA))
+
+        layers = jax.tree_util.tree_map(lambda m: choose(m, layer_rows) if _is_packed(m) else m, model.layers,
+                                        is_leaf=_is_packed)
+        lm_head = choose(model.lm_head, head_rows) if _is_packed(model.lm_head) else model.lm_head
         return dataclasses.replace(model, layers=layers, lm_head=lm_head)
 
     def activation_dtype(self, weight_dtype) -> jnp.dtype:
@@ -107,6 +131,16 @@ class PackedSwiGLU(eqx.Module):
         del key
         batch, gate_up = self.gate_up.concatenated(x)
         return self.down_proj(unflatten_rows(silu_mul(gate_up), batch, self.gate_up.Outs[0]))
+
+
+def _is_packed(module) -> bool:
+    return isinstance(module, (PackedLinear, FusedLinear))
+
+
+def _products(module, rows: list[int]) -> list[Product]:
+    weight = module.weight
+    width, depth = weight.resolve_axis("panel").size * PANEL, weight.resolve_axis("in").size
+    return [Product(r, depth, width, str(weight.dtype)) for r in rows]
 
 
 def _packable(module) -> bool:

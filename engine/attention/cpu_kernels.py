@@ -64,15 +64,23 @@ def matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
     return call(x.astype(jnp.float32), packed)
 
 
+def xla_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
+    """`matmul` on XLA's dot, reading the same packed weights (x in their dtype, float32 sums)."""
+    y = jnp.einsum("mk,pkl->mpl", x.astype(packed.dtype), packed, preferred_element_type=jnp.float32)
+    return y.reshape(x.shape[0], -1)
+
+
 class PackedLinear(eqx.Module):
     """A drop-in for haliax's `Linear` that runs on the kernel: same axes, same math, float32
     output (inputs are cast to float32). The weight is named (..., panel, in, lane); a stacked
-    layer's leading `layers` axis is scanned away like any other named weight."""
+    layer's leading `layers` axis is scanned away like any other named weight. Products of a row
+    count in `xla_rows` run on XLA's dot instead (engine.attention.matmul_choice)."""
 
     weight: NamedArray  # dtype[..., panel = N / 16, in = K, lane = 16], N = prod(Out), K = prod(In)
     bias: NamedArray | None
     In: tuple[hax.Axis, ...] = eqx.field(static=True)
     Out: tuple[hax.Axis, ...] = eqx.field(static=True)
+    xla_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
 
     @staticmethod
     def packable(linear: hnn.Linear) -> bool:
@@ -94,7 +102,7 @@ class PackedLinear(eqx.Module):
 
     def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
         del key
-        batch, y = _packed_matmul(inputs, self.In, self.weight.array)
+        batch, y = _packed_matmul(inputs, self.In, self.weight.array, self.xla_rows)
         out = unflatten_rows(y, batch, self.Out)
         return out if self.bias is None else out + self.bias
 
@@ -108,6 +116,8 @@ class FusedLinear(eqx.Module):
     biases: tuple[NamedArray | None, ...]
     In: tuple[hax.Axis, ...] = eqx.field(static=True)
     Outs: tuple[tuple[hax.Axis, ...], ...] = eqx.field(static=True)
+    xla_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
+    """Row counts whose product runs on XLA's dot (as PackedLinear's)."""
 
     @staticmethod
     def fuse(parts) -> "FusedLinear":
@@ -129,7 +139,7 @@ class FusedLinear(eqx.Module):
 
     def concatenated(self, inputs: NamedArray) -> tuple[list[hax.Axis], jax.Array]:
         """inputs' batch axes, and the parts' outputs side by side: f32[prod(batch), sum of sizes]."""
-        batch, y = _packed_matmul(inputs, self.In, self.weight.array)
+        batch, y = _packed_matmul(inputs, self.In, self.weight.array, self.xla_rows)
         if any(bias is not None for bias in self.biases):
             y = y + jnp.concatenate([jnp.zeros(hax.axis_size(Out), jnp.float32) if bias is None
                                      else bias.rearrange(Out).array.reshape(-1)
@@ -142,11 +152,13 @@ def unflatten_rows(y: jax.Array, batch, Out) -> NamedArray:
     return hax.named(y.reshape(*(ax.size for ax in batch), *(ax.size for ax in Out)), (*batch, *Out))
 
 
-def _packed_matmul(inputs: NamedArray, In, packed: jax.Array) -> tuple[list[hax.Axis], jax.Array]:
-    """inputs' axes other than `In` (the batch), and f32[prod(batch), N] = inputs @ packed."""
+def _packed_matmul(inputs: NamedArray, In, packed: jax.Array,
+                   xla_rows: frozenset[int]) -> tuple[list[hax.Axis], jax.Array]:
+    """inputs' axes other than `In` (the batch), and f32[prod(batch), N] = inputs @ packed, on
+    XLA's dot when the row count is in `xla_rows`, else on the kernel."""
     batch = [ax for ax in inputs.axes if ax.name not in {a.name for a in In}]
     x = inputs.rearrange((*batch, *In)).array.reshape(-1, hax.axis_size(In))
-    return batch, matmul(x, packed)
+    return batch, (xla_matmul if x.shape[0] in xla_rows else matmul)(x, packed)
 
 
 def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pages: jax.Array,
@@ -175,6 +187,11 @@ def argmax(x: jax.Array) -> jax.Array:
     without NaN."""
     call = jax.ffi.ffi_call("jax_serve_argmax", jax.ShapeDtypeStruct(x.shape[:1], jnp.int32))
     return call(x.astype(jnp.float32))
+
+
+def source_digest() -> str:
+    """A digest of the kernels' source (what their speed depends on besides the machine)."""
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
 
 
 def _cpu_has_avx2_fma() -> bool:

@@ -10,21 +10,26 @@ from __future__ import annotations
 
 import logging
 import platform
+from pathlib import Path
 
 import jax
 
 from engine.attention.base import AttentionBackend
+from engine.core.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "cpu", "xla", "tpu")
 
 
-def select_backend(name: str, *, tensor_parallel_size: int, weight_dtype) -> AttentionBackend:
+def select_backend(config: EngineConfig, weight_dtype) -> AttentionBackend:
+    """The backend `config.attention_backend` names (or auto picks), for weights of `weight_dtype`."""
     from engine.attention.cpu import CpuBackend
+    from engine.attention.matmul_choice import MatmulChooser
     from engine.attention.tpu import TpuBackend
     from engine.attention.xla import XlaBackend
 
+    name, tensor_parallel_size = config.attention_backend, config.tensor_parallel_size
     device = jax.default_backend()
     if name == "auto":
         x86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -40,7 +45,8 @@ def select_backend(name: str, *, tensor_parallel_size: int, weight_dtype) -> Att
     if name == "tpu" and device != "tpu":
         logger.info("the tpu backend on %s runs levanter's reference ragged paged attention (exact, slow)", device)
     if name == "cpu":
-        return CpuBackend(weight_dtype)
+        cache = Path(config.compilation_cache_dir).expanduser() / "cpu_matmul.json" if config.compilation_cache_dir else None
+        return CpuBackend(weight_dtype, MatmulChooser(cache, config.cpu_matmul))
     if name == "tpu":
         return TpuBackend()
     if name == "xla":

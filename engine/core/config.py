@@ -57,6 +57,11 @@ class EngineConfig:
     paged attention (the Pallas kernel on TPU; its exact, slow reference elsewhere). auto: cpu on
     x86 CPUs, tpu on TPUs, xla elsewhere. A backend that cannot run as asked (no compiler, several
     devices for cpu) gives way to xla with a warning."""
+    cpu_matmul: Literal["auto", "kernel", "xla"] = "auto"
+    """On the cpu backend: which matmul each product runs. auto: per shape (rows of a bucket x
+    weight), the faster of the project's kernel and XLA's dot, timed at warm-up on this machine and
+    cached with the compiled buckets (XLA's dot wins many-row products on CPUs with AMX or AVX-512
+    bf16; the kernel wins decoding). kernel / xla: that one for every product."""
     tensor_parallel_size: int = 1
     """Devices the model is split over (a ("data", "model") mesh of 1 x N): attention heads, KV
     heads, MLP and vocabulary on "model"; the KV cache split by KV head (KV heads repeated when
@@ -94,6 +99,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.attention_backend not in ("auto", "cpu", "xla", "tpu"):
             raise ValueError(f"attention_backend must be 'auto', 'cpu', 'xla' or 'tpu', got {self.attention_backend!r}")
+        if self.cpu_matmul not in ("auto", "kernel", "xla"):
+            raise ValueError(f"cpu_matmul must be 'auto', 'kernel' or 'xla', got {self.cpu_matmul!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:

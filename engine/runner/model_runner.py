@@ -116,30 +116,29 @@ class ModelRunner:
         self.kv_cache_dtype = config.kv_cache_dtype or self.dtype
         self.layout = sharding.plan_layout(info, config.tensor_parallel_size)
         self.mesh = sharding.make_mesh(config.tensor_parallel_size)
-        self.backend = select_backend(config.attention_backend, tensor_parallel_size=self.layout.size,
-                                      weight_dtype=self.dtype)
+        self.backend = select_backend(config, self.dtype)
         if config.scan_layers and not self.backend.scannable:
             raise ValueError(f"the {self.backend.name} attention backend runs unrolled layers only; "
                              "set scan_layers: false")
         self._check_speed_traps()
-        with self._device_context(self._load_mapping()):
-            model, self.info = load_model(config.model, self.dtype)
-            if self.layout.kv_repeats > 1:
-                model = sharding.repeat_kv_heads(model, self.layout.kv_repeats)
-            place = functools.partial(sharding.place, layout=self.layout, mesh=self.mesh)
-            serving = place(ServingModel.from_levanter(model, config.scan_layers, place))
-            self.model = self.backend.prepare(serving)
-        self.vocab_size = model.Vocab.size
-        self.max_model_len = config.max_model_len or min(self.info.max_position_embeddings, 4096)
-        if self.max_model_len > self.info.max_position_embeddings:
+        self.max_model_len = config.max_model_len or min(info.max_position_embeddings, 4096)
+        if self.max_model_len > info.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
-                             f"{self.info.max_position_embeddings}; lower max_model_len")
+                             f"{info.max_position_embeddings}; lower max_model_len")
         self.page_size = config.page_size
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
         self.buckets = ShapeBuckets(ragged=self.backend.ragged, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                     prefill_chunk=config.prefill_chunk, max_pages_per_seq=self.max_pages_per_seq,
                                     page_size=self.page_size)
+        with self._device_context(self._load_mapping()):
+            model, self.info = load_model(config.model, self.dtype)
+            if self.layout.kv_repeats > 1:
+                model = sharding.repeat_kv_heads(model, self.layout.kv_repeats)
+            place = functools.partial(sharding.place, layout=self.layout, mesh=self.mesh)
+            serving = place(ServingModel.from_levanter(model, config.scan_layers, place))
+            self.model = self.backend.prepare(serving, self.buckets, measure=config.warmup)
+        self.vocab_size = model.Vocab.size
         self._cache_sharding = NamedSharding(self.mesh, self.backend.cache_partition(sharding.MODEL_AXIS))
         self.num_pages = self._pool_pages()
         self.cache = self._init_cache()

@@ -1,0 +1,141 @@
+"""Per product shape, the faster of the CPU matmul kernel and XLA's dot, measured on this machine.
+
+The project's kernel (engine/attention/cpu_kernels.cc) streams packed weights and wins the few-row
+products of decoding everywhere; XLA's dot is slow there, but on CPUs with AMX or AVX-512 bf16 it
+wins many-row products (prompt chunks, large decode batches), by up to ~10x with AMX. No list of
+CPU models decides: every product a step can run (the rows of each shape bucket times each packed
+weight) is timed both ways at warm-up, a few milliseconds each, and the faster wins. Both paths
+read the same packed weights (XLA's through an einsum over the panels; its timing includes the
+transpose that costs it), so no weight is kept twice.
+
+The timings are cached as JSON beside XLA's compiled buckets, under a key of this machine (CPU
+model, flags and core count), jax's version and the kernel source, so a restarted replica reuses
+them. Without measuring (warm-up off), cached choices apply and the rest stays on the kernel.
+`cpu_matmul: kernel | xla` overrides every choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from engine.attention import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+KERNEL, XLA = "kernel", "xla"
+PATHS = (KERNEL, XLA)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Product:
+    """One matmul shape: f32[rows, depth] @ dtype[depth, width]."""
+
+    rows: int
+    depth: int
+    width: int
+    dtype: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.rows}x{self.depth}x{self.width}:{self.dtype}"
+
+
+Timer = Callable[[Product, str], float]
+"""Seconds one product takes on one path."""
+
+
+def time_product(product: Product, path: str, repeats: int = 5) -> float:
+    """The fastest of `repeats` runs after one that compiles and warms up (the least disturbed by
+    whatever else shares the cores; a median of 3 flipped choices near the crossover)."""
+    x = jnp.ones((product.rows, product.depth), jnp.float32)
+    packed = jnp.full((product.width // cpu_kernels.PANEL, product.depth, cpu_kernels.PANEL), 0.01, product.dtype)
+    run = jax.jit(cpu_kernels.matmul if path == KERNEL else cpu_kernels.xla_matmul)
+    run(x, packed).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(x, packed).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+class MatmulChooser:
+    """Chooses a path per product: the override, else the faster one (measured or cached)."""
+
+    def __init__(self, cache_file: Optional[Path], override: str = "auto", timer: Optional[Timer] = None):
+        if override not in ("auto", *PATHS):
+            raise ValueError(f"cpu_matmul must be 'auto', 'kernel' or 'xla', got {override!r}")
+        self.cache_file = cache_file
+        self.override = override
+        self.timer = timer
+
+    def choose(self, products: Iterable[Product], measure: bool) -> dict[Product, str]:
+        """The path of every product; `measure` times those the cache does not hold."""
+        products = sorted(set(products))
+        if self.override != "auto":
+            return {p: self.override for p in products}
+        timings = self._load()
+        missing = [p for p in products if p.key not in timings]
+        if measure and missing:
+            start = time.perf_counter()
+            timer = self.timer or time_product
+            timings.update({p.key: {path: timer(p, path) for path in PATHS} for p in missing})
+            logger.info("timed %d CPU matmul shapes both ways in %.1f s", len(missing), time.perf_counter() - start)
+            self._save(timings)
+        choices = {p: min(PATHS, key=timings[p.key].get) if p.key in timings else KERNEL for p in products}
+        logger.info("CPU matmul per shape (ms on kernel / XLA's dot -> chosen):\n%s", _table(choices, timings))
+        return choices
+
+    def _load(self) -> dict[str, dict[str, float]]:
+        if self.cache_file is None or not self.cache_file.is_file():
+            return {}
+        try:
+            return json.loads(self.cache_file.read_text()).get(machine_key(), {})
+        except (OSError, ValueError):
+            logger.warning("ignoring an unreadable CPU matmul cache %s", self.cache_file)
+            return {}
+
+    def _save(self, timings: dict[str, dict[str, float]]) -> None:
+        if self.cache_file is None:
+            return
+        try:
+            every = json.loads(self.cache_file.read_text()) if self.cache_file.is_file() else {}
+        except (OSError, ValueError):
+            every = {}
+        every[machine_key()] = timings
+        self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.cache_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(every, indent=1, sort_keys=True))
+        os.replace(tmp, self.cache_file)  # atomic: replicas starting together race harmlessly
+
+
+@functools.cache
+def machine_key() -> str:
+    """What the timings depend on: the CPU (model, flags, cores), jax's version, the kernel source."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        cpuinfo = []
+    cpu = [line for line in cpuinfo if line.startswith(("model name", "flags"))][:2]
+    parts = [*cpu, str(os.cpu_count()), jax.__version__, cpu_kernels.source_digest()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _table(choices: dict[Product, str], timings: dict[str, dict[str, float]]) -> str:
+    lines = []
+    for p, path in choices.items():
+        t = timings.get(p.key)
+        measured = "not measured" if t is None else f"{1e3 * t[KERNEL]:8.3f} / {1e3 * t[XLA]:8.3f}"
+        lines.append(f"  {p.rows:5d} x {p.depth:5d} x {p.width:6d} {p.dtype:8s} {measured} -> {path}")
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""engine.attention.matmul_choice: per shape, the faster of the CPU kernel and XLA's dot, with a
+fake timer (the choice logic, the override, the cache) and with the real one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.attention import cpu_kernels, matmul_choice
+from engine.attention.matmul_choice import KERNEL, XLA, MatmulChooser, Product
+
+SHAPES = [Product(rows, 64, 192, "bfloat16") for rows in (1, 8, 128, 512)] + [Product(4, 64, 512, "float32")]
+
+
+class FakeTimer:
+    """XLA's dot is faster from 128 rows on; every call is recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, product, path):
+        self.calls.append((product, path))
+        fast_xla = product.rows >= 128
+        return {KERNEL: 2.0 if fast_xla else 1.0, XLA: 1.0 if fast_xla else 3.0}[path]
+
+
+def test_the_faster_path_wins_per_shape(tmp_path):
+    timer = FakeTimer()
+    choices = MatmulChooser(tmp_path / "m.json", timer=timer).choose(SHAPES, measure=True)
+    assert [choices[p] for p in SHAPES] == [KERNEL, KERNEL, XLA, XLA, KERNEL]
+    assert sorted(timer.calls) == sorted((p, path) for p in SHAPES for path in (KERNEL, XLA))
+
+
+@pytest.mark.parametrize("override", [KERNEL, XLA])
+def test_the_override_wins_over_both(tmp_path, override):
+    timer = FakeTimer()
+    choices = MatmulChooser(tmp_path / "m.json", override=override, timer=timer).choose(SHAPES, measure=True)
+    assert set(choices.values()) == {override} and len(choices) == len(SHAPES)
+    assert timer.calls == []
+
+
+def test_a_restart_reuses_the_cache_and_times_only_new_shapes(tmp_path):
+    cache = tmp_path / "xla" / "cpu_matmul.json"
+    first = MatmulChooser(cache, timer=FakeTimer()).choose(SHAPES[:3], measure=True)
+    stored = json.loads(cache.read_text())[matmul_choice.machine_key()]
+    assert stored[SHAPES[2].key] == {KERNEL: 2.0, XLA: 1.0}
+    timer = FakeTimer()
+    again = MatmulChooser(cache, timer=timer).choose(SHAPES, measure=True)
+    assert {p: again[p] for p in SHAPES[:3]} == first
+    assert {p for p, _ in timer.calls} == set(SHAPES[3:])  # only the shapes the cache lacked
+
+
+def test_without_measuring_cached_choices_apply_and_the_rest_stays_on_the_kernel(tmp_path):
+    cache = tmp_path / "cpu_matmul.json"
+    MatmulChooser(cache, timer=FakeTimer()).choose(SHAPES[2:3], measure=True)
+    timer = FakeTimer()
+    choices = MatmulChooser(cache, timer=timer).choose(SHAPES, measure=False)
+    assert [choices[p] for p in SHAPES] == [KERNEL, KERNEL, XLA, KERNEL, KERNEL]
+    assert timer.calls == []
+
+
+def test_another_machine_does_not_reuse_the_timings(tmp_path, monkeypatch):
+    cache = tmp_path / "cpu_matmul.json"
+    MatmulChooser(cache, timer=FakeTimer()).choose(SHAPES, measure=True)
+    monkeypatch.setattr(matmul_choice, "machine_key", lambda: "another-cpu")
+    timer = FakeTimer()
+    MatmulChooser(cache, timer=timer).choose(SHAPES[:1], measure=True)
+    assert len(timer.calls) == 2
+    assert len(json.loads(cache.read_text())) == 2  # both machines' timings are kept
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 + FMA and g++")
+def test_the_real_timer_runs_both_paths():
+    product = Product(8, 64, 32, "bfloat16")
+    assert all(0 < matmul_choice.time_product(product, path) < 1.0 for path in (KERNEL, XLA))
