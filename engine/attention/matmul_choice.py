@@ -6,7 +6,9 @@ wins many-row products (prompt chunks, large decode batches), by up to ~10x with
 CPU models decides: every product a step can run (the rows of each shape bucket times each packed
 weight) is timed both ways at warm-up, a few milliseconds each, and the faster wins. Both paths
 read the same packed weights (XLA's through an einsum over the panels; its timing includes the
-transpose that costs it), so no weight is kept twice.
+transpose that costs it), so no weight is kept twice. XLA's path multiplies activations rounded to
+the weights' dtype (bf16 activations with bf16 weights, as accelerators run them); the kernel keeps
+them float32.
 
 The timings are cached as JSON beside XLA's compiled buckets, under a key of this machine (CPU
 model, flags and core count), jax's version and the kernel source, so a restarted replica reuses
