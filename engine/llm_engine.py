@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-from typing import Optional
+from typing import Any, Optional
 
 from engine.core.config import EngineConfig
 from engine.core.pages import PageAllocator
@@ -35,7 +35,8 @@ from engine.core.request import (
 )
 from engine.core.scheduler import PENDING_TOKEN, Plan, Row, Scheduler, SchedulerConfig, Sequence, Status
 from engine.core.step_plan import RowSlots, StepOutput, StepPlanner
-from engine.runner.model_runner import ModelRunner, StepHandle
+from engine.executor.multihost import MultiHostExecutor
+from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ class LaunchedStep:
 
     plan: Plan
     slots: RowSlots
-    handle: StepHandle
+    handle: Any
+    """What the executor returned from `launch` (a device step, or the workers' calls)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,7 @@ class RowResult:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config) if config.num_hosts == 1 else MultiHostExecutor(config)
         self.max_model_len = self.runner.max_model_len
         self.allocator = PageAllocator(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(

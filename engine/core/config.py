@@ -62,6 +62,13 @@ class EngineConfig:
     weight), the faster of the project's kernel and XLA's dot, timed at warm-up on this machine and
     cached with the compiled buckets (XLA's dot wins many-row products on CPUs with AMX or AVX-512
     bf16; the kernel wins decoding). kernel / xla: that one for every product."""
+    num_hosts: int = 1
+    """Processes (hosts) the replica spans: 1 runs the model in this process; N > 1 starts one
+    `EngineWorker` per host (engine/executor/multihost.py) that together hold the model, split over
+    `tensor_parallel_size` devices in all, while this process only schedules."""
+    step_timeout_s: float = 600.0
+    """With num_hosts > 1: a step whose results do not arrive within this many seconds fails the
+    engine (and with it the replica's health check), so a stuck or dead host never hangs clients."""
     tensor_parallel_size: int = 1
     """Devices the model is split over (a ("data", "model") mesh of 1 x N): attention heads, KV
     heads, MLP and vocabulary on "model"; the KV cache split by KV head (KV heads repeated when
@@ -101,6 +108,10 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'cpu', 'xla' or 'tpu', got {self.attention_backend!r}")
         if self.cpu_matmul not in ("auto", "kernel", "xla"):
             raise ValueError(f"cpu_matmul must be 'auto', 'kernel' or 'xla', got {self.cpu_matmul!r}")
+        if self.num_hosts < 1:
+            raise ValueError(f"num_hosts must be at least 1, got {self.num_hosts}")
+        if self.step_timeout_s <= 0:
+            raise ValueError(f"step_timeout_s must be positive, got {self.step_timeout_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:

@@ -20,6 +20,7 @@ names the slot, and `reads_step` names the step, so a host that did not run that
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -93,6 +94,16 @@ class StepPlan:
     prompt_logprobs: Optional[PromptLogprobInputs] = None
     reads_step: Optional[int] = None
     """The step whose sampled tokens `inputs.prev_slot` indexes (None: no token is pending)."""
+
+    @property
+    def fingerprint(self) -> int:
+        """What every host of a replica must agree on before running the step: its id and every
+        static shape and switch (a host that compiled another program would silently compute
+        garbage with its peers)."""
+        shapes = [a.shape for a in (*self.inputs, *self.sampling) if a is not None]
+        prompt = None if self.prompt_logprobs is None else self.prompt_logprobs.index.shape
+        text = repr((self.step_id, self.bucket, tuple(self.switches), shapes, prompt, self.reads_step))
+        return zlib.crc32(text.encode()) & 0x7FFFFFFF  # fits the int32 a device all-gather carries
 
 
 class StepOutput(NamedTuple):

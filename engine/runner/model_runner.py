@@ -143,7 +143,7 @@ class ModelRunner:
         self.num_pages = self._pool_pages()
         self.cache = self._init_cache()
         self.steps = _Steps(self.model, self.backend, self.mesh, self._cache_sharding, self.buckets.max_rows)
-        self._no_tokens = jax.device_put(np.zeros(self.buckets.max_rows, np.int32), sharding.replicated(self.mesh))
+        self._no_tokens = self._global(np.zeros(self.buckets.max_rows, np.int32))
         self._last_step: Optional[int] = None
         self._last_tokens = self._no_tokens
         logger.info("%s", self._startup_line())
@@ -156,12 +156,13 @@ class ModelRunner:
             raise RuntimeError(f"step {plan.step_id} reads the tokens of step {plan.reads_step}, but the last step "
                                f"launched here was {self._last_step} (engine bug)")
         prev_tokens = self._last_tokens if plan.reads_step is not None else self._no_tokens
+        inputs, sampling, prompt_inputs = self._global((plan.inputs, plan.sampling, plan.prompt_logprobs))
         with self._device_context():
-            logits, hidden, self.cache = self.steps.forward(self.cache, plan.inputs, prev_tokens, plan.bucket)
-            out = self.steps.sample(logits, plan.sampling, switches=plan.switches)
+            logits, hidden, self.cache = self.steps.forward(self.cache, inputs, prev_tokens, plan.bucket)
+            out = self.steps.sample(logits, sampling, switches=plan.switches)
             prompt = None
-            if plan.prompt_logprobs is not None:
-                prompt = self.steps.prompt_logprobs(hidden, *plan.prompt_logprobs)
+            if prompt_inputs is not None:
+                prompt = self.steps.prompt_logprobs(hidden, *prompt_inputs)
         self._last_step, self._last_tokens = plan.step_id, out.tokens
         return StepHandle(plan.step_id, out, plan.switches.logprobs, prompt)
 
@@ -181,10 +182,11 @@ class ModelRunner:
         buckets = self.buckets.all()
         for bucket in buckets:
             plan = empty_step_plan(bucket, self.page_size, step_id=-1)
+            inputs, sampling = self._global((plan.inputs, plan.sampling))
             with self._device_context():
-                logits, _, self.cache = self.steps.forward(self.cache, plan.inputs, self._no_tokens, bucket)
+                logits, _, self.cache = self.steps.forward(self.cache, inputs, self._no_tokens, bucket)
                 for switches in WARM_SAMPLER_SWITCHES:
-                    jax.block_until_ready(self.steps.sample(logits, plan.sampling, switches=switches))
+                    jax.block_until_ready(self.steps.sample(logits, sampling, switches=switches))
         seconds = time.perf_counter() - start
         logger.info("warm-up compiled %d buckets in %.1f s", len(buckets), seconds)
         return seconds
@@ -193,6 +195,7 @@ class ModelRunner:
         """How this replica runs its model (logged at start; an info metric's labels)."""
         devices = list(self.mesh.devices.flat)
         return {
+            "num_hosts": str(jax.process_count()),
             "attention_backend": self.backend.name,
             "dtype": self.dtype,
             "kv_cache_dtype": self.kv_cache_dtype,
@@ -203,6 +206,15 @@ class ModelRunner:
             "page_size": str(self.page_size),
             "num_pages": str(self.num_pages),
         }
+
+    def _global(self, tree):
+        """Host arrays as the step's replicated inputs. In one process jit takes numpy as it is; over
+        several, each process builds the global array from its own copy (a `device_put` onto a global
+        sharding would compare the processes' values every step)."""
+        if jax.process_count() == 1:
+            return tree
+        replicated = sharding.replicated(self.mesh)
+        return jax.tree_util.tree_map(lambda a: jax.make_array_from_process_local_data(replicated, a), tree)
 
     # ---- start-up ----
 

@@ -1,0 +1,177 @@
+"""One replica over several hosts: this process schedules, one `EngineWorker` per host computes.
+
+    leader (LLMEngine: scheduler, step planner)  --StepPlan-->  EngineWorker 0 .. N-1 (Ray actors)
+                                                 <--StepOutput--  worker 0
+
+The workers form one `jax.distributed` job (worker 0 is the coordinator; its address reaches the
+others through Ray) and hold the model split over all their devices (`tensor_parallel_size` in
+all). Every step the leader puts the plan in Ray's object store once and each worker launches it:
+the same jitted program on the same global mesh. Before launching, the workers compare the plan's
+fingerprint (its id and every static shape) in a small all-gather, so hosts that would run different
+programs fail loudly instead of computing garbage together. Steps stay overlapped as on one host:
+the leader launches step N+1 on every worker before it fetches step N; tokens and logprobs come back
+from worker 0 (every output is replicated).
+
+Failure is a whole-group affair: a worker that dies, or a step that does not return within
+`step_timeout_s`, raises here; the engine loop dies with it, the replica's health check fails, and
+Ray Serve restarts the replica, whose workers (actors it owns) die with it.
+
+The workers are placed on the bundles of the replica's placement group (one per host), or on a
+placement group made here when there is none (an engine outside Ray Serve).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import Any, Optional
+
+from engine.core.config import EngineConfig
+from engine.core.step_plan import StepOutput, StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+class EngineWorker:
+    """One host of a replica: its devices, its share of the weights, the steps the leader sends."""
+
+    def __init__(self, config: EngineConfig, process_id: int):
+        self.config = config
+        self.process_id = process_id
+        self.runner = None
+        self._handles: dict[int, Any] = {}
+        self._last_step: Optional[int] = None
+
+    def coordinator_address(self) -> str:
+        """Worker 0 only: host:port of the `jax.distributed` coordinator it will start."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{_node_ip()}:{port}"
+
+    def start(self, coordinator: str) -> dict:
+        """Join the distributed job and load the model; returns what the leader needs to plan."""
+        import jax
+
+        from engine.runner.model_runner import ModelRunner
+
+        phases = {}
+        start = time.perf_counter()
+        timeout = int(self.config.step_timeout_s)
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=self.config.num_hosts,
+                                   process_id=self.process_id, initialization_timeout=timeout,
+                                   heartbeat_timeout_seconds=timeout)
+        phases["distributed_init_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        self.runner = ModelRunner(self.config)
+        phases["load_s"] = time.perf_counter() - start
+        logger.info("engine worker %d: %d local of %d devices; %s", self.process_id, len(jax.local_devices()),
+                    len(jax.devices()), ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+        r = self.runner
+        return {"buckets": r.buckets, "num_pages": r.num_pages, "max_model_len": r.max_model_len,
+                "vocab_size": r.vocab_size, "info": r.info, "describe": r.describe(), "phases": phases}
+
+    def warmup(self) -> float:
+        return self.runner.warmup()
+
+    def launch(self, plan: StepPlan) -> None:
+        """Check that every host runs this very step, then dispatch it (returns before it ends)."""
+        self._agree(plan)
+        self._handles[plan.step_id] = self.runner.launch(plan)
+        self._last_step = plan.step_id
+
+    def fetch(self, step_id: int) -> Optional[StepOutput]:
+        """Wait for a launched step; worker 0 returns its outputs, the others None."""
+        handle = self._handles.pop(step_id)
+        if self.process_id == 0:
+            return self.runner.fetch(handle)
+        import jax
+
+        jax.block_until_ready(handle.out.tokens)
+        return None
+
+    def _agree(self, plan: StepPlan) -> None:
+        import numpy as np
+        from jax.experimental.multihost_utils import process_allgather
+
+        mine = np.array([plan.step_id % 2**31, plan.fingerprint], np.int32)  # jax without x64: int32
+        every = np.asarray(process_allgather(mine))
+        disagree = [p for p, row in enumerate(every) if not np.array_equal(row, mine)]
+        if disagree:
+            raise RuntimeError(
+                f"host {self.process_id}: step {plan.step_id} ({plan.bucket}) has fingerprint {plan.fingerprint}, but "
+                f"hosts {disagree} hold (step, fingerprint) {[tuple(every[p]) for p in disagree]}: hosts must run "
+                "identical steps in identical order (engine bug); restart the replica")
+
+
+class MultiHostExecutor:
+    """The leader's view of its workers: the surface of `ModelRunner` (launch / fetch / warmup)."""
+
+    def __init__(self, config: EngineConfig):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.config = config
+        self._timeout = config.step_timeout_s
+        start = time.perf_counter()
+        group = ray.util.get_current_placement_group()
+        first = 1 if group is not None else 0  # a Serve replica's own actor holds bundle 0
+        if group is None or group.bundle_count < config.num_hosts + first:
+            group = ray.util.placement_group([{"CPU": 1}] * config.num_hosts, strategy="PACK")
+            ray.get(group.ready(), timeout=self._timeout)
+            first = 0
+        self._own_group = group if first == 0 else None
+        actor = ray.remote(EngineWorker)
+        self.workers = []
+        for i in range(config.num_hosts):  # each worker takes its whole bundle (a host's chips)
+            bundle = dict(group.bundle_specs[first + i])
+            extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
+            strategy = PlacementGroupSchedulingStrategy(group, first + i)
+            self.workers.append(actor.options(num_cpus=bundle.get("CPU", 0), resources=extra,
+                                              scheduling_strategy=strategy).remote(config, i))
+        address = ray.get(self.workers[0].coordinator_address.remote(), timeout=self._timeout)
+        started = ray.get([w.start.remote(address) for w in self.workers], timeout=self._timeout)
+        info = started[0]
+        self.buckets, self.num_pages = info["buckets"], info["num_pages"]
+        self.max_model_len, self.vocab_size, self.info = info["max_model_len"], info["vocab_size"], info["info"]
+        self._describe = info["describe"]
+        logger.info("%d engine workers started in %.1f s (worker 0: %s)", config.num_hosts,
+                    time.perf_counter() - start, ", ".join(f"{k} {v:.1f}" for k, v in info["phases"].items()))
+
+    def describe(self) -> dict[str, str]:
+        return self._describe
+
+    def warmup(self) -> float:
+        import ray
+
+        return max(ray.get([w.warmup.remote() for w in self.workers]))
+
+    def launch(self, plan: StepPlan) -> tuple[int, list]:
+        import ray
+
+        ref = ray.put(plan)
+        return plan.step_id, [w.launch.remote(ref) for w in self.workers]
+
+    def fetch(self, handle: tuple[int, list]) -> StepOutput:
+        """Worker 0's outputs; raises if any worker failed the step or it took over step_timeout_s."""
+        import ray
+
+        step_id, launched = handle
+        fetched = [w.fetch.remote(step_id) for w in self.workers]
+        results = ray.get(fetched + launched, timeout=self._timeout)
+        return results[0]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for worker in self.workers:
+            ray.kill(worker)
+        if self._own_group is not None:
+            ray.util.remove_placement_group(self._own_group)
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()

@@ -1,0 +1,58 @@
+"""One engine over two host processes: the leader (this process) schedules; two `EngineWorker`
+Ray actors, 2 host CPU devices each, form one jax.distributed job (gloo collectives) and hold a
+Llama with 8 query / 2 KV heads split over all 4 devices."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from parity import TIGHT, assert_greedy_parity
+
+from engine.core.config import EngineConfig
+from engine.core.step_plan import empty_step_plan
+from engine.llm_engine import LLMEngine
+
+WORKER_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def two_hosts(checkpoint_factory):
+    model_dir = checkpoint_factory("llama", hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": WORKER_ENV})
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_hosts=2, tensor_parallel_size=4,
+                                    compilation_cache_dir=None, **TIGHT))
+    yield engine, model_dir
+    engine.runner.shutdown()
+    ray.shutdown()
+
+
+def test_greedy_tokens_and_logprobs_equal_transformers_over_two_hosts(two_hosts):
+    engine, model_dir = two_hosts
+    described = engine.describe()
+    assert {k: described[k] for k in ("num_hosts", "tensor_parallel_size", "num_devices", "mesh")} == {
+        "num_hosts": "2", "tensor_parallel_size": "4", "num_devices": "4", "mesh": "data=1,model=4"}
+    assert_greedy_parity(engine, model_dir)
+
+
+def engine_worker_processes() -> list:
+    """Processes Ray titled after the EngineWorker class (how operators find them too)."""
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"]) if " ".join(p.info["cmdline"] or []).startswith("ray::EngineWorker")]
+
+
+def test_two_engine_worker_processes_hold_the_model(two_hosts):
+    assert len(engine_worker_processes()) == 2
+
+
+def test_a_host_given_another_bucket_than_its_peers_refuses_the_step(two_hosts):
+    """Each host compares the plan's fingerprint with its peers' before running it: a host that
+    would compile another program fails loudly instead of computing garbage with the others."""
+    engine, _ = two_hosts
+    first, other = engine.runner.buckets.all()[:2]
+    plans = [empty_step_plan(first, engine.runner.buckets.page_size, step_id=10**6),
+             empty_step_plan(other, engine.runner.buckets.page_size, step_id=10**6)]
+    calls = [worker.launch.remote(plan) for worker, plan in zip(engine.runner.workers, plans)]
+    for call in calls:
+        with pytest.raises(ray.exceptions.RayTaskError, match="must run identical steps in identical order"):
+            ray.get(call, timeout=60)
