@@ -91,27 +91,45 @@ def main(argv=None) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "xla", "tpu"],
                         help="the engine's attention backend (auto: cpu kernels on x86 CPUs)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--num-hosts", type=int, default=1,
+                        help="run the model on this many EngineWorker processes (a local Ray instance)")
+    parser.add_argument("--devices-per-host", type=int, default=0,
+                        help="host CPU devices per process (XLA_FLAGS), for --tensor-parallel-size > 1 on a CPU")
     parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "kernel", "xla"],
                         help="cpu backend: per-shape choice (auto) or one matmul for every product")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     model = bench_checkpoint(args.model)
+    if args.devices_per_host and args.num_hosts == 1:
+        import os
+
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices_per_host}"
+    if args.num_hosts > 1:
+        import ray
+
+        env = {"JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
+        if args.devices_per_host:
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices_per_host}"
+        ray.init(address="local", include_dashboard=False, runtime_env={"env_vars": env})
     batches = [int(b) for b in args.batch.split(",")]
     for batch in batches:
         engine = LLMEngine(EngineConfig(
             model=str(model), dtype=args.dtype, page_size=args.page_size, max_num_seqs=batch,
             max_num_batched_tokens=max(batch, args.max_num_batched_tokens), prefill_chunk=args.prefill_chunk,
             max_model_len=args.prompt_len + args.new_tokens, attention_backend=args.attention_backend,
-            tensor_parallel_size=args.tensor_parallel_size, cpu_matmul=args.cpu_matmul))
+            tensor_parallel_size=args.tensor_parallel_size, cpu_matmul=args.cpu_matmul, num_hosts=args.num_hosts))
         if batch == batches[0]:
             d = engine.describe()
             print(f"| batch | output tok/s | decode step ms | run s | steps |  ({d['dtype']}, {d['attention_backend']} "
-                  f"backend, cpu_matmul {args.cpu_matmul}, tp={d['tensor_parallel_size']}, {args.prompt_len} in / "
+                  f"backend, cpu_matmul {args.cpu_matmul}, tp={d['tensor_parallel_size']}, hosts={d['num_hosts']}, "
+                  f"{args.prompt_len} in / "
                   f"{args.new_tokens} out)")
             print("|---|---|---|---|---|")
         runs = [run_once(engine, batch, args.prompt_len, args.new_tokens, seed, args.requests)
                 for seed in range(args.repeats)]
+        if args.num_hosts > 1:
+            engine.runner.shutdown()  # the next batch size starts its own workers
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(f"| {batch} | {med['tok_s']:.0f} | {med['step_ms']:.1f} | {med['seconds']:.2f} | {med['steps']:.0f} |",
               flush=True)

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator, Optional, Protocol
 
 from engine.core.request import EngineDeadError, EngineStats, InvalidRequestError, SamplingParams, TokenDelta
@@ -39,6 +40,9 @@ class EngineCore(Protocol):
     def describe(self) -> dict[str, str]:
         """How the engine runs its model (attention backend, dtypes, devices, mesh): fixed at start."""
 
+    def heartbeat(self) -> None:
+        """Optional: raise if the engine can no longer serve (a lost host). Called while idle."""
+
 
 class _Stream:
     """One request's delivery queue, living on the caller's event loop."""
@@ -54,12 +58,13 @@ class _Stream:
 class AsyncEngine:
     """Owns the loop thread. `generate()` is the whole request-facing API."""
 
-    def __init__(self, core: EngineCore, *, idle_wait_s: float = 0.05):
+    def __init__(self, core: EngineCore, *, idle_wait_s: float = 0.05, heartbeat_s: float = 1.0):
         self.core = core
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams
         self._idle_wait_s = idle_wait_s
+        self._heartbeat_s = heartbeat_s
         self._error: Optional[BaseException] = None
         self._stats = core.stats()
         self._description = core.describe()
@@ -128,9 +133,13 @@ class AsyncEngine:
     # ---- loop thread ----
 
     def _run(self) -> None:
+        heartbeat, last_beat = getattr(self.core, "heartbeat", None), time.monotonic()
         try:
             while not self._stopping.is_set():
                 self._drain_commands(block=not self.core.has_work())
+                if heartbeat is not None and not self.core.has_work() and time.monotonic() - last_beat > self._heartbeat_s:
+                    heartbeat()  # an idle engine still finds out that it lost a host
+                    last_beat = time.monotonic()
                 deltas = self.core.step() if self.core.has_work() else []
                 self._stats = self.core.stats()  # before delivery: a finished stream sees its pages freed
                 self._deliver(deltas)

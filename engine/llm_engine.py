@@ -149,6 +149,10 @@ class LLMEngine:
                 deltas += self._finish(launched)
         return deltas
 
+    def heartbeat(self) -> None:
+        """Raise if a host of the replica is gone (a step would fail the same way, later)."""
+        self.runner.check_alive()
+
     def describe(self) -> dict[str, str]:
         """How this engine runs its model: attention backend, dtypes, devices, mesh, KV pool."""
         return {**self.runner.describe(), "max_model_len": str(self.max_model_len)}

@@ -32,9 +32,12 @@ def build_app(args: dict[str, Any]) -> Application:
 
 
 def server_deployment(model: ModelConfig) -> serve.Deployment:
-    """The model-server deployment of one model, placed and bounded as its config says."""
+    """The model-server deployment of one model, placed and bounded as its config says. A replica
+    over several hosts (`num_hosts` > 1) is a placement group: the leader's bundle, then one per
+    host for its EngineWorker, which takes that host's `resources` (its chips)."""
+    num_hosts = model.engine.get("num_hosts", 1)
     actor_options: dict[str, Any] = {"num_cpus": model.num_cpus}
-    if model.resources:
+    if model.resources and num_hosts == 1:
         actor_options["resources"] = model.resources
     if model.accelerator_type:
         actor_options["accelerator_type"] = model.accelerator_type
@@ -52,7 +55,10 @@ def server_deployment(model: ModelConfig) -> serve.Deployment:
         options["autoscaling_config"] = model.autoscaling_config
     else:
         options["num_replicas"] = model.num_replicas
-    if model.placement_group_bundles:
-        options["placement_group_bundles"] = model.placement_group_bundles
+    bundles = model.placement_group_bundles
+    if bundles is None and num_hosts > 1:
+        bundles = [{"CPU": model.num_cpus}] + [{"CPU": model.num_cpus, **model.resources}] * num_hosts
+    if bundles:
+        options["placement_group_bundles"] = bundles
         options["placement_group_strategy"] = model.placement_group_strategy
     return serve.deployment(ModelServer).options(**options)

@@ -59,8 +59,9 @@ class ModelConfig(BaseModel):
     accelerator_type: Optional[str] = None
     """Ray accelerator type to schedule on, e.g. "TPU-V5LITEPOD" or "TPU-V4"."""
     placement_group_bundles: Optional[list[dict[str, float]]] = None
-    """One bundle per host for a replica that spans several hosts (a multi-host TPU slice); the
-    replica's own actor takes the first bundle."""
+    """A replica's placement group: the replica's own actor (the leader) takes the first bundle.
+    With `num_hosts` > 1 and no bundles given: the leader's ({"CPU": num_cpus}), then one per host
+    for its EngineWorker ({"CPU": num_cpus, **resources})."""
     placement_group_strategy: str = "STRICT_PACK"
     """How `placement_group_bundles` are placed (STRICT_SPREAD: one bundle per host)."""
     env_vars: dict[str, str] = {}

@@ -2,8 +2,9 @@
 driven through HTTP by the official `openai` client (and httpx where exact bytes matter).
 
 Ray Serve starts once for the whole session (`serving`) and is shut down at its end. The app serves
-the checkpoint twice, on one device and split over two (tensor_parallel_size 2), plus a slow fake
-engine whose requests can hold a replica's slots (the 429 test). It has an API key, so every /v1
+the checkpoint twice, on one device and split over two (tensor_parallel_size 2), a Llama with 8
+query heads on a replica over two host processes (num_hosts 2), and a slow fake engine whose
+requests can hold a replica's slots (the 429 test). It has an API key, so every /v1
 call authenticates, and small bounds (8 ongoing requests per replica, 8 queued) so that the 429
 path can be reached. (Ray Serve counts a request as queued until it is assigned to a
 replica, so a burst can be turned away even when slots are free: the queue bound must exceed the
@@ -32,6 +33,10 @@ API_KEY = "test-key"
 MODEL = "tiny-llama"
 MODEL_TP2 = "tiny-llama-tp2"
 """The same checkpoint on a replica that splits it over 2 host devices (tensor_parallel_size 2)."""
+MODEL_2HOSTS = "tiny-llama-2hosts"
+"""A Llama with 8 query / 2 KV heads on a replica over two host processes (num_hosts 2): the leader
+schedules, two EngineWorkers with 2 host CPU devices each hold it split over 4 (gloo collectives)."""
+EIGHT_HEADS = dict(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
 MODEL_SLOW = "slow-fake"
 """A replica whose engine is tests/fake_engine.py's SlowFakeEngine (20 ms a step): requests that
 hold its slots for as long as a test needs, whatever the speed of the machine (the 429 test)."""
@@ -57,6 +62,7 @@ def serving(checkpoint_factory):
     from serve_app import build_app
 
     checkpoint = checkpoint_factory("llama")
+    eight_heads = checkpoint_factory("llama", **EIGHT_HEADS)
     port = free_port()
     ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     try:
@@ -64,6 +70,7 @@ def serving(checkpoint_factory):
         engine = {"max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN, "max_num_batched_tokens": 256, "prefill_chunk": 64}
         tp2 = {"tensor_parallel_size": 2, "warmup": False,
                "env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}}
+        two_hosts = {**tp2, "num_hosts": 2, "tensor_parallel_size": 4, "num_cpus": 0.4, "health_check_period_s": 1}
         app = build_app(
             {
                 "api_key": API_KEY,
@@ -71,6 +78,7 @@ def serving(checkpoint_factory):
                     {"model": str(checkpoint), "model_id": MODEL, **engine, "max_ongoing_requests": MAX_ONGOING,
                      "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
                     {"model": str(checkpoint), "model_id": MODEL_TP2, **engine, **tp2, "stream_batch_ms": 5},
+                    {"model": str(eight_heads), "model_id": MODEL_2HOSTS, **engine, **two_hosts, "stream_batch_ms": 5},
                     {"model": str(checkpoint), "model_id": MODEL_SLOW, **engine, "engine_cls": "fake_engine:SlowFakeEngine",
                      "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "max_ongoing_requests": MAX_ONGOING,
                      "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
@@ -84,6 +92,7 @@ def serving(checkpoint_factory):
             url=base_url,
             tokenizer=transformers.AutoTokenizer.from_pretrained(checkpoint),
             model=transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval(),
+            eight_heads=transformers.AutoModelForCausalLM.from_pretrained(eight_heads, dtype=torch.float32).eval(),
         )
     finally:
         serve.shutdown()
@@ -105,10 +114,10 @@ def http(serving):
 
 
 @torch.no_grad()
-def hf_greedy(serving, prompt_ids: list[int], count: int) -> list[int]:
+def hf_greedy(serving, prompt_ids: list[int], count: int, model=None) -> list[int]:
     ids = torch.tensor([prompt_ids])
     for _ in range(count):
-        next_id = serving.model(ids).logits[0, -1].argmax()
+        next_id = (model or serving.model)(ids).logits[0, -1].argmax()
         ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
     return ids[0, len(prompt_ids) :].tolist()
 
@@ -119,8 +128,8 @@ def hf_prompt_logprobs(serving, prompt_ids: list[int]) -> list[float]:
     return [logprobs[i - 1, t].item() for i, t in enumerate(prompt_ids) if i > 0]
 
 
-def greedy_text(serving, prompt_ids: list[int], count: int) -> str:
-    return serving.tokenizer.decode(hf_greedy(serving, prompt_ids, count), skip_special_tokens=True)
+def greedy_text(serving, prompt_ids: list[int], count: int, model=None) -> str:
+    return serving.tokenizer.decode(hf_greedy(serving, prompt_ids, count, model), skip_special_tokens=True)
 
 
 def metric(http, name: str, model_name: str = MODEL, **labels) -> float:
@@ -265,7 +274,7 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(serving, client,
 
 
 def test_models(client):
-    assert [m.id for m in client.models.list().data] == [MODEL, MODEL_TP2, MODEL_SLOW]
+    assert [m.id for m in client.models.list().data] == [MODEL, MODEL_TP2, MODEL_2HOSTS, MODEL_SLOW]
     assert client.models.retrieve(MODEL).id == MODEL
 
 
@@ -305,7 +314,7 @@ def test_404_for_an_unknown_model(client):
         client.completions.create(model="gpt-5", prompt="x")
     assert info.value.status_code == 404
     assert info.value.body == {
-        "message": f"the model 'gpt-5' does not exist; served models: ['{MODEL_SLOW}', '{MODEL}', '{MODEL_TP2}']",
+        "message": f"the model 'gpt-5' does not exist; served models: ['{MODEL_SLOW}', '{MODEL}', '{MODEL_2HOSTS}', '{MODEL_TP2}']",
         "type": "invalid_request_error",
         "param": "model",
         "code": "model_not_found",
@@ -453,4 +462,59 @@ def test_a_tensor_parallel_replica_answers_as_the_single_device_one(serving, cli
     assert {k: tp2.labels[k] for k in ("tensor_parallel_size", "num_devices", "attention_backend", "mesh")} == {
         "tensor_parallel_size": "2", "num_devices": "2", "attention_backend": "xla", "mesh": "data=1,model=2"}
     assert tp1.labels["dtype"] == tp2.labels["dtype"] == "float32"  # dtype auto: the checkpoint's own
+
+
+# ---- a replica over two hosts ----
+
+
+def engine_worker_processes() -> list:
+    """Processes Ray titled after the EngineWorker class (how operators find them too)."""
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"]) if " ".join(p.info["cmdline"] or []).startswith("ray::EngineWorker")]
+
+
+def test_a_replica_over_two_hosts_answers_as_transformers(serving, client):
+    for prompt in (PROMPT, "Once upon a time"):
+        prompt_ids = serving.tokenizer.encode(prompt)
+        got = client.completions.create(model=MODEL_2HOSTS, prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == greedy_text(serving, prompt_ids, 12, serving.eight_heads)
+    want = client.chat.completions.create(model=MODEL_2HOSTS, messages=MESSAGES, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(model=MODEL_2HOSTS, messages=MESSAGES, max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.choices[0].message.content
+    seeded = client.completions.create(model=MODEL_2HOSTS, prompt=PROMPT, max_tokens=6, temperature=1.0, n=3, seed=7,
+                                       extra_body={"ignore_eos": True})
+    again = client.completions.create(model=MODEL_2HOSTS, prompt=PROMPT, max_tokens=6, temperature=1.0, n=3, seed=7,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in seeded.choices] == [c.text for c in again.choices] and seeded.usage.completion_tokens == 18
+    assert len(engine_worker_processes()) == 2
+
+
+def test_two_hosts_show_in_the_info_metric(serving, http):
+    (info,) = samples(http, "jax_serve:engine_info", model_name=MODEL_2HOSTS)
+    assert {k: info.labels[k] for k in ("num_hosts", "tensor_parallel_size", "num_devices", "mesh")} == {
+        "num_hosts": "2", "tensor_parallel_size": "4", "num_devices": "4", "mesh": "data=1,model=4"}
+    (single,) = samples(http, "jax_serve:engine_info", model_name=MODEL)
+    assert single.labels["num_hosts"] == "1"
+
+
+def test_a_killed_worker_restarts_the_whole_group(serving, client):
+    """SIGKILL one EngineWorker: the leader's heartbeat finds it gone, /health turns 503, Ray Serve
+    restarts the replica with a fresh pair of workers, and requests succeed again. (Last in this
+    file: the app is unhealthy for a while.)"""
+    import os
+    import signal
+
+    before = engine_worker_processes()
+    os.kill(before[0].pid, signal.SIGKILL)
+    wait_for(lambda: httpx.get(f"{serving.url}/health").status_code == 503, 30, "/health to report the lost host")
+    wait_for(lambda: httpx.get(f"{serving.url}/health").status_code == 200, 180, "the replica to come back")
+    after = engine_worker_processes()
+    assert len(after) == 2 and not {p.pid for p in after} & {p.pid for p in before}
+    got = client.completions.create(model=MODEL_2HOSTS, prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == greedy_text(serving, serving.tokenizer.encode(PROMPT), 12, serving.eight_heads)
 

@@ -75,6 +75,9 @@ class EngineWorker:
     def warmup(self) -> float:
         return self.runner.warmup()
 
+    def ping(self) -> int:
+        return self.process_id
+
     def launch(self, plan: StepPlan) -> None:
         """Check that every host runs this very step, then dispatch it (returns before it ends)."""
         self._agree(plan)
@@ -141,6 +144,12 @@ class MultiHostExecutor:
 
     def describe(self) -> dict[str, str]:
         return self._describe
+
+    def check_alive(self) -> None:
+        """Raise if a worker is gone or does not answer (its host lost, its process killed)."""
+        import ray
+
+        ray.get([w.ping.remote() for w in self.workers], timeout=self._timeout)
 
     def warmup(self) -> float:
         import ray

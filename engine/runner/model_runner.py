@@ -187,9 +187,16 @@ class ModelRunner:
                 logits, _, self.cache = self.steps.forward(self.cache, inputs, self._no_tokens, bucket)
                 for switches in WARM_SAMPLER_SWITCHES:
                     jax.block_until_ready(self.steps.sample(logits, sampling, switches=switches))
+        if jax.process_count() > 1:  # every host leaves warm-up together
+            from jax.experimental.multihost_utils import sync_global_devices
+
+            sync_global_devices("jax-serve warm-up")
         seconds = time.perf_counter() - start
         logger.info("warm-up compiled %d buckets in %.1f s", len(buckets), seconds)
         return seconds
+
+    def check_alive(self) -> None:
+        """One process: alive as long as this process is."""
 
     def describe(self) -> dict[str, str]:
         """How this replica runs its model (logged at start; an info metric's labels)."""
@@ -248,6 +255,10 @@ class ModelRunner:
         free = sharding.free_device_memory(self.mesh.devices.flat)
         if free is None:
             return 1 + self.config.max_num_seqs * self.max_pages_per_seq
+        if jax.process_count() > 1:  # every host must make the same pool: the least any host has room for
+            from jax.experimental.multihost_utils import process_allgather
+
+            free = 2**20 * int(np.min(process_allgather(np.array([free // 2**20], np.int32))))  # MiB: int32
         per_device = self.backend.cache_bytes_per_page(self._cache_shape(1)) // self.layout.size
         pages = pages_for_memory(free, self.config.kv_cache_memory_fraction, per_device)
         if pages < self.max_pages_per_seq + 1:

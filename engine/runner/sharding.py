@@ -137,10 +137,10 @@ def _regroup_queries(x: hax.NamedArray, kv_head: hax.Axis, group: hax.Axis) -> h
 
 
 def free_device_memory(devices) -> Optional[int]:
-    """Bytes each device can still allocate (the least over `devices`), or None where the
-    platform does not say (CPUs)."""
+    """Bytes each of this process's `devices` can still allocate (the least of them), or None where
+    the platform does not say (CPUs)."""
     free = []
-    for device in devices:
+    for device in [d for d in devices if d.process_index == jax.process_index()]:
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         if not stats or "bytes_limit" not in stats:
             return None
