@@ -9,8 +9,8 @@ all). Every step the leader puts the plan in Ray's object store once and each wo
 the same jitted program on the same global mesh. Before launching, the workers compare the plan's
 fingerprint (its id and every static shape) in a small all-gather, so hosts that would run different
 programs fail loudly instead of computing garbage together. Steps stay overlapped as on one host:
-the leader launches step N+1 on every worker before it fetches step N; tokens and logprobs come back
-from worker 0 (every output is replicated).
+one call per worker launches step N+1 and then returns step N's results, so the device runs N+1
+while they travel back; tokens and logprobs come from worker 0 (every output is replicated).
 
 Failure is a whole-group affair: a worker that dies, or a step that does not return within
 `step_timeout_s`, raises here; the engine loop dies with it, the replica's health check fails, and
@@ -78,6 +78,12 @@ class EngineWorker:
     def ping(self) -> int:
         return self.process_id
 
+    def step(self, plan: Optional[StepPlan], fetch_step: Optional[int]) -> Optional[StepOutput]:
+        """Launch `plan` (if any), then wait for step `fetch_step` (if any): one call per step."""
+        if plan is not None:
+            self.launch(plan)
+        return None if fetch_step is None else self.fetch(fetch_step)
+
     def launch(self, plan: StepPlan) -> None:
         """Check that every host runs this very step, then dispatch it (returns before it ends)."""
         self._agree(plan)
@@ -117,6 +123,8 @@ class MultiHostExecutor:
 
         self.config = config
         self._timeout = config.step_timeout_s
+        self._unfetched: Optional[int] = None  # the last step launched, while no call has fetched it
+        self._answers: dict[int, list] = {}  # step id -> the calls that return its results
         start = time.perf_counter()
         group = ray.util.get_current_placement_group()
         first = 1 if group is not None else 0  # a Serve replica's own actor holds bundle 0
@@ -152,24 +160,35 @@ class MultiHostExecutor:
         ray.get([w.ping.remote() for w in self.workers], timeout=self._timeout)
 
     def warmup(self) -> float:
+        """Every worker compiles the same buckets in the same order (their steps' collectives keep
+        them in step), then all leave behind a barrier."""
         import ray
 
-        return max(ray.get([w.warmup.remote() for w in self.workers]))
+        seconds = max(ray.get([w.warmup.remote() for w in self.workers]))
+        logger.info("%d engine workers warmed up in %.1f s", len(self.workers), seconds)
+        return seconds
 
-    def launch(self, plan: StepPlan) -> tuple[int, list]:
+    def launch(self, plan: StepPlan) -> int:
+        """Send the step to every worker; the step launched before it, not fetched yet, comes back
+        with this call."""
         import ray
 
-        ref = ray.put(plan)
-        return plan.step_id, [w.launch.remote(ref) for w in self.workers]
+        ref, previous = ray.put(plan), self._unfetched
+        calls = [w.step.remote(ref, previous) for w in self.workers]
+        if previous is not None:
+            self._answers[previous] = calls
+        self._unfetched = plan.step_id
+        return plan.step_id
 
-    def fetch(self, handle: tuple[int, list]) -> StepOutput:
+    def fetch(self, step_id: int) -> StepOutput:
         """Worker 0's outputs; raises if any worker failed the step or it took over step_timeout_s."""
         import ray
 
-        step_id, launched = handle
-        fetched = [w.fetch.remote(step_id) for w in self.workers]
-        results = ray.get(fetched + launched, timeout=self._timeout)
-        return results[0]
+        calls = self._answers.pop(step_id, None)
+        if calls is None:  # nothing was launched after it: ask for it alone
+            calls = [w.step.remote(None, step_id) for w in self.workers]
+            self._unfetched = None
+        return ray.get(calls, timeout=self._timeout)[0]
 
     def shutdown(self) -> None:
         import ray
