@@ -468,10 +468,17 @@ def test_a_tensor_parallel_replica_answers_as_the_single_device_one(serving, cli
 
 
 def engine_worker_processes() -> list:
-    """Processes Ray titled after the EngineWorker class (how operators find them too)."""
+    """The processes of this test's Ray instance (children of this process) that Ray titled after
+    the EngineWorker class (how operators find them too)."""
     import psutil
 
-    return [p for p in psutil.process_iter(["cmdline"]) if " ".join(p.info["cmdline"] or []).startswith("ray::EngineWorker")]
+    def title(process) -> str:
+        try:
+            return " ".join(process.cmdline())
+        except psutil.Error:  # gone (or a zombie) since it was listed
+            return ""
+
+    return [p for p in psutil.Process().children(recursive=True) if title(p).startswith("ray::EngineWorker")]
 
 
 def test_a_replica_over_two_hosts_answers_as_transformers(serving, client):

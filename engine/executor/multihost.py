@@ -23,6 +23,7 @@ placement group made here when there is none (an engine outside Ray Serve).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from typing import Any, Optional
@@ -70,7 +71,8 @@ class EngineWorker:
                     len(jax.devices()), ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
         r = self.runner
         return {"buckets": r.buckets, "num_pages": r.num_pages, "max_model_len": r.max_model_len,
-                "vocab_size": r.vocab_size, "info": r.info, "describe": r.describe(), "phases": phases}
+                "vocab_size": r.vocab_size, "info": r.info, "describe": r.describe(), "phases": phases,
+                "pid": os.getpid()}
 
     def warmup(self) -> float:
         return self.runner.warmup()
@@ -144,6 +146,7 @@ class MultiHostExecutor:
         address = ray.get(self.workers[0].coordinator_address.remote(), timeout=self._timeout)
         started = ray.get([w.start.remote(address) for w in self.workers], timeout=self._timeout)
         info = started[0]
+        self.worker_pids = [s["pid"] for s in started]
         self.buckets, self.num_pages = info["buckets"], info["num_pages"]
         self.max_model_len, self.vocab_size, self.info = info["max_model_len"], info["vocab_size"], info["info"]
         self._describe = info["describe"]
