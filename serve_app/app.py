@@ -56,7 +56,7 @@ def server_deployment(model: ModelConfig) -> serve.Deployment:
     else:
         options["num_replicas"] = model.num_replicas
     bundles = model.placement_group_bundles
-    if bundles is None and num_hosts > 1:
+    if bundles is None and num_hosts > 1 and not model.engine.get("tpu_topology"):  # else the leader reserves a slice
         bundles = [{"CPU": model.num_cpus}] + [{"CPU": model.num_cpus, **model.resources}] * num_hosts
     if bundles:
         options["placement_group_bundles"] = bundles

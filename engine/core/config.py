@@ -66,6 +66,13 @@ class EngineConfig:
     """Processes (hosts) the replica spans: 1 runs the model in this process; N > 1 starts one
     `EngineWorker` per host (engine/executor/multihost.py) that together hold the model, split over
     `tensor_parallel_size` devices in all, while this process only schedules."""
+    tpu_version: Optional[str] = None
+    """With num_hosts > 1 and `tpu_topology`: the TPU generation of the slice (v4, v5e, v5p, v6e)."""
+    tpu_topology: Optional[str] = None
+    """With num_hosts > 1: place the workers on the hosts of one TPU slice of this topology (e.g.
+    2x2x2 for a v4-16: 2 hosts of 4 chips) through Ray's TPU slice placement (the slice head's
+    resource, then every host labelled with that slice's name); num_hosts must be its host count.
+    None: the workers take the bundles of the replica's placement group."""
     step_timeout_s: float = 600.0
     """With num_hosts > 1: a step whose results do not arrive within this many seconds fails the
     engine (and with it the replica's health check), so a stuck or dead host never hangs clients."""
@@ -110,6 +117,8 @@ class EngineConfig:
             raise ValueError(f"cpu_matmul must be 'auto', 'kernel' or 'xla', got {self.cpu_matmul!r}")
         if self.num_hosts < 1:
             raise ValueError(f"num_hosts must be at least 1, got {self.num_hosts}")
+        if (self.tpu_topology is None) != (self.tpu_version is None):
+            raise ValueError("set both tpu_version and tpu_topology (e.g. v4 and 2x2x2), or neither")
         if self.step_timeout_s <= 0:
             raise ValueError(f"step_timeout_s must be positive, got {self.step_timeout_s}")
         if self.tensor_parallel_size < 1:

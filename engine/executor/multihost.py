@@ -16,8 +16,10 @@ Failure is a whole-group affair: a worker that dies, or a step that does not ret
 `step_timeout_s`, raises here; the engine loop dies with it, the replica's health check fails, and
 Ray Serve restarts the replica, whose workers (actors it owns) die with it.
 
-The workers are placed on the bundles of the replica's placement group (one per host), or on a
-placement group made here when there is none (an engine outside Ray Serve).
+The workers are placed on the hosts of one TPU slice (`tpu_version` + `tpu_topology`: Ray's
+`SlicePlacementGroup` reserves the slice's head, then one bundle per host of that slice), else on
+the bundles of the replica's placement group (one per host, after the leader's), else on a placement
+group made here (an engine outside Ray Serve). Groups made here die with the leader.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class EngineWorker:
         r = self.runner
         return {"buckets": r.buckets, "num_pages": r.num_pages, "max_model_len": r.max_model_len,
                 "vocab_size": r.vocab_size, "info": r.info, "describe": r.describe(), "phases": phases,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "labels": _node_labels()}
 
     def warmup(self) -> float:
         return self.runner.warmup()
@@ -128,13 +130,8 @@ class MultiHostExecutor:
         self._unfetched: Optional[int] = None  # the last step launched, while no call has fetched it
         self._answers: dict[int, list] = {}  # step id -> the calls that return its results
         start = time.perf_counter()
-        group = ray.util.get_current_placement_group()
-        first = 1 if group is not None else 0  # a Serve replica's own actor holds bundle 0
-        if group is None or group.bundle_count < config.num_hosts + first:
-            group = ray.util.placement_group([{"CPU": 1}] * config.num_hosts, strategy="PACK")
-            ray.get(group.ready(), timeout=self._timeout)
-            first = 0
-        self._own_group = group if first == 0 else None
+        group, first = self._placement()
+        ray.get(group.ready(), timeout=self._timeout)
         actor = ray.remote(EngineWorker)
         self.workers = []
         for i in range(config.num_hosts):  # each worker takes its whole bundle (a host's chips)
@@ -147,11 +144,35 @@ class MultiHostExecutor:
         started = ray.get([w.start.remote(address) for w in self.workers], timeout=self._timeout)
         info = started[0]
         self.worker_pids = [s["pid"] for s in started]
+        self.worker_labels = [s["labels"] for s in started]
+        """Each worker's node labels (a TPU host's slice name and worker id)."""
         self.buckets, self.num_pages = info["buckets"], info["num_pages"]
         self.max_model_len, self.vocab_size, self.info = info["max_model_len"], info["vocab_size"], info["info"]
         self._describe = info["describe"]
         logger.info("%d engine workers started in %.1f s (worker 0: %s)", config.num_hosts,
                     time.perf_counter() - start, ", ".join(f"{k} {v:.1f}" for k, v in info["phases"].items()))
+
+    def _placement(self):
+        """(placement group, index of the first worker's bundle); see the module docstring."""
+        import ray
+
+        config = self.config
+        self._slice = self._own_group = None
+        if config.tpu_topology:
+            from ray.util.tpu import SlicePlacementGroup
+
+            self._slice = SlicePlacementGroup(topology=config.tpu_topology, accelerator_version=config.tpu_version,
+                                              head_reservation_timeout_s=self._timeout)
+            if self._slice.num_hosts != config.num_hosts:
+                self._slice.shutdown()
+                raise ValueError(f"a {config.tpu_version} {config.tpu_topology} slice has {self._slice.num_hosts} "
+                                 f"hosts; set num_hosts: {self._slice.num_hosts}")
+            return self._slice.placement_group, 0
+        group = ray.util.get_current_placement_group()
+        if group is not None and group.bundle_count >= config.num_hosts + 1:
+            return group, 1  # a Serve replica's own actor (the leader) holds bundle 0
+        self._own_group = ray.util.placement_group([{"CPU": 1}] * config.num_hosts, strategy="PACK")
+        return self._own_group, 0
 
     def describe(self) -> dict[str, str]:
         return self._describe
@@ -200,6 +221,14 @@ class MultiHostExecutor:
             ray.kill(worker)
         if self._own_group is not None:
             ray.util.remove_placement_group(self._own_group)
+        if self._slice is not None:
+            self._slice.shutdown()
+
+
+def _node_labels() -> dict[str, str]:
+    import ray
+
+    return dict(ray.get_runtime_context().get_node_labels())
 
 
 def _node_ip() -> str:
