@@ -508,15 +508,21 @@ def test_two_hosts_show_in_the_info_metric(serving, http):
     assert single.labels["num_hosts"] == "1"
 
 
-def test_a_killed_worker_restarts_the_whole_group(serving, client):
-    """SIGKILL one EngineWorker: the leader's heartbeat finds it gone, /health turns 503, Ray Serve
-    restarts the replica with a fresh pair of workers, and requests succeed again. (Last in this
-    file: the app is unhealthy for a while.)"""
+def test_a_killed_worker_restarts_the_whole_group(serving, client, http):
+    """SIGKILL one EngineWorker while a stream is open: the stream ends with an OpenAI error event
+    and [DONE], /health turns 503, Ray Serve restarts the replica with a fresh pair of workers, and
+    requests succeed again. (Last in this file: the app is unhealthy for a while.)"""
     import os
     import signal
 
+    from serving_helpers import sse_events
+
+    stream = OpenStream(http, max_tokens=400, model=MODEL_2HOSTS)
     before = engine_worker_processes()
     os.kill(before[0].pid, signal.SIGKILL)
+    events = sse_events(stream.lines)  # reads to the end of the stream: it must end, not hang
+    assert events[-1] == "[DONE]" and "error" in events[-2]
+    assert events[-2]["error"]["type"] == "server_error"
     wait_for(lambda: httpx.get(f"{serving.url}/health").status_code == 503, 30, "/health to report the lost host")
     wait_for(lambda: httpx.get(f"{serving.url}/health").status_code == 200, 180, "the replica to come back")
     after = engine_worker_processes()
