@@ -379,3 +379,26 @@ def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monke
     head = engine.runner.model.lm_head.xla_rows
     assert head == (frozenset({b.rows for b in engine.runner.buckets.all()}) if cpu_matmul == "xla" else frozenset())
     assert_greedy_parity(engine, llama_dir)
+
+
+def test_after_warm_up_serving_compiles_nothing(llama_dir):
+    """Warm-up compiles every bucket with the inputs a real step passes (the previous step's tokens
+    included), so the first requests after start-up wait for no compiler. A trace is a miss in jit's
+    own cache, whether or not the persistent compilation cache then has the executable."""
+    import jax.monitoring
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), **{**TIGHT, "warmup": True}))
+    compiles = []
+
+    def on_event(event: str, seconds: float, **_) -> None:
+        if event in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+        run_to_completion(engine, {f"r{i}": (p, greedy) for i, p in enumerate(make_prompts([3, 9, 30, 17, 5]))})
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiles == []
+    assert_all_pages_free(engine)

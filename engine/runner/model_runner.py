@@ -143,7 +143,7 @@ class ModelRunner:
         self.num_pages = self._pool_pages()
         self.cache = self._init_cache()
         self.steps = _Steps(self.model, self.backend, self.mesh, self._cache_sharding, self.buckets.max_rows)
-        self._no_tokens = self._global(np.zeros(self.buckets.max_rows, np.int32))
+        self._no_tokens = self._no_previous_tokens()
         self._last_step: Optional[int] = None
         self._last_tokens = self._no_tokens
         logger.info("%s", self._startup_line())
@@ -282,6 +282,14 @@ class ModelRunner:
         return (f"model on {d['num_devices']} device(s) [{devices}], mesh ({d['mesh']}), attention backend "
                 f"{d['attention_backend']}, {d['dtype']} weights, {d['kv_cache_dtype']} KV cache of "
                 f"{d['num_pages']} pages x {d['page_size']} tokens")
+
+    def _no_previous_tokens(self) -> jax.Array:
+        """The `prev_tokens` of a step that reads none. Made by a jitted function under the mesh, so
+        that its type (shape, sharding and mesh) is a sampled-token array's: warm-up compiles with it,
+        and a step that reads real tokens must hit the same executable, not compile its own."""
+        with self._device_context():
+            return jax.jit(lambda: jnp.zeros(self.buckets.max_rows, jnp.int32),
+                           out_shardings=sharding.replicated(self.mesh))()
 
     def _device_context(self, mapping: Optional[dict[str, str]] = None):
         return _MeshContext(self.mesh, self.layout.axis_mapping if mapping is None else mapping)
