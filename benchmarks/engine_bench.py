@@ -3,13 +3,19 @@
     .venv/bin/python benchmarks/engine_bench.py --batch 1,8,32
     .venv/bin/python benchmarks/engine_bench.py --batch 8,32 --requests 64   # the serving benchmark's pattern
 
-Work: a random Llama of ~110M parameters (hidden 768, 12 layers, 12 heads / 4 KV heads,
-intermediate 2048, vocab 32000, made once under ~/.cache/jax-serve/bench-llama), `--prompt-len`
+Work: a random Llama made once under ~/.cache/jax-serve (`--shape bench-110m`: hidden 768, 12 layers,
+12 heads / 4 KV heads, intermediate 2048, vocab 32000; `--shape llama-3.2-1b`: Llama-3.2-1B's shape,
+1.24B parameters, tied embeddings), `--prompt-len`
 random prompt tokens and `--new-tokens` new tokens per request with EOS ignored, `batch` requests
 submitted at once; with `--requests N`, a closed loop like `jax-serve-bench --max-concurrency batch`:
 each finished request is replaced by a new one until N have run (the engine's ceiling under the
 serving comparison, without HTTP, Ray or detokenizing). Compile time is excluded (the engine warms up
 first). Prints one row per batch size; each figure is the median of `--repeats` runs.
+
+`--one-engine` serves every batch size from one engine sized for the largest (one load and warm-up,
+as an accelerator run wants); `--bandwidth-bound` times a device-memory copy and prints the batch-1
+decode step against the bound it implies (checkpoint bytes / copy bandwidth: each decode step reads
+every weight once).
 """
 
 from __future__ import annotations
@@ -29,17 +35,39 @@ from engine.core.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
 
-BENCH_MODEL = dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048,
-                   vocab_size=32000, max_position_embeddings=2048, initializer_range=0.02, dtype="bfloat16")
+SHAPES = {
+    "bench-110m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048,
+                       vocab_size=32000),
+    "llama-3.2-1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
+                         vocab_size=128256, tie_word_embeddings=True),
+}
+DEFAULT_PATHS = {"bench-110m": "bench-llama", "llama-3.2-1b": "bench-llama-3.2-1b"}
 
 
-def bench_checkpoint(path: Path) -> Path:
-    """The random ~110M Llama (bf16 safetensors), made on first use."""
+def bench_checkpoint(path: Path, shape: str) -> Path:
+    """A random Llama of `shape` (bf16 safetensors), made on first use."""
     if not (path / "config.json").is_file():
         import tiny_models
 
-        tiny_models.make_checkpoint(path, "llama", **BENCH_MODEL)
+        tiny_models.make_checkpoint(path, "llama", **SHAPES[shape], max_position_embeddings=2048,
+                                    initializer_range=0.02, dtype="bfloat16")
     return path
+
+
+def copy_bandwidth(gib: int = 4, repeats: int = 10) -> float:
+    """Bytes/s of a device-memory copy (read + write) of a `gib` GiB array on the default device."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.zeros((gib << 29,), jnp.bfloat16)
+    add = jax.jit(lambda a: a + 1)
+    add(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        add(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / statistics.median(times)
 
 
 def run_once(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: int,
@@ -75,9 +103,27 @@ def run_once(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, se
             "seconds": total, "steps": len(step_times), "tokens": produced, "requests": submitted}
 
 
+def replay_step_ms(engine: LLMEngine, batch: int, steps: int = 50) -> float:
+    """The device side alone: `steps` padding-only decode steps of `batch` rows (the bucket and
+    the work of a real one) launched back to back and fetched once, per step. What the runner's
+    dispatch and the device take, without scheduling or reading each step's tokens."""
+    from engine.core.step_plan import empty_step_plan
+
+    runner = engine.runner
+    plan = empty_step_plan(runner.buckets.for_step(batch, [], runner.max_pages_per_seq), runner.page_size, step_id=-1)
+    runner.fetch(runner.launch(plan))
+    start = time.perf_counter()
+    for _ in range(steps):
+        handle = runner.launch(plan)
+    runner.fetch(handle)
+    return 1000 * (time.perf_counter() - start) / steps
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=Path.home() / ".cache/jax-serve/bench-llama")
+    parser.add_argument("--shape", default="bench-110m", choices=sorted(SHAPES))
+    parser.add_argument("--model", type=Path, default=None,
+                        help="checkpoint directory (default: ~/.cache/jax-serve/<the shape's name>)")
     parser.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -97,10 +143,20 @@ def main(argv=None) -> None:
                         help="host CPU devices per process (XLA_FLAGS), for --tensor-parallel-size > 1 on a CPU")
     parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "kernel", "xla"],
                         help="cpu backend: per-shape choice (auto) or one matmul for every product")
+    parser.add_argument("--num-pages", type=int, default=0,
+                        help="KV pool pages (0: the engine's rule, most of an accelerator's free memory)")
+    parser.add_argument("--one-engine", action="store_true",
+                        help="one engine sized for the largest batch serves every batch size")
+    parser.add_argument("--replay", action="store_true",
+                        help="add a column: a decode step of the runner alone (see replay_step_ms)")
+    parser.add_argument("--bandwidth-bound", action="store_true",
+                        help="time a device-memory copy and compare the batch-1 decode step with its bound")
     args = parser.parse_args(argv)
+    if args.replay and args.num_hosts > 1:
+        parser.error("--replay times one process's runner; drop it with --num-hosts > 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    model = bench_checkpoint(args.model)
+    model = bench_checkpoint(args.model or Path.home() / ".cache/jax-serve" / DEFAULT_PATHS[args.shape], args.shape)
     if args.devices_per_host and args.num_hosts == 1:
         import os
 
@@ -112,27 +168,44 @@ def main(argv=None) -> None:
         if args.devices_per_host:
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices_per_host}"
         ray.init(address="local", include_dashboard=False, runtime_env={"env_vars": env})
+    bandwidth = copy_bandwidth() if args.bandwidth_bound else None  # before an engine takes the memory
     batches = [int(b) for b in args.batch.split(",")]
+    step_ms = {}
+    engine = None
     for batch in batches:
-        engine = LLMEngine(EngineConfig(
-            model=str(model), dtype=args.dtype, page_size=args.page_size, max_num_seqs=batch,
-            max_num_batched_tokens=max(batch, args.max_num_batched_tokens), prefill_chunk=args.prefill_chunk,
-            max_model_len=args.prompt_len + args.new_tokens, attention_backend=args.attention_backend,
-            tensor_parallel_size=args.tensor_parallel_size, cpu_matmul=args.cpu_matmul, num_hosts=args.num_hosts))
+        if engine is None or not args.one_engine:
+            seqs = max(batches) if args.one_engine else batch
+            engine = LLMEngine(EngineConfig(
+                model=str(model), dtype=args.dtype, page_size=args.page_size, max_num_seqs=seqs,
+                max_num_batched_tokens=max(seqs, args.max_num_batched_tokens), prefill_chunk=args.prefill_chunk,
+                max_model_len=args.prompt_len + args.new_tokens, attention_backend=args.attention_backend,
+                tensor_parallel_size=args.tensor_parallel_size, cpu_matmul=args.cpu_matmul,
+                num_hosts=args.num_hosts, num_pages=args.num_pages))
         if batch == batches[0]:
             d = engine.describe()
-            print(f"| batch | output tok/s | decode step ms | run s | steps |  ({d['dtype']}, {d['attention_backend']} "
+            print(f"| batch | output tok/s | decode step ms | run s | steps |{' replayed step ms |' * args.replay}"
+                  f"  ({d['dtype']}, {d['attention_backend']} "
                   f"backend, cpu_matmul {args.cpu_matmul}, tp={d['tensor_parallel_size']}, hosts={d['num_hosts']}, "
                   f"{args.prompt_len} in / "
                   f"{args.new_tokens} out)")
-            print("|---|---|---|---|---|")
+            print("|---|---|---|---|---|" + "---|" * args.replay)
         runs = [run_once(engine, batch, args.prompt_len, args.new_tokens, seed, args.requests)
                 for seed in range(args.repeats)]
-        if args.num_hosts > 1:
+        if args.num_hosts > 1 and not args.one_engine:
             engine.runner.shutdown()  # the next batch size starts its own workers
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        print(f"| {batch} | {med['tok_s']:.0f} | {med['step_ms']:.1f} | {med['seconds']:.2f} | {med['steps']:.0f} |",
-              flush=True)
+        step_ms[batch] = med["step_ms"]
+        replayed = f" {replay_step_ms(engine, batch):.2f} |" if args.replay and args.num_hosts == 1 else ""
+        print(f"| {batch} | {med['tok_s']:.0f} | {med['step_ms']:.2f} | {med['seconds']:.2f} | {med['steps']:.0f} |"
+              f"{replayed}", flush=True)
+    if args.num_hosts > 1 and args.one_engine:
+        engine.runner.shutdown()
+    if bandwidth:
+        weight_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        bound_ms = 1000 * weight_bytes / bandwidth
+        print(f"weights {weight_bytes / 1e9:.3f} GB, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
+              f"batch-1 bound {bound_ms:.3f} ms" + (f", batch-1 step {step_ms[1]:.3f} ms = "
+                                                  f"{step_ms[1] / bound_ms:.2f}x the bound" if 1 in step_ms else ""))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""benchmarks/engine_bench.py's closed loop: every request runs to its length, never more than
-`batch` at once, and the engine ends with every page free."""
+"""benchmarks/engine_bench.py: the closed loop runs every request to its length, never more than
+`batch` at once, and ends with every page free; the replayed steps leave the engine as it was."""
 
 from __future__ import annotations
 
-from benchmarks.engine_bench import run_once
+from parity import assert_all_pages_free, make_prompts, run_to_completion, tokens_of
+
+from benchmarks.engine_bench import replay_step_ms, run_once
 from engine.core.config import EngineConfig
+from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine
 
 
@@ -22,3 +25,21 @@ def test_without_requests_the_batch_runs_once(llama_dir):
                                     page_size=4, max_model_len=32, warmup=False))
     result = run_once(engine, batch=3, prompt_len=5, new_tokens=4, seed=1)
     assert (result["requests"], result["tokens"]) == (3, 12)
+
+
+def test_replaying_padding_steps_leaves_the_engine_serving_as_before(llama_dir):
+    """--replay launches padding-only steps straight on the runner: they write only to the scratch
+    page, so the same greedy requests give the same tokens after them."""
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk=8,
+                                    page_size=4, max_model_len=32, warmup=False))
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def serve(tag: str) -> list[list[int]]:
+        requests = {f"{tag}{i}": (p, greedy) for i, p in enumerate(make_prompts([5, 9]))}
+        out = run_to_completion(engine, requests)
+        return [tokens_of(out[f"{tag}{i}"]) for i in range(2)]
+
+    before = serve("a")
+    assert replay_step_ms(engine, batch=2, steps=5) > 0
+    assert serve("b") == before
+    assert_all_pages_free(engine)
