@@ -508,6 +508,41 @@ def test_two_hosts_show_in_the_info_metric(serving, http):
     assert single.labels["num_hosts"] == "1"
 
 
+def test_replicas_over_two_hosts_scale_as_whole_groups(serving, checkpoint_factory):
+    """Each replica with num_hosts 2 owns one placement group (leader + 2 worker bundles) and its
+    two EngineWorkers: two replicas run four workers in two more groups; scaling to one stops a whole
+    group (no half-alive pair, no leaked group); deleting the app leaves only the other app's."""
+    import ray
+    from ray import serve
+
+    from serve_app import build_app
+
+    def created_groups() -> int:
+        return sum(g["state"] == "CREATED" for g in ray.util.placement_group_table().values())
+
+    def deploy(replicas: int) -> None:
+        model = {"model": str(checkpoint_factory("llama")), "model_id": "scaled", "max_num_seqs": 2,
+                 "max_model_len": 64, "max_num_batched_tokens": 64, "prefill_chunk": 32, "warmup": False,
+                 "num_hosts": 2, "tensor_parallel_size": 2, "num_cpus": 0.1, "num_replicas": replicas}
+        serve.run(build_app({"models": [model], "ingress_num_cpus": 0.05}), name="scaled", route_prefix="/scaled")
+
+    workers, groups = len(engine_worker_processes()), created_groups()
+    try:
+        deploy(2)
+        wait_for(lambda: len(engine_worker_processes()) == workers + 4, 120, "two groups of two workers")
+        assert created_groups() == groups + 2
+        answer = httpx.post(f"{serving.url}/scaled/v1/completions", timeout=60,
+                            json={"model": "scaled", "prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+        deploy(1)
+        wait_for(lambda: len(engine_worker_processes()) == workers + 2 and created_groups() == groups + 1, 120,
+                 "one group of two workers")
+    finally:
+        serve.delete("scaled")
+    wait_for(lambda: len(engine_worker_processes()) == workers and created_groups() == groups, 120,
+             "the other app's workers and groups only")
+
+
 def test_a_killed_worker_restarts_the_whole_group(serving, client, http):
     """SIGKILL one EngineWorker while a stream is open: the stream ends with an OpenAI error event
     and [DONE], /health turns 503, Ray Serve restarts the replica with a fresh pair of workers, and
