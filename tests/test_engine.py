@@ -402,3 +402,23 @@ def test_after_warm_up_serving_compiles_nothing(llama_dir):
         jax.monitoring.unregister_event_duration_listener(on_event)
     assert compiles == []
     assert_all_pages_free(engine)
+
+
+def test_a_url_compilation_cache_goes_to_jax_as_it_is(tmp_path, monkeypatch):
+    """A local path is expanded and made; a URL (a cache the hosts of a slice share) is JAX's to
+    open, and no local directory named after it appears."""
+    import jax
+
+    from engine.runner import model_runner
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        model_runner._enable_compilation_cache("gs://bucket/xla")
+        assert jax.config.jax_compilation_cache_dir == "gs://bucket/xla"
+        assert list(tmp_path.iterdir()) == []
+        model_runner._enable_compilation_cache("~/xla")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla") and (tmp_path / "xla").is_dir()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

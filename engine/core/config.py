@@ -91,7 +91,8 @@ class EngineConfig:
     """Compile every shape bucket when the engine starts (logged), not on the first request."""
     compilation_cache_dir: Optional[str] = "~/.cache/jax-serve/xla"
     """XLA's persistent compilation cache: a restarted replica loads its compiled buckets instead of
-    compiling them again. None disables it."""
+    compiling them again. A URL (gs://bucket/dir) is one cache the hosts of a slice share. None
+    disables it."""
     seed: int = 0
     """Seed for requests that bring none (each still gets its own stream of randomness)."""
 
