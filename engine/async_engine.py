@@ -6,6 +6,12 @@ through a command queue; deltas come back to each request's asyncio queue throug
 `call_soon_threadsafe`. Closing or cancelling a request's iterator aborts it in the engine, so a
 client that goes away returns its KV pages.
 
+Failure is final and reaches every stream: the loop raising (a failed device, a lost host), a step
+running past `watchdog_s` (found by `check()`, which the replica's health probe calls; the stuck
+step cannot be interrupted, so its streams are failed without it), or `shutdown()`. A request
+registers its stream under the same lock the failure takes, so it either is failed with the others
+or sees the failure itself: none waits forever.
+
 Pure Python: importing this module does not import jax.
 """
 
@@ -58,14 +64,19 @@ class _Stream:
 class AsyncEngine:
     """Owns the loop thread. `generate()` is the whole request-facing API."""
 
-    def __init__(self, core: EngineCore, *, idle_wait_s: float = 0.05, heartbeat_s: float = 1.0):
+    def __init__(self, core: EngineCore, *, idle_wait_s: float = 0.05, heartbeat_s: float = 1.0,
+                 watchdog_s: float = 600.0):
         self.core = core
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams
         self._idle_wait_s = idle_wait_s
         self._heartbeat_s = heartbeat_s
+        self._watchdog_s = watchdog_s
+        self._step_started: Optional[float] = None
+        """time.monotonic() when the running step began; None between steps."""
         self._error: Optional[BaseException] = None
+        """Why the engine can no longer serve (set once, under `_lock`)."""
         self._stats = core.stats()
         self._description = core.describe()
         self._stopping = threading.Event()
@@ -83,6 +94,7 @@ class AsyncEngine:
         self.validate(prompt_ids, params)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
+            self._raise_if_dead()  # a failure after the check above has not seen this stream
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
             self._streams[request_id] = stream
@@ -125,28 +137,50 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._error is None and self._thread.is_alive()
 
+    def check(self) -> None:
+        """Raise EngineDeadError unless the engine can serve. A step past the watchdog, or a loop
+        thread that is gone, kills the engine here: its streams end now, not when (if) it returns."""
+        started = self._step_started
+        stuck_s = 0.0 if started is None else time.monotonic() - started
+        if stuck_s > self._watchdog_s:
+            logger.error("engine step stuck for %.0f s (watchdog %g s): failing its requests", stuck_s, self._watchdog_s)
+            self._die(TimeoutError(f"an engine step has not returned for {stuck_s:.0f} s (watchdog {self._watchdog_s:g} s; "
+                                   "raise step_timeout_s if steps are legitimately this slow)"))
+        elif not self._thread.is_alive():
+            self._die(RuntimeError("the engine loop thread is gone"))
+        self._raise_if_dead()
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop; requests still running (and any that arrive later) fail."""
         self._stopping.set()
         self._commands.put(("wake",))
         self._thread.join(timeout_s)
+        self._die(RuntimeError("the engine was shut down"))
 
     # ---- loop thread ----
 
     def _run(self) -> None:
         heartbeat, last_beat = getattr(self.core, "heartbeat", None), time.monotonic()
         try:
-            while not self._stopping.is_set():
+            while not self._stopping.is_set() and self._error is None:
                 self._drain_commands(block=not self.core.has_work())
                 if heartbeat is not None and not self.core.has_work() and time.monotonic() - last_beat > self._heartbeat_s:
                     heartbeat()  # an idle engine still finds out that it lost a host
                     last_beat = time.monotonic()
-                deltas = self.core.step() if self.core.has_work() else []
+                deltas = self._step() if self.core.has_work() else []
                 self._stats = self.core.stats()  # before delivery: a finished stream sees its pages freed
-                self._deliver(deltas)
+                if self._error is None:  # the watchdog may have failed the streams while the step ran
+                    self._deliver(deltas)
         except BaseException as exc:  # the engine is unusable: fail every stream, mark dead
             logger.exception("engine loop died")
-            self._error = exc
-            self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
+            self._die(exc)
+
+    def _step(self) -> list[TokenDelta]:
+        self._step_started = time.monotonic()
+        try:
+            return self.core.step()
+        finally:
+            self._step_started = None
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -184,11 +218,15 @@ class AsyncEngine:
             elif not delta.finished:  # nobody listens any more
                 self.core.abort(delta.request_id)
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _die(self, cause: BaseException) -> None:
+        """Mark the engine dead (the first cause wins) and fail every registered stream."""
         with self._lock:
+            if self._error is not None:
+                return
+            self._error = cause
             streams = list(self._streams.values())
         for stream in streams:
-            stream.put(exc)
+            stream.put(EngineDeadError(f"engine loop died: {cause!r}"))
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:

@@ -27,7 +27,7 @@ from ray.serve.exceptions import RayServeException
 from transformers import AutoTokenizer
 
 from engine.async_engine import AsyncEngine
-from engine.core.request import SamplingParams, TokenDelta
+from engine.core.request import EngineDeadError, SamplingParams, TokenDelta
 from serve_app.config import ModelConfig
 from serve_app.detokenize import TextStream, TokenStrings
 from serve_app.errors import BadRequest, to_api_error
@@ -132,7 +132,8 @@ class ModelServer:
         self._vocab_size = len(self.tokenizer)  # a fast tokenizer's len() builds its whole vocab dict: ~10 ms
         self._strings = TokenStrings(self.tokenizer)
         engine_cls = import_engine_class(config.engine_cls)
-        self.engine = AsyncEngine(engine_cls(config.engine_config(model_dir)))
+        engine_config = config.engine_config(model_dir)
+        self.engine = AsyncEngine(engine_cls(engine_config), watchdog_s=engine_config.step_timeout_s)
         self.metrics = ServerMetrics(config.model_id, replica_name(), self.engine.stats, self.engine.describe())
         self._stream_interval_s = config.stream_batch_ms / 1000.0
         self._stream_chunks_per_s = config.stream_chunks_per_s
@@ -177,18 +178,20 @@ class ModelServer:
             raise to_api_error(exc) from None
 
     def status(self) -> dict[str, Any]:
-        """For the ingress's /health."""
-        error = self.engine.error
-        return {
-            "model": self.model_id,
-            "alive": self.engine.is_alive(),
-            "error": None if error is None else repr(error),
-        }
+        """For the ingress's /health: the engine's own check (a stuck step counts as dead)."""
+        try:
+            self.engine.check()
+        except EngineDeadError:
+            return {"model": self.model_id, "alive": False, "error": repr(self.engine.error)}
+        return {"model": self.model_id, "alive": True, "error": None}
 
     def check_health(self) -> None:
-        """Ray Serve's periodic probe: a replica whose engine died is restarted."""
-        if not self.engine.is_alive():
-            raise RuntimeError(f"engine of {self.model_id} is dead: {self.engine.error!r}")
+        """Ray Serve's periodic probe: a replica whose engine died, or whose step is stuck past
+        the watchdog, fails it and is restarted (its requests have already been failed)."""
+        try:
+            self.engine.check()
+        except EngineDeadError as exc:
+            raise RuntimeError(f"engine of {self.model_id} is dead: {exc}") from None
 
     def metric_families(self) -> list:
         return self.metrics.families()

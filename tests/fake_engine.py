@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -182,4 +183,22 @@ class CrashingFakeEngine(SlowFakeEngine):
     def step(self) -> list[TokenDelta]:
         if self._steps == 3:
             raise RuntimeError("simulated device failure")
+        return super().step()
+
+
+FAULT_MARK = 301
+"""A prompt [FAULT_MARK, FAIL] or [FAULT_MARK, HANG] makes FaultyFakeEngine's next step fail or hang."""
+FAIL, HANG = 1, 2
+
+
+class FaultyFakeEngine(SlowFakeEngine):
+    """Fails on command, for the serving tests: a step with a [FAULT_MARK, FAIL] request admitted
+    raises (a failed device); one with [FAULT_MARK, HANG] never returns (a hung device)."""
+
+    def step(self) -> list[TokenDelta]:
+        prompts = [s.prompt for s in [*self._waiting, *self._running.values()]]
+        if [FAULT_MARK, FAIL] in prompts:
+            raise RuntimeError("simulated device failure")
+        if [FAULT_MARK, HANG] in prompts:
+            threading.Event().wait()
         return super().step()

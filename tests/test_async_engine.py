@@ -4,6 +4,7 @@ its request and returns every KV page."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -107,12 +108,23 @@ def test_abort_ends_the_stream_with_an_abort_delta(engine):
     assert all_pages_free(engine)
 
 
-def test_invalid_requests_raise_before_anything_is_queued(engine):
+def test_invalid_requests_raise_before_anything_is_queued(engine, monkeypatch):
+    """The refusal comes from validate() in the caller's thread: the engine never sees the request,
+    and a request running beside it is unharmed."""
+    added = []
+    add_request = engine.core.add_request
+    monkeypatch.setattr(engine.core, "add_request", lambda rid, *args: (added.append(rid), add_request(rid, *args)))
+
     async def run():
+        beside = asyncio.ensure_future(collect(engine, "beside", [5, 6, 7]))
         with pytest.raises(InvalidRequestError, match="maximum context length is 128"):
             await collect(engine, "long", list(range(3, 103)), SamplingParams(max_tokens=50))
+        return await beside
 
-    asyncio.run(run())
+    deltas = asyncio.run(run())
+    assert added == ["beside"]
+    assert sum(len(d.token_ids) for d in deltas) == PARAMS.max_tokens
+    assert deltas[-1].finish_reason is FinishReason.LENGTH
     assert all_pages_free(engine)
 
 
@@ -157,3 +169,94 @@ def test_a_dead_loop_fails_every_stream_and_refuses_new_ones():
 
     asyncio.run(run())
     assert not dying.is_alive()
+
+
+class _StuckCore(_DyingCore):
+    """An engine core whose step blocks until the test releases it: a hung device."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def step(self):
+        self.entered.set()
+        self.release.wait()
+        return []
+
+
+def test_a_step_past_the_watchdog_fails_its_streams_and_the_health_check():
+    core = _StuckCore()
+    stuck = AsyncEngine(core, watchdog_s=0.2)
+
+    async def run():
+        stream = asyncio.ensure_future(collect(stuck, "a", [1, 2, 3]))
+        await asyncio.get_running_loop().run_in_executor(None, core.entered.wait)
+        stuck.check()  # the step has only just begun
+        await wait_until(lambda: not _passes(stuck.check))  # the step is held: past 0.2 s the check fails
+        with pytest.raises(EngineDeadError, match="has not returned for"):
+            await asyncio.wait_for(stream, 10)  # the stream ended without the step returning
+        with pytest.raises(EngineDeadError, match="restart the replica"):
+            await collect(stuck, "b", [1, 2, 3])
+
+    try:
+        asyncio.run(run())
+        assert not stuck.is_alive()
+    finally:
+        core.release.set()
+        stuck.shutdown()
+
+
+def _passes(check) -> bool:
+    try:
+        check()
+    except EngineDeadError:
+        return False
+    return True
+
+
+class _DiesDuringValidation(_DyingCore):
+    """validate() of request "late" waits until the loop has died (of request "first"): the
+    request then registers its stream after every stream was failed."""
+
+    def __init__(self):
+        super().__init__()
+        self.engine = None
+
+    def validate(self, prompt_ids, params):
+        if prompt_ids == [9]:
+            deadline = time.monotonic() + 30
+            while self.engine.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+
+def test_a_request_arriving_as_the_engine_dies_gets_an_error_not_a_hang():
+    core = _DiesDuringValidation()
+    engine = core.engine = AsyncEngine(core)
+
+    async def run():
+        first = asyncio.ensure_future(collect(engine, "first", [1, 2, 3]))
+        with pytest.raises(EngineDeadError, match="device lost"):
+            await asyncio.wait_for(collect(engine, "late", [9]), 10)
+        with pytest.raises(EngineDeadError, match="device lost"):
+            await first
+
+    asyncio.run(run())
+
+
+def test_shutdown_fails_running_streams_and_later_requests():
+    core = _StuckCore()
+    engine = AsyncEngine(core)
+
+    async def run():
+        stream = asyncio.ensure_future(collect(engine, "a", [1, 2, 3]))
+        await asyncio.get_running_loop().run_in_executor(None, core.entered.wait)
+        engine.shutdown(timeout_s=0)  # the loop is stuck in a step: it cannot be joined
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(stream, 10)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await collect(engine, "b", [1, 2, 3])
+
+    try:
+        asyncio.run(run())
+    finally:
+        core.release.set()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fake_engine import FAIL, FAULT_MARK, HANG
 from serving_helpers import wait_for
 
 openai = pytest.importorskip("openai")
@@ -40,6 +41,9 @@ EIGHT_HEADS = dict(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_si
 MODEL_SLOW = "slow-fake"
 """A replica whose engine is tests/fake_engine.py's SlowFakeEngine (20 ms a step): requests that
 hold its slots for as long as a test needs, whatever the speed of the machine (the 429 test)."""
+MODEL_FAULTY = "faulty-fake"
+"""A replica whose engine (fake_engine.FaultyFakeEngine) fails or hangs when a test asks it to, with
+a 2 s step watchdog and a 1 s health-check period."""
 MAX_MODEL_LEN = 512
 MAX_ONGOING = 8
 MAX_QUEUED = 8
@@ -82,6 +86,9 @@ def serving(checkpoint_factory):
                     {"model": str(checkpoint), "model_id": MODEL_SLOW, **engine, "engine_cls": "fake_engine:SlowFakeEngine",
                      "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "max_ongoing_requests": MAX_ONGOING,
                      "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
+                    {"model": str(checkpoint), "model_id": MODEL_FAULTY, **engine, "engine_cls": "fake_engine:FaultyFakeEngine",
+                     "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "step_timeout_s": 2,
+                     "health_check_period_s": 1, "num_cpus": 0.1, "stream_batch_ms": 5},
                 ],
             }
         )
@@ -274,7 +281,7 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(serving, client,
 
 
 def test_models(client):
-    assert [m.id for m in client.models.list().data] == [MODEL, MODEL_TP2, MODEL_2HOSTS, MODEL_SLOW]
+    assert [m.id for m in client.models.list().data] == [MODEL, MODEL_TP2, MODEL_2HOSTS, MODEL_SLOW, MODEL_FAULTY]
     assert client.models.retrieve(MODEL).id == MODEL
 
 
@@ -314,7 +321,7 @@ def test_404_for_an_unknown_model(client):
         client.completions.create(model="gpt-5", prompt="x")
     assert info.value.status_code == 404
     assert info.value.body == {
-        "message": f"the model 'gpt-5' does not exist; served models: ['{MODEL_SLOW}', '{MODEL}', '{MODEL_2HOSTS}', '{MODEL_TP2}']",
+        "message": f"the model 'gpt-5' does not exist; served models: ['{MODEL_FAULTY}', '{MODEL_SLOW}', '{MODEL}', '{MODEL_2HOSTS}', '{MODEL_TP2}']",
         "type": "invalid_request_error",
         "param": "model",
         "code": "model_not_found",
@@ -462,6 +469,30 @@ def test_a_tensor_parallel_replica_answers_as_the_single_device_one(serving, cli
     assert {k: tp2.labels[k] for k in ("tensor_parallel_size", "num_devices", "attention_backend", "mesh")} == {
         "tensor_parallel_size": "2", "num_devices": "2", "attention_backend": "xla", "mesh": "data=1,model=2"}
     assert tp1.labels["dtype"] == tp2.labels["dtype"] == "float32"  # dtype auto: the checkpoint's own
+
+
+@pytest.mark.parametrize("fault,cause", [(FAIL, "RuntimeError('simulated device failure')"),
+                                         (HANG, "TimeoutError('an engine step has not returned for")])
+def test_a_failed_or_hung_engine_ends_every_request_and_its_replica_restarts(serving, http, fault, cause):
+    """The engine fails (a step raises) or hangs (a step never returns; the 2 s watchdog finds it):
+    a stream already running ends with an error event and [DONE], the request that set it off gets a
+    503, /health names the model and the cause, Ray Serve restarts the replica, and the next request
+    succeeds."""
+    from serving_helpers import sse_events
+
+    running = OpenStream(http, max_tokens=400, model=MODEL_FAULTY)
+    faulty = http.post("/v1/completions", json={"model": MODEL_FAULTY, "prompt": [FAULT_MARK, fault], "max_tokens": 3})
+    assert faulty.status_code == 503
+    assert faulty.json()["error"]["message"].startswith(f"engine loop died: {cause}")
+    events = sse_events(running.lines)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "service_unavailable"
+    assert events[-2]["error"]["message"].startswith(f"engine loop died: {cause}")
+    health = httpx.get(f"{serving.url}/health")
+    if health.status_code == 503:  # else Serve has already replaced the replica
+        assert health.json()["error"]["message"].startswith(f"model '{MODEL_FAULTY}' is not ready: ")
+    wait_for(lambda: httpx.get(f"{serving.url}/health").status_code == 200, 120, "the replica to come back")
+    again = http.post("/v1/completions", json={"model": MODEL_FAULTY, "prompt": [5, 6, 7], "max_tokens": 3})
+    assert (again.status_code, again.json()["choices"][0]["text"]) == (200, serving.tokenizer.decode([5, 6, 7]))
 
 
 # ---- a replica over two hosts ----

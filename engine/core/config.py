@@ -74,8 +74,9 @@ class EngineConfig:
     resource, then every host labelled with that slice's name); num_hosts must be its host count.
     None: the workers take the bundles of the replica's placement group."""
     step_timeout_s: float = 600.0
-    """With num_hosts > 1: a step whose results do not arrive within this many seconds fails the
-    engine (and with it the replica's health check), so a stuck or dead host never hangs clients."""
+    """A step that has not returned within this many seconds fails the engine: its requests end
+    with an error at once and the replica's health check fails (Serve restarts it), so a stuck
+    device or host never hangs clients. Keep it well above the slowest step (a first-use compile)."""
     tensor_parallel_size: int = 1
     """Devices the model is split over (a ("data", "model") mesh of 1 x N): attention heads, KV
     heads, MLP and vocabulary on "model"; the KV cache split by KV head (KV heads repeated when
