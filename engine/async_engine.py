@@ -151,7 +151,8 @@ class AsyncEngine:
         self._raise_if_dead()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the loop; requests still running (and any that arrive later) fail."""
+        """Stop the loop: the engine aborts every request it holds (their pages return), then each
+        still-open stream, and any request that arrives later, fails with EngineDeadError."""
         self._stopping.set()
         self._commands.put(("wake",))
         self._thread.join(timeout_s)
@@ -171,9 +172,22 @@ class AsyncEngine:
                 self._stats = self.core.stats()  # before delivery: a finished stream sees its pages freed
                 if self._error is None:  # the watchdog may have failed the streams while the step ran
                     self._deliver(deltas)
+            if self._error is None:
+                self._abort_everything()
         except BaseException as exc:  # the engine is unusable: fail every stream, mark dead
             logger.exception("engine loop died")
             self._die(exc)
+
+    def _abort_everything(self) -> None:
+        """On shutdown: abort every request and step until the engine holds none (aborted requests
+        leave with their last delta), so every KV page is free when the loop ends."""
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self.core.abort(request_id)
+        while self.core.has_work():
+            self._step()
+        self._stats = self.core.stats()
 
     def _step(self) -> list[TokenDelta]:
         self._step_started = time.monotonic()

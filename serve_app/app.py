@@ -28,7 +28,7 @@ def build_app(args: dict[str, Any]) -> Application:
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         max_ongoing_requests=config.ingress_max_ongoing_requests,
     )
-    return ingress.bind(config.api_key, servers)
+    return ingress.bind(config.api_key, servers, config.limits, config.cors)
 
 
 def server_deployment(model: ModelConfig) -> serve.Deployment:
@@ -50,6 +50,7 @@ def server_deployment(model: ModelConfig) -> serve.Deployment:
         max_queued_requests=model.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=model.retry_after_s),
         health_check_period_s=model.health_check_period_s,
+        graceful_shutdown_timeout_s=model.graceful_shutdown_timeout_s,
     )
     if model.autoscaling_config:
         options["autoscaling_config"] = model.autoscaling_config

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, field_validator, model_validator
 
 from engine.core.config import EngineConfig
+from engine.core.request import MAX_TOP_LOGPROBS
 
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model"}
 
@@ -93,6 +94,9 @@ class ModelConfig(BaseModel):
     without it a warning suggests `RAY_worker_niceness=0`. None keeps Ray's."""
     health_check_period_s: float = Field(10.0, gt=0)
     """How often Ray Serve probes a replica; a replica whose engine died is restarted."""
+    graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
+    """On shutdown or scale-down, a replica gets no new requests and its running ones have this long
+    to finish; then what is left ends with an error event and the replica stops."""
 
     _dict_args = field_validator("engine", "autoscaling_config", "resources", "env_vars", mode="before")(
         classmethod(lambda cls, v: _json_if_str(v))
@@ -135,6 +139,77 @@ def default_model_id(spec: str) -> str:
     return path.stem if path.suffix.lower() == ".gguf" else path.name
 
 
+MIB = 1 << 20
+
+
+class RequestLimits(BaseModel):
+    """What one HTTP request may ask for, checked by the ingress before any model server sees it.
+    A body over the size limit is a 413; any other limit exceeded is a 400 naming the field.
+    The defaults admit every request an OpenAI client or lm-eval sends in practice and bound what
+    one hostile request costs: each choice (prompt x n) is an engine request, each stop string and
+    stop token id is checked on every generated token. Each field may also be given flat."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    max_request_body_bytes: int = Field(32 * MIB, ge=1)
+    """Largest request body, in bytes (a 413 beyond it, read no further). 32 MiB holds a batch
+    of long-context token-id prompts (~7 bytes per token in JSON: 128k tokens ~ 1 MiB) many times
+    over, and bounds the memory one request takes in the proxy, the ingress and the tokenizer (a
+    64 MB prompt took a replica down). vLLM sets none."""
+    max_prompts_per_request: int = Field(256, ge=1)
+    """Prompts in one /v1/completions request (a list `prompt`)."""
+    max_n: int = Field(128, ge=1)
+    """Choices per prompt (`n`); OpenAI's own limit is 128."""
+    max_choices_per_request: int = Field(256, ge=1)
+    """Prompts x n: the engine requests one HTTP request becomes. Beyond a few engine batches
+    (`max_num_seqs`) they only queue behind each other, and hold up everyone else's requests."""
+    max_stop_strings: int = Field(64, ge=0)
+    """Stop strings per request (OpenAI accepts 4; vLLM any number). Each is searched for in the
+    text of every generated token."""
+    max_stop_string_chars: int = Field(1024, ge=1)
+    """Characters per stop string: the text held back while it might still match costs up to
+    this squared per token."""
+    max_stop_token_ids: int = Field(64, ge=0)
+    """Entries of `stop_token_ids` (checked on every generated token)."""
+    max_logit_bias_entries: int = Field(300, ge=0)
+    """Entries of `logit_bias` (OpenAI's limit is 300)."""
+    max_logprobs: int = Field(MAX_TOP_LOGPROBS, ge=0, le=MAX_TOP_LOGPROBS)
+    """Largest `logprobs` (completions) and `top_logprobs` (chat); the engine computes at most
+    20 alternatives per token (a compiled shape), as OpenAI's API allows."""
+
+
+def _list_if_str(value: Any) -> Any:
+    """List-valued args from the command line: a JSON list, or comma-separated values."""
+    if not isinstance(value, str):
+        return value
+    return json.loads(value) if value.lstrip().startswith("[") else [v.strip() for v in value.split(",") if v.strip()]
+
+
+class CorsConfig(BaseModel):
+    """CORS for browser clients, answered by the ingress (Starlette's CORSMiddleware). Off while
+    `allowed_origins` is empty. Credentials (cookies) are never allowed: clients authenticate with
+    the bearer key. `Retry-After` is exposed, so a browser can honour a 429. Fields may be given flat."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    allowed_origins: list[str] = []
+    """Origins allowed to call the API from a browser, e.g. ["https://app.example.com"]; ["*"] for
+    any. Empty (the default): no CORS headers, so browsers refuse cross-origin calls."""
+    allowed_methods: list[str] = ["GET", "POST"]
+    """HTTP methods allowed cross-origin (["*"] for any)."""
+    allowed_headers: list[str] = ["*"]
+    """Request headers allowed cross-origin. Any by default: the OpenAI SDKs send their own
+    (x-stainless-*) next to Authorization and Content-Type."""
+
+    _lists = field_validator("allowed_origins", "allowed_methods", "allowed_headers", mode="before")(
+        classmethod(lambda cls, v: _list_if_str(v))
+    )
+
+
+INGRESS_SECTIONS = {"limits": RequestLimits, "cors": CorsConfig}
+"""AppConfig fields whose own fields may also be given flat, next to the app's."""
+
+
 class AppConfig(BaseModel):
     """The whole application: the models and the ingress in front of them."""
 
@@ -152,6 +227,26 @@ class AppConfig(BaseModel):
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
     """Concurrent HTTP requests per ingress replica (Ray Serve's default of 5 would serialize
     streams)."""
+    limits: RequestLimits = Field(default_factory=RequestLimits)
+    """Per-request bounds: body size, prompts, n, choices, stop strings, stop token ids,
+    logit_bias, logprobs (see RequestLimits; its fields may be given flat)."""
+    cors: CorsConfig = Field(default_factory=CorsConfig)
+    """CORS for browser clients, off by default (see CorsConfig; its fields may be given flat)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_ingress_fields(cls, data: Any) -> Any:
+        """Flat RequestLimits / CorsConfig fields go into `limits` / `cors` (which may also come
+        as JSON strings from the command line)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for section, section_cls in INGRESS_SECTIONS.items():
+            given = _json_if_str(data.get(section, {}))
+            given = given.model_dump() if isinstance(given, BaseModel) else given
+            flat = {k: data.pop(k) for k in list(data) if k in section_cls.model_fields}
+            data[section] = {**given, **flat}
+        return data
 
     @model_validator(mode="after")
     def _unique_ids(self) -> "AppConfig":
@@ -166,7 +261,7 @@ class AppConfig(BaseModel):
         next to the app fields."""
         if "models" in args:
             return cls.model_validate({**args, "models": _json_if_str(args["models"])})
-        app_keys = set(cls.model_fields) - {"models"}
+        app_keys = set(cls.model_fields).union(*(c.model_fields for c in INGRESS_SECTIONS.values())) - {"models"}
         app = {k: v for k, v in args.items() if k in app_keys}
         model = {k: v for k, v in args.items() if k not in app_keys}
         return cls.model_validate({**app, "models": [model]})

@@ -14,6 +14,7 @@ import logging
 import math
 from typing import Any, Optional
 
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from engine.core.request import EngineDeadError, InvalidRequestError
@@ -74,6 +75,14 @@ class MethodNotAllowed(APIError):
     type = "invalid_request_error"
 
 
+class PayloadTooLarge(APIError):
+    """413: the request body is over the server's size limit."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
 class Overloaded(APIError):
     """429: the bounded request queue is full; retry after `retry_after_s`."""
 
@@ -107,6 +116,9 @@ def to_api_error(exc: BaseException) -> APIError:
         return BadRequest(str(exc), exc.param)
     if isinstance(exc, EngineDeadError):
         return Unavailable(f"{exc}; the model server is restarting, retry shortly")
+    if isinstance(exc, RayActorError):  # the replica went (shut down past its grace time, scaled down, lost)
+        return Unavailable("the model server stopped while serving this request (it was shut down, scaled down "
+                           "or lost); retry")
     if isinstance(exc, BackPressureError):
         retry_after_s = exc.retry_after_s if exc.retry_after_s is not None else 1.0
         return Overloaded(f"the server is at capacity ({exc.message}); retry later", retry_after_s)

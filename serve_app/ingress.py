@@ -4,7 +4,8 @@
 backend is a `HandleBackend` (deployment handles; streams go through `.options(stream=True)`); a
 `LocalBackend` calls a `ModelServer` in the same process (tests, a single-process server).
 
-Invariants: every error a client sees has OpenAI's error body; a streamed request either fails
+Invariants: every error a client sees has OpenAI's error body, never a traceback; a request over
+one of `RequestLimits` (serve_app.limits) never reaches a model server; a streamed request either fails
 before its first byte (a real HTTP status) or ends with `data: [DONE]` (after an error event if
 it failed mid-stream); a client that goes away closes its backend stream, which cancels the Ray
 call and so aborts its engine requests.
@@ -20,6 +21,7 @@ import time
 from typing import Any, AsyncIterator, Optional, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, SecretStr
@@ -27,6 +29,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
+from serve_app.config import CorsConfig, RequestLimits
 from serve_app.errors import (
     APIError,
     BadRequest,
@@ -37,6 +40,7 @@ from serve_app.errors import (
     Unavailable,
     to_api_error,
 )
+from serve_app.limits import BodySizeLimit, check_limits
 from serve_app.metrics import render
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, parse_request
 
@@ -121,17 +125,27 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
 
-def create_app(backends: dict[str, ModelBackend], api_key: Optional[str] = None) -> FastAPI:
+def create_app(
+    backends: dict[str, ModelBackend],
+    api_key: Optional[str] = None,
+    limits: Optional[RequestLimits] = None,
+    cors: Optional[CorsConfig] = None,
+) -> FastAPI:
     """The OpenAI-compatible app. /v1 routes need `Authorization: Bearer <api_key>` when a key is
-    set; /health and /metrics never do."""
+    set; /health and /metrics never do. `limits` bound each request (defaults: RequestLimits());
+    `cors` answers browsers' CORS requests when it allows origins."""
+    limits = limits if limits is not None else RequestLimits()
     app = FastAPI(title="jax-serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_exception_handler(APIError, lambda _, exc: error_response(exc))
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, lambda _, exc: error_response(to_api_error(exc)))  # no traceback
+    _add_middleware(app, limits, cors)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorizer(api_key))])
 
     async def serve_request(raw: Request, request_cls: type[BaseModel]) -> Response:
         try:
             request = parse_request(request_cls, await raw.body())
+            check_limits(request, limits)
             if request.model not in backends:
                 raise _unknown_model(request.model, backends)
             return await _respond(backends[request.model], request)
@@ -171,6 +185,21 @@ def create_app(backends: dict[str, ModelBackend], api_key: Optional[str] = None)
 
     app.include_router(v1)
     return app
+
+
+def _add_middleware(app: FastAPI, limits: RequestLimits, cors: Optional[CorsConfig]) -> None:
+    """The body size limit, inside CORS (the last added runs first), so that browsers can read
+    a 413 too."""
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
+    if cors is not None and cors.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cors.allowed_origins,
+            allow_methods=cors.allowed_methods,
+            allow_headers=cors.allowed_headers,
+            allow_credentials=False,
+            expose_headers=["Retry-After"],
+        )
 
 
 async def _respond(backend: ModelBackend, request: Any) -> Response:
@@ -240,9 +269,16 @@ async def _http_error(raw: Request, exc: HTTPException) -> Response:
 class Ingress:
     """The Ray Serve ingress deployment; its FastAPI app is built on each replica from handles."""
 
-    def __init__(self, api_key: Optional[SecretStr], servers: dict[str, DeploymentHandle]):
+    def __init__(
+        self,
+        api_key: Optional[SecretStr],
+        servers: dict[str, DeploymentHandle],
+        limits: Optional[RequestLimits] = None,
+        cors: Optional[CorsConfig] = None,
+    ):
         key = api_key.get_secret_value() if api_key is not None else None
-        self._app = create_app({model_id: HandleBackend(h) for model_id, h in servers.items()}, key)
+        backends = {model_id: HandleBackend(h) for model_id, h in servers.items()}
+        self._app = create_app(backends, key, limits, cors)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app

@@ -7,7 +7,9 @@ request model:
   * an unknown field is a 400 (`extra="forbid"`), like OpenAI's own API, so typos are never ignored;
   * a known OpenAI field this server cannot honour yet is a 400 that says so, unless it has its
     neutral value (e.g. `response_format={"type": "text"}`, `tools=[]`).
-Numeric ranges of sampling fields are checked once, by `engine.core.request.SamplingParams`.
+Numeric ranges of sampling fields are checked once, by `engine.core.request.SamplingParams`; sizes
+(prompts, n, stop strings, logit_bias, logprobs) are bounded by the server's configurable limits,
+checked by the ingress (`serve_app.limits`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from pydantic_core import PydanticCustomError
 from engine.core.request import SamplingParams
 from serve_app.errors import BadRequest
 
-MAX_N = 128
 Prompt = Union[str, list[int]]
 """One prompt: text, or token ids."""
 
@@ -161,7 +162,8 @@ class CompletionRequest(SamplingRequest):
     """Logprobs of the chosen tokens plus this many alternatives (0-20)."""
     max_tokens: int = Field(16, ge=0)
     """0 (with echo) scores the prompt only: the engine makes one token, which is dropped."""
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1)
+    """Choices per prompt; at most the server's max_n (see serve_app.limits)."""
     presence_penalty: float = 0.0
     seed: Optional[int] = None
     """Choice i of a prompt samples with seed + i."""
@@ -286,7 +288,7 @@ class ChatCompletionRequest(SamplingRequest):
     Neither: up to the model's length limit."""
     metadata: Any = None
     modalities: Any = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1)
     parallel_tool_calls: Optional[bool] = None
     """Accepted: it changes nothing without tools."""
     prediction: Any = None

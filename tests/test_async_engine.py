@@ -260,3 +260,24 @@ def test_shutdown_fails_running_streams_and_later_requests():
         asyncio.run(run())
     finally:
         core.release.set()
+
+
+def test_shutdown_ends_open_streams_with_an_error_and_frees_every_page(llama_dir):
+    """Four streams mid-generation when the engine shuts down: each ends with EngineDeadError (a
+    client sees an error event, not a silent end) and the engine holds no request and no page."""
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=4, page_size=4, num_pages=64,
+                                                max_model_len=128, warmup=False)))
+    long = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def run():
+        streams = [engine.generate(f"s{i}", [5 + i, 6, 7], long) for i in range(4)]
+        for stream in streams:
+            await anext(stream)  # every request is running
+        engine.shutdown()
+        for stream in streams:
+            with pytest.raises(EngineDeadError, match="shut down"):
+                async for _ in stream:
+                    pass
+
+    asyncio.run(run())
+    assert all_pages_free(engine)

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from engine.core.config import EngineConfig
-from serve_app.config import AppConfig, ModelConfig, default_model_id
+from serve_app.config import AppConfig, CorsConfig, ModelConfig, RequestLimits, default_model_id
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
 
@@ -72,7 +72,8 @@ def test_defaults_are_small_and_every_field_is_documented():
     model = ModelConfig(model="m")
     assert (model.num_cpus, model.max_ongoing_requests, model.max_queued_requests) == (0.5, 64, 256)
     assert model.engine_cls == "engine.llm_engine:LLMEngine"
-    fields = {**ModelConfig.model_fields, **AppConfig.model_fields}
+    fields = {**ModelConfig.model_fields, **AppConfig.model_fields, **RequestLimits.model_fields,
+              **CorsConfig.model_fields}
     assert [name for name, field in fields.items() if not field.description] == []
 
 
@@ -83,3 +84,42 @@ def test_deploy_configs_are_valid_serve_configs_for_the_default_model(name):
     assert app.import_path == "serve_app:build_app"
     config = AppConfig.from_args(app.args)
     assert [m.model_id for m in config.models] == ["smollm2-135m-instruct"]
+
+
+def test_limits_and_cors_are_app_keys_flat_or_nested():
+    flat = AppConfig.from_args(
+        {
+            "model": "m",
+            "max_n": "8",
+            "max_request_body_bytes": "1000",
+            "allowed_origins": "https://a.example, https://b.example",
+        }
+    )
+    assert (flat.limits.max_n, flat.limits.max_request_body_bytes, flat.limits.max_stop_strings) == (8, 1000, 64)
+    assert flat.cors.allowed_origins == ["https://a.example", "https://b.example"]
+    nested = AppConfig.from_args(
+        {"models": [{"model": "m"}], "limits": '{"max_logprobs": 5}', "cors": {"allowed_origins": '["*"]'}}
+    )
+    assert (nested.limits.max_logprobs, nested.cors.allowed_origins) == (5, ["*"])
+    assert flat.models[0].engine == nested.models[0].engine  # none of them reached the model
+
+
+def test_limit_and_cors_defaults():
+    assert RequestLimits().model_dump() == {
+        "max_request_body_bytes": 32 * 2**20,
+        "max_prompts_per_request": 256,
+        "max_n": 128,
+        "max_choices_per_request": 256,
+        "max_stop_strings": 64,
+        "max_stop_string_chars": 1024,
+        "max_stop_token_ids": 64,
+        "max_logit_bias_entries": 300,
+        "max_logprobs": 20,
+    }
+    assert CorsConfig().model_dump() == {
+        "allowed_origins": [],
+        "allowed_methods": ["GET", "POST"],
+        "allowed_headers": ["*"],
+    }
+    with pytest.raises(ValidationError, match="max_logprobs\n  Input should be less than or equal to 20"):
+        AppConfig.from_args({"model": "m", "max_logprobs": 21})

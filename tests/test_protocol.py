@@ -7,7 +7,7 @@ import json
 import pickle
 
 import pytest
-from ray.exceptions import RayTaskError
+from ray.exceptions import ActorDiedError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 from engine.core.request import EngineDeadError, InvalidRequestError, SamplingParams
@@ -372,6 +372,9 @@ def test_to_api_error_maps_engine_and_ray_exceptions():
         {"Retry-After": "4"},
         "rate_limit_exceeded",
     )
+    gone = to_api_error(ActorDiedError())
+    assert (gone.status, gone.code) == (503, "service_unavailable")
+    assert gone.body()["error"]["message"].startswith("the model server stopped while serving this request")
     wrapped = RayTaskError("f", "traceback", BadRequest("from the replica", "n"))
     assert to_api_error(wrapped).body() == error("from the replica", "n")
     other = to_api_error(KeyError("x"))

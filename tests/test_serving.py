@@ -495,6 +495,56 @@ def test_a_failed_or_hung_engine_ends_every_request_and_its_replica_restarts(ser
     assert (again.status_code, again.json()["choices"][0]["text"]) == (200, serving.tokenizer.decode([5, 6, 7]))
 
 
+def drain_app(checkpoint: Path, graceful_shutdown_timeout_s: float):
+    from serve_app import build_app
+
+    model = {"model": str(checkpoint), "model_id": "draining", "engine_cls": "fake_engine:SlowFakeEngine",
+             "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "max_num_seqs": 8, "max_model_len": 4096,
+             "num_cpus": 0.1, "stream_batch_ms": 5, "graceful_shutdown_timeout_s": graceful_shutdown_timeout_s}
+    return build_app({"models": [model], "ingress_num_cpus": 0.05})
+
+
+def open_streams(url: str, count: int, max_tokens: int) -> list:
+    """`count` streamed completions, each read up to its first event."""
+    streams = []
+    for _ in range(count):
+        response = httpx.Client(timeout=120).send(httpx.Request(
+            "POST", f"{url}/v1/completions",
+            json={"model": "draining", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
+                  "ignore_eos": True, "stream_options": {"include_usage": True}}), stream=True)
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line).startswith("data: {")
+        streams.append(lines)
+    return streams
+
+
+@pytest.mark.parametrize("timeout_s,max_tokens", [(30, 150), (1, 4000)])
+def test_a_replica_shut_down_lets_its_streams_finish_or_ends_them_at_the_timeout(serving, checkpoint_factory,
+                                                                                timeout_s, max_tokens):
+    """Deleting the app (a replica stopping, as on scale-down or a redeploy) with 4 streams open:
+    with time enough (150 tokens at 20 ms a step, 30 s allowed), Serve waits and every stream ends
+    with its full length and [DONE] before the replica goes; with 1 s allowed for 4000 tokens, each
+    ends early with an OpenAI error event and [DONE]. No client is left waiting."""
+    from ray import serve
+    from serving_helpers import sse_events
+
+    serve.run(drain_app(checkpoint_factory("llama"), timeout_s), name="draining", route_prefix="/draining")
+    streams = open_streams(f"{serving.url}/draining", 4, max_tokens)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        deleted = pool.submit(serve.delete, "draining")
+        events = [sse_events(lines) for lines in streams]
+        deleted.result(timeout=120)
+    for stream in events:
+        assert stream[-1] == "[DONE]"
+        if timeout_s == 30:
+            assert stream[-3]["choices"][0]["finish_reason"] == "length"
+            assert stream[-2]["usage"]["completion_tokens"] == max_tokens
+        else:
+            assert stream[-2]["error"]["code"] == "service_unavailable"
+            assert stream[-2]["error"]["message"].startswith("the model server stopped while serving this request")
+
+
 # ---- a replica over two hosts ----
 
 
