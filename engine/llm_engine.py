@@ -32,6 +32,7 @@ from engine.core.request import (
     SamplingParams,
     TokenDelta,
     TokenLogprob,
+    check_request,
 )
 from engine.core.scheduler import PENDING_TOKEN, Plan, Row, Scheduler, SchedulerConfig, Sequence, Status
 from engine.core.step_plan import RowSlots, StepOutput, StepPlanner
@@ -94,23 +95,7 @@ class LLMEngine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this request can never be served. Thread-safe (reads config)."""
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
-        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion). "
-                "Please reduce the length of the prompt or of max_tokens.",
-                "max_tokens",
-            )
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequestError(f"{name} names token id {bad}, outside the vocabulary [0, {self.vocab_size})", name)
+        check_request(prompt_ids, params, self.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.validate(prompt_ids, params)

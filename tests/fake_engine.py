@@ -30,6 +30,7 @@ from engine.core.request import (
     SamplingParams,
     TokenDelta,
     TokenLogprob,
+    check_request,
 )
 
 
@@ -68,14 +69,8 @@ class FakeEngine:
     # ---- EngineCore ----
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens",
-                "max_tokens",
-            )
+        """The real engine's checks, so that serving tests see its messages."""
+        check_request(prompt_ids, params, self.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.validate(prompt_ids, params)

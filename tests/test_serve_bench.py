@@ -219,6 +219,7 @@ def test_jsonl_prompts(tmp_path):
 def test_sweep_counts_and_timings(stub_server):
     base_url, stub = stub_server
     stub.bodies.clear()
+    stub.max_in_flight = 0
     report = asyncio.run(sb.run_sweep(_config(base_url)))
     assert len(stub.bodies) == 1 + 12  # warm-up + 2 levels x 6
     body = stub.bodies[-1]
@@ -231,14 +232,14 @@ def test_sweep_counts_and_timings(stub_server):
         assert level["prompt_len_mismatches"] == 0 and level["requests"][0]["usage_prompt_tokens"] == 8
         assert (level["total_output_tokens"], level["total_input_tokens"]) == (30, 48)
         assert level["output_throughput"] == pytest.approx(30 / level["duration_s"])
-        assert FIRST_S * 1000 <= level["ttft_ms"]["mean"] < FIRST_S * 1000 + 150
-        assert GAP_S * 1000 * 0.9 <= level["tpot_ms"]["median"] < GAP_S * 1000 + 30
+        # lower bounds only: the stub's sleeps guarantee them; how much longer a loaded machine takes is luck
+        assert level["ttft_ms"]["mean"] >= FIRST_S * 1000
+        assert level["tpot_ms"]["median"] >= GAP_S * 1000 * 0.9
         assert sum(len(r["itl"]) for r in level["requests"]) == 6 * 4
-        expected_e2e = (FIRST_S + 4 * GAP_S) * 1000
-        assert expected_e2e <= level["e2el_ms"]["median"] < expected_e2e + 150
-    assert report["levels"][0]["duration_s"] >= 6 * (FIRST_S + 4 * GAP_S)
-    assert report["levels"][1]["duration_s"] < report["levels"][0]["duration_s"]
-    assert stub.max_in_flight == 3
+        assert level["e2el_ms"]["median"] >= (FIRST_S + 4 * GAP_S) * 1000
+        assert level["ttft_ms"]["mean"] <= level["e2el_ms"]["mean"]
+    assert report["levels"][0]["duration_s"] >= 6 * (FIRST_S + 4 * GAP_S)  # one at a time
+    assert stub.max_in_flight == 3  # the second level ran three at once
 
 
 def test_prompts_differ_between_levels(stub_server):

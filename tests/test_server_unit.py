@@ -280,8 +280,8 @@ def post_error(client, path: str, body: dict, status: int) -> dict:
 def test_prompt_that_does_not_fit_is_a_400_with_the_numbers(client):
     body = post_error(client, "/v1/completions", {"model": MODEL, "prompt": [1] * 100, "max_tokens": 50}, 400)
     assert body == openai_error(
-        "the prompt (100 tokens) plus max_tokens (50) exceeds max_model_len (128); shorten the prompt or lower "
-        "max_tokens",
+        "This model's maximum context length is 128 tokens. However, you requested 150 tokens (100 in the prompt, "
+        "50 for the completion). Please reduce the length of the prompt or of max_tokens.",
         "max_tokens",
     )
 
@@ -289,7 +289,9 @@ def test_prompt_that_does_not_fit_is_a_400_with_the_numbers(client):
 def test_chat_prompt_longer_than_the_context_is_a_400(client):
     messages = [{"role": "user", "content": "Hello world " * 80}]
     body = post_error(client, "/v1/chat/completions", {"model": MODEL, "messages": messages}, 400)
-    assert body["error"]["message"].endswith("exceeds max_model_len (128); shorten the prompt or lower max_tokens")
+    assert body["error"]["message"].startswith("This model's maximum context length is 128 tokens. However, you "
+                                               "requested ")
+    assert body["error"]["param"] == "max_tokens"
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,7 @@
-"""serve_app.streams.merge_batches: interleaving, batching by window, failures, and closing."""
+"""serve_app.streams.merge_batches: interleaving, batching by window, failures, and closing.
+
+The timing tests run on virtual time (tests/virtual_clock.py): sleeps take no real time, and each
+batch's contents and timestamp are exact on every machine."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import asyncio
 
 import pytest
 
+import virtual_clock
 from serve_app.streams import merge_batches
 
 
@@ -37,34 +41,25 @@ async def spaced(values, every_s: float):
         await asyncio.sleep(every_s)
 
 
-def test_first_item_goes_at_once_then_one_batch_per_interval_until_the_end():
-    async def run():
-        loop = asyncio.get_running_loop()
-        start, times, batches = loop.time(), [], []
-        async for batch in merge_batches([spaced(range(12), 0.03)], interval_s=0.15):
-            times.append(loop.time() - start)
-            batches.append(batch)
-        return times, batches
+async def timed_batches(streams, **kwargs) -> list[tuple[float, list]]:
+    """(virtual time, batch) for each batch of merge_batches(streams, **kwargs)."""
+    loop = asyncio.get_running_loop()
+    return [(round(loop.time(), 6), batch) async for batch in merge_batches(streams, **kwargs)]
 
-    times, batches = asyncio.run(run())
-    assert [x for batch in batches for x in batch] == list(range(12))
-    assert batches[0] == [0] and times[0] < 0.02, "the first item is not held back"
-    assert all(b - a >= 0.149 for a, b in zip(times, times[1:-1])), times
-    assert times[-1] < 0.43, "the stream's end sends what is left at once, not a window later"
-    assert 3 <= len(batches) <= 4  # 12 items over ~0.36 s, at most one batch per 0.15 s until the end
+
+def test_first_item_goes_at_once_then_one_batch_per_interval_until_the_end():
+    """Items every 0.03 s, a 0.15 s interval: the first alone at once, then what arrived in each
+    window, and the stream's end sends what is left at once, not a window later."""
+    batches = virtual_clock.run(timed_batches([spaced(range(12), 0.03)], interval_s=0.15))
+    assert batches == [(0.0, [0]), (0.15, [1, 2, 3, 4, 5]), (0.3, [6, 7, 8, 9, 10]), (0.36, [11])]
 
 
 def test_a_flush_item_goes_without_waiting_for_the_interval():
     """A stream's last output (here: "end") is sent as soon as it arrives, with what came before it
     in the window; the interval (10 s) would otherwise hold it back."""
-    async def run():
-        batches = []
-        async for batch in merge_batches([spaced([0, 1, 2, "end"], 0.02)], interval_s=10.0,
-                                         flush=lambda item: item == "end"):
-            batches.append(batch)
-        return batches
-
-    assert asyncio.run(asyncio.wait_for(run(), 5.0)) == [[0], [1, 2, "end"]]
+    batches = virtual_clock.run(timed_batches([spaced([0, 1, 2, "end"], 0.02)], interval_s=10.0,
+                                              flush=lambda item: item == "end"))
+    assert batches == [(0.0, [0]), (0.06, [1, 2, "end"])]
 
 
 def test_without_an_interval_items_ready_together_travel_together():
@@ -101,12 +96,7 @@ def test_closing_the_merged_stream_closes_every_source():
 
 
 def test_the_interval_may_be_a_function_read_after_each_batch():
+    """A zero interval sends the next item alone; then one batch per 0.2 s."""
     intervals = iter([0.0, 0.2, 0.2, 0.2])
-
-    async def run():
-        return [batch async for batch in merge_batches([spaced(range(6), 0.03)], interval_s=lambda: next(intervals))]
-
-    batches = asyncio.run(run())
-    assert [x for batch in batches for x in batch] == list(range(6))
-    assert batches[0] == [0] and batches[1] == [1], "a zero interval sends the next item alone"
-    assert len(batches) == 3  # then one batch per 0.2 s: items 2-5 arrive within ~0.15 s
+    batches = virtual_clock.run(timed_batches([spaced(range(6), 0.03)], interval_s=lambda: next(intervals)))
+    assert batches == [(0.0, [0]), (0.03, [1]), (0.18, [2, 3, 4, 5])]

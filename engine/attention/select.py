@@ -45,7 +45,8 @@ def select_backend(config: EngineConfig, weight_dtype) -> AttentionBackend:
     if name == "tpu" and device != "tpu":
         logger.info("the tpu backend on %s runs levanter's reference ragged paged attention (exact, slow)", device)
     if name == "cpu":
-        cache = Path(config.compilation_cache_dir).expanduser() / "cpu_matmul.json" if config.compilation_cache_dir else None
+        local = config.compilation_cache_dir and "://" not in config.compilation_cache_dir  # a URL: time again
+        cache = Path(config.compilation_cache_dir).expanduser() / "cpu_matmul.json" if local else None
         return CpuBackend(weight_dtype, MatmulChooser(cache, config.cpu_matmul))
     if name == "tpu":
         return TpuBackend()

@@ -23,6 +23,29 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+def check_request(prompt_ids: list[int], params: "SamplingParams", vocab_size: int, max_model_len: int) -> None:
+    """Raise InvalidRequestError if a request can never be served by a model of `vocab_size`
+    tokens and `max_model_len` positions: an empty prompt, a token id outside the vocabulary, or
+    prompt + max_tokens over the length (the message OpenAI's API gives for it)."""
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+    total = len(prompt_ids) + params.max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion). "
+            "Please reduce the length of the prompt or of max_tokens.",
+            "max_tokens",
+        )
+    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"{name} names token id {bad}, outside the vocabulary [0, {vocab_size})", name)
+
+
 class EngineDeadError(RuntimeError):
     """The engine's step loop has failed; no request can be served until the replica restarts."""
 
