@@ -4,6 +4,11 @@
 backend is a `HandleBackend` (deployment handles; streams go through `.options(stream=True)`); a
 `LocalBackend` calls a `ModelServer` in the same process (tests, a single-process server).
 
+The app publishes its OpenAPI 3.1 document at /openapi.json (Swagger UI at /docs, ReDoc at /redoc;
+no API key needed). The POST routes still parse their raw body with `parse_request`, so an invalid
+body is our 400, never FastAPI's 422: their request bodies are only declared (`_json_body`), and
+`_publish_schema` adds the request models' JSON schemas to the document's components.
+
 Invariants: every error a client sees has OpenAI's error body, never a traceback; a request over
 one of `RequestLimits` (serve_app.limits) never reaches a model server; a streamed request either fails
 before its first byte (a real HTTP status) or ends with `data: [DONE]` (after an error event if
@@ -20,11 +25,13 @@ import json
 import time
 from typing import Any, AsyncIterator, Optional, Protocol
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, SecretStr
+from pydantic.json_schema import models_json_schema
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
@@ -42,9 +49,30 @@ from serve_app.errors import (
 )
 from serve_app.limits import BodySizeLimit, check_limits
 from serve_app.metrics import render
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, parse_request
+from serve_app.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    parse_request,
+)
 
 BROADCAST_TIMEOUT_S = 10.0
+REF_TEMPLATE = "#/components/schemas/{model}"
+SCHEMA_MODELS = (CompletionRequest, ChatCompletionRequest, ErrorResponse)
+"""The POST routes' bodies and the error body: `_publish_schema` adds them to the components."""
+BEARER = HTTPBearer(auto_error=False, description="the server's API key, as `Authorization: Bearer <key>`")
+"""Declares the /v1 routes' security scheme in the schema when a key is set; it never refuses a
+request (auto_error=False): `_authorizer` checks the key and answers with our 401s."""
+ERROR_BODY = {"application/json": {"schema": {"$ref": REF_TEMPLATE.format(model="ErrorResponse")}}}
+ERRORS = {"4XX": {"content": ERROR_BODY}, "5XX": {"content": ERROR_BODY}}
+"""Every error has OpenAI's body (JSON, on /metrics too). Declaring 4XX also keeps FastAPI from
+listing a 422 it never sends."""
+HEALTHY = {"type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}
 
 
 class ModelBackend(Protocol):
@@ -132,15 +160,18 @@ def create_app(
     cors: Optional[CorsConfig] = None,
 ) -> FastAPI:
     """The OpenAI-compatible app. /v1 routes need `Authorization: Bearer <api_key>` when a key is
-    set; /health and /metrics never do. `limits` bound each request (defaults: RequestLimits());
-    `cors` answers browsers' CORS requests when it allows origins."""
+    set; /health, /metrics and the schema (/openapi.json, /docs, /redoc) never do. `limits` bound
+    each request (defaults: RequestLimits()); `cors` answers browsers' CORS requests when it allows
+    origins."""
     limits = limits if limits is not None else RequestLimits()
-    app = FastAPI(title="jax-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="jax-serve", summary="OpenAI-compatible LLM server on Ray Serve and JAX")
+    _publish_schema(app)
     app.add_exception_handler(APIError, lambda _, exc: error_response(exc))
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, lambda _, exc: error_response(to_api_error(exc)))  # no traceback
     _add_middleware(app, limits, cors)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorizer(api_key))])
+    security = [Security(BEARER)] if api_key is not None else []
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorizer(api_key)), *security], responses=ERRORS)
 
     async def serve_request(raw: Request, request_cls: type[BaseModel]) -> Response:
         try:
@@ -152,11 +183,15 @@ def create_app(
         except Exception as exc:
             return error_response(to_api_error(exc))
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=_json_body(CompletionRequest), responses=_ok(CompletionResponse))
     async def completions(raw: Request) -> Response:
         return await serve_request(raw, CompletionRequest)
 
-    @v1.post("/chat/completions")
+    @v1.post(
+        "/chat/completions",
+        openapi_extra=_json_body(ChatCompletionRequest),
+        responses=_ok(ChatCompletionResponse, ChatCompletionChunk),
+    )
     async def chat_completions(raw: Request) -> Response:
         return await serve_request(raw, ChatCompletionRequest)
 
@@ -170,7 +205,7 @@ def create_app(
             raise _unknown_model(model_id, backends)
         return ModelCard(id=model_id)
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"content": {"application/json": {"schema": HEALTHY}}}, **ERRORS})
     async def health() -> Response:
         for model_id, backend in backends.items():
             problem = _readiness_problem(await backend.statuses())
@@ -178,13 +213,46 @@ def create_app(
                 return error_response(Unavailable(f"model {model_id!r} is not ready: {problem}"))
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=ERRORS)  # Prometheus' text format
     async def metrics() -> Response:
         families = [f for backend in backends.values() for f in await backend.metric_families()]
         return Response(render(families), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(v1)
     return app
+
+
+def _publish_schema(app: FastAPI) -> None:
+    """Make `app.openapi()` FastAPI's document plus the JSON schemas of `SCHEMA_MODELS` and their
+    nested models in components/schemas, so that every `$ref` of `_json_body` and `ERRORS` resolves."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:  # built once, on the first request for it
+            _add_components(FastAPI.openapi(app), SCHEMA_MODELS)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _add_components(document: dict[str, Any], models: tuple[type[BaseModel], ...]) -> None:
+    _, schemas = models_json_schema([(m, "validation") for m in models], ref_template=REF_TEMPLATE)
+    components = document.setdefault("components", {}).setdefault("schemas", {})
+    for name, schema in schemas["$defs"].items():
+        if components.setdefault(name, schema) != schema:  # two different models under one name
+            raise ValueError(f"two OpenAPI schemas named {name!r}")
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """An operation's requestBody, declared only: the route validates the raw body itself."""
+    schema = {"$ref": REF_TEMPLATE.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _ok(model: type[BaseModel], chunk: Optional[type[BaseModel]] = None) -> dict[Any, Any]:
+    """The 200 of a POST route: `model` as JSON, or with `stream: true` server-sent events, each
+    `data: <chunk>` (a `chunk`, by default `model` again), then `data: [DONE]`."""
+    events = {"type": "string", "description": f"data: <{(chunk or model).__name__} JSON> events, then data: [DONE]"}
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": events}}}}
 
 
 def _add_middleware(app: FastAPI, limits: RequestLimits, cors: Optional[CorsConfig]) -> None:

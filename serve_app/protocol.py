@@ -25,6 +25,8 @@ from serve_app.errors import BadRequest
 
 Prompt = Union[str, list[int]]
 """One prompt: text, or token ids."""
+PromptInput = Union[str, list[str], list[int], list[list[int]]]
+"""A completion request's `prompt`: one prompt or a batch (the published schema's type too)."""
 
 
 def invalid(param: str, message: str) -> PydanticCustomError:
@@ -53,7 +55,7 @@ def _describe(error: dict) -> str:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)  # docstrings describe fields in /docs
 
     @model_validator(mode="before")
     @classmethod
@@ -150,7 +152,7 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
     model: str
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: PromptInput
     """Text, a batch of texts, token ids, or a batch of token-id lists."""
     best_of: Optional[int] = None
     """Only best_of == n is supported (each choice is one sample)."""
@@ -178,7 +180,7 @@ class CompletionRequest(SamplingRequest):
 
     _supported = _unsupported({"suffix": ()})
 
-    @field_validator("prompt", mode="plain")
+    @field_validator("prompt", mode="plain", json_schema_input_type=PromptInput)
     @classmethod
     def _prompt(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -440,6 +442,19 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Optional[Usage] = None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body (`serve_app.errors.APIError.body`), published in the OpenAPI schema."""
+
+    error: ErrorInfo
 
 
 class ModelCard(BaseModel):
