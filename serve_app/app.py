@@ -28,7 +28,8 @@ def build_app(args: dict[str, Any]) -> Application:
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         max_ongoing_requests=config.ingress_max_ongoing_requests,
     )
-    return ingress.bind(config.api_key, servers, config.limits, config.cors)
+    silence = {m.model_id: m.stream_silence_timeout_s for m in config.models}
+    return ingress.bind(config.api_key, servers, config.limits, config.cors, silence)
 
 
 def server_deployment(model: ModelConfig) -> serve.Deployment:

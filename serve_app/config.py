@@ -94,6 +94,12 @@ class ModelConfig(BaseModel):
     without it a warning suggests `RAY_worker_niceness=0`. None keeps Ray's."""
     health_check_period_s: float = Field(10.0, gt=0)
     """How often Ray Serve probes a replica; a replica whose engine died is restarted."""
+    stream_keepalive_s: float = Field(5.0, gt=0)
+    """A streamed request sends the ingress an empty batch (not forwarded to the client) after this
+    long without output (queued, or in a long prefill): a sign of life for the silence timeout."""
+    stream_silence_timeout_s: float = Field(60.0, gt=0)
+    """The ingress ends a stream whose replica sent nothing, not even a keepalive, for this long (a
+    frozen or lost replica) with a 503 error event and [DONE]. Must exceed stream_keepalive_s."""
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
     """On shutdown or scale-down, a replica gets no new requests and its running ones have this long
     to finish; then what is left ends with an error event and the replica stops."""
@@ -122,6 +128,9 @@ class ModelConfig(BaseModel):
             self.model_id = default_model_id(self.model)
         if ":" not in self.engine_cls:
             raise ValueError(f"engine_cls must look like 'module:Class', got {self.engine_cls!r}")
+        if self.stream_silence_timeout_s <= self.stream_keepalive_s:
+            raise ValueError(f"stream_silence_timeout_s ({self.stream_silence_timeout_s:g}) must exceed "
+                             f"stream_keepalive_s ({self.stream_keepalive_s:g}); raise it")
         return self
 
     def engine_config(self, model_dir: str | Path) -> EngineConfig:

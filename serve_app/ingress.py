@@ -90,18 +90,35 @@ class ModelBackend(Protocol):
 
 
 class HandleBackend:
-    """A model's servers behind a Ray Serve deployment handle."""
+    """A model's servers behind a Ray Serve deployment handle. A stream whose replica sends nothing,
+    not even its keepalive (an empty batch, dropped here), for `silence_timeout_s` fails with a 503:
+    a frozen or lost replica never leaves a client waiting."""
 
-    def __init__(self, handle: DeploymentHandle):
+    def __init__(self, handle: DeploymentHandle, silence_timeout_s: Optional[float] = None):
         self._handle = handle
         self._streaming = handle.options(stream=True)
+        self._silence_timeout_s = silence_timeout_s
 
     async def stream(self, request: BaseModel, arrival_time: float) -> AsyncIterator[list[str]]:
         response = self._streaming.stream_chunks.remote(request, arrival_time)
         finished = False
         try:
-            async for batch in response:
-                yield batch
+            while True:
+                # asyncio.wait, not wait_for: a call to a frozen replica may not even finish cancelling
+                next_batch = asyncio.ensure_future(anext(response))
+                done, _ = await asyncio.wait({next_batch}, timeout=self._silence_timeout_s)
+                if not done:
+                    next_batch.cancel()
+                    finished = True  # cancel without waiting on a replica that may be frozen
+                    asyncio.get_running_loop().run_in_executor(None, response.cancel)
+                    raise Unavailable(f"the model server sent nothing for {self._silence_timeout_s:g} s, not even a "
+                                      "keepalive: it is stuck or gone; retry")
+                try:
+                    batch = next_batch.result()
+                except StopAsyncIteration:
+                    break
+                if batch:
+                    yield batch
             finished = True
         finally:
             if not finished:  # closes the server's generator, which aborts its engine requests
@@ -343,9 +360,11 @@ class Ingress:
         servers: dict[str, DeploymentHandle],
         limits: Optional[RequestLimits] = None,
         cors: Optional[CorsConfig] = None,
+        silence_timeouts_s: Optional[dict[str, float]] = None,
     ):
         key = api_key.get_secret_value() if api_key is not None else None
-        backends = {model_id: HandleBackend(h) for model_id, h in servers.items()}
+        silence = silence_timeouts_s or {}
+        backends = {model_id: HandleBackend(h, silence.get(model_id)) for model_id, h in servers.items()}
         self._app = create_app(backends, key, limits, cors)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

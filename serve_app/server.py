@@ -41,7 +41,7 @@ from serve_app.responses import (
     TokenOut,
     total_usage,
 )
-from serve_app.streams import merge_batches
+from serve_app.streams import merge_batches, with_keepalive
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ class ModelServer:
         self.metrics = ServerMetrics(config.model_id, replica_name(), self.engine.stats, self.engine.describe())
         self._stream_interval_s = config.stream_batch_ms / 1000.0
         self._stream_chunks_per_s = config.stream_chunks_per_s
+        self._keepalive_s = config.stream_keepalive_s
         self._open_streams = 0
         logger.info("model %s loaded from %s with %s: %s", self.model_id, model_dir, config.engine_cls,
                     ", ".join(f"{k}={v}" for k, v in self.engine.describe().items()))
@@ -149,8 +150,9 @@ class ModelServer:
         try:
             job = self._job(request)
             finals = []
-            async for batch in merge_batches(self._runs(job, arrival_time), self._chunk_interval,
-                                             flush=lambda update: update.finish_reason is not None):
+            batches = merge_batches(self._runs(job, arrival_time), self._chunk_interval,
+                                    flush=lambda update: update.finish_reason is not None)
+            async for batch in with_keepalive(batches, self._keepalive_s):  # [] while there is no output
                 finals += [u for u in batch if u.finish_reason is not None]
                 yield [job.formatter.chunk(u).model_dump_json() for u in batch]
             if request.include_usage:

@@ -78,3 +78,28 @@ async def _pump(stream: AsyncIterator[T], queue: asyncio.Queue) -> None:
         queue.put_nowait(_Failed(exc))
         return
     queue.put_nowait(_DONE)
+
+
+async def with_keepalive(batches: AsyncIterator[list[T]], every_s: float) -> AsyncIterator[list[T]]:
+    """`batches`, plus an empty batch whenever `every_s` passes without one: a sign of life for a
+    reader that must tell a slow stream from a dead one. Closing this closes `batches`."""
+    source = aiter(batches)
+    pending = asyncio.ensure_future(anext(source))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                yield []
+                continue
+            try:
+                batch = pending.result()
+            except StopAsyncIteration:
+                return
+            yield batch
+            pending = asyncio.ensure_future(anext(source))
+    finally:
+        if not pending.done():
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await source.aclose()

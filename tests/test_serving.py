@@ -15,6 +15,7 @@ same checkpoint (greedy decoding and prompt logprobs).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import socket
 import types
 from pathlib import Path
@@ -43,7 +44,8 @@ MODEL_SLOW = "slow-fake"
 hold its slots for as long as a test needs, whatever the speed of the machine (the 429 test)."""
 MODEL_FAULTY = "faulty-fake"
 """A replica whose engine (fake_engine.FaultyFakeEngine) fails or hangs when a test asks it to, with
-a 2 s step watchdog and a 1 s health-check period."""
+a 2 s step watchdog, a 1 s health-check period, and streams the ingress ends after 3 s of silence
+(keepalives every 0.5 s)."""
 MAX_MODEL_LEN = 512
 MAX_ONGOING = 8
 MAX_QUEUED = 8
@@ -88,7 +90,8 @@ def serving(checkpoint_factory):
                      "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
                     {"model": str(checkpoint), "model_id": MODEL_FAULTY, **engine, "engine_cls": "fake_engine:FaultyFakeEngine",
                      "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "step_timeout_s": 2,
-                     "health_check_period_s": 1, "num_cpus": 0.1, "stream_batch_ms": 5},
+                     "health_check_period_s": 1, "num_cpus": 0.1, "stream_batch_ms": 5,
+                     "stream_keepalive_s": 0.5, "stream_silence_timeout_s": 3},
                 ],
             }
         )
@@ -498,6 +501,53 @@ def test_a_failed_or_hung_engine_ends_every_request_and_its_replica_restarts(ser
     if health.status_code == 503:  # else Serve has already replaced the replica
         assert health.json()["error"]["message"].startswith(f"model '{MODEL_FAULTY}' is not ready: ")
     wait_for(lambda: httpx.get(f"{serving.url}/health").status_code == 200, 120, "the replica to come back")
+    again = http.post("/v1/completions", json={"model": MODEL_FAULTY, "prompt": [5, 6, 7], "max_tokens": 3})
+    assert (again.status_code, again.json()["choices"][0]["text"]) == (200, serving.tokenizer.decode([5, 6, 7]))
+
+
+def test_a_stream_queued_without_output_is_kept_alive(serving, http):
+    """Eight streams fill the faulty-fake replica's engine (~10 s each); a ninth waits in its queue
+    with no output for far longer than the 3 s silence timeout. The replica's keepalives keep it
+    open, and it runs to its end once a slot frees."""
+    from serving_helpers import sse_events
+
+    holders = [OpenStream(http, model=MODEL_FAULTY) for _ in range(8)]
+    try:
+        waiting = http.post("/v1/completions", json={"model": MODEL_FAULTY, "prompt": [5, 6, 7], "max_tokens": 3,
+                                                     "stream": True})
+        events = sse_events(waiting.iter_lines())
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == serving.tokenizer.decode([5, 6, 7])
+    finally:
+        for holder in holders:
+            holder.close()
+
+
+def test_a_frozen_replica_ends_its_streams_and_is_replaced(serving, http):
+    """SIGSTOP the faulty-fake replica's process with a stream open: nothing, not even a keepalive,
+    comes from it, so after 3 s the ingress ends the stream with a 503 error event and [DONE]; Serve
+    replaces the frozen replica and requests succeed again."""
+    import os
+    import signal
+
+    import psutil
+    from serving_helpers import sse_events
+
+    stream = OpenStream(http, model=MODEL_FAULTY)
+    (replica,) = [p for p in psutil.Process().children(recursive=True)
+                  if f"ModelServer-{MODEL_FAULTY}" in " ".join(p.cmdline() or [])]
+    os.kill(replica.pid, signal.SIGSTOP)
+    try:
+        events = sse_events(stream.lines)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "service_unavailable"
+        assert events[-2]["error"]["message"] == ("the model server sent nothing for 3 s, not even a keepalive: it is "
+                                                  "stuck or gone; retry")
+        # /health waits up to 10 s for each replica's answer: the frozen one's never comes
+        wait_for(lambda: httpx.get(f"{serving.url}/health", timeout=30).status_code == 200
+                 and not replica.is_running(), 240, "Serve to replace the frozen replica")
+    finally:
+        with contextlib.suppress(psutil.Error):
+            replica.send_signal(signal.SIGCONT)
     again = http.post("/v1/completions", json={"model": MODEL_FAULTY, "prompt": [5, 6, 7], "max_tokens": 3})
     assert (again.status_code, again.json()["choices"][0]["text"]) == (200, serving.tokenizer.decode([5, 6, 7]))
 

@@ -100,3 +100,32 @@ def test_the_interval_may_be_a_function_read_after_each_batch():
     intervals = iter([0.0, 0.2, 0.2, 0.2])
     batches = virtual_clock.run(timed_batches([spaced(range(6), 0.03)], interval_s=lambda: next(intervals)))
     assert batches == [(0.0, [0]), (0.03, [1]), (0.18, [2, 3, 4, 5])]
+
+
+def test_with_keepalive_sends_an_empty_batch_for_each_silent_period():
+    from serve_app.streams import with_keepalive
+
+    async def slow():
+        await asyncio.sleep(0.1)
+        yield [1]
+        await asyncio.sleep(12)
+        yield [2]
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        return [(round(loop.time(), 6), batch) async for batch in with_keepalive(slow(), every_s=5)]
+
+    assert virtual_clock.run(run()) == [(0.1, [1]), (5.1, []), (10.1, []), (12.1, [2])]
+
+
+def test_closing_the_keepalive_stream_closes_its_source():
+    from serve_app.streams import with_keepalive
+
+    async def run():
+        closed = []
+        stream = with_keepalive(items([[1], [2]], asyncio.Event(), closed), every_s=5)  # the gate never opens
+        assert await anext(stream) == []
+        await stream.aclose()
+        return closed
+
+    assert virtual_clock.run(run()) == [[[1], [2]]]
