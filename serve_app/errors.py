@@ -100,11 +100,15 @@ class Overloaded(APIError):
 
 
 class Unavailable(APIError):
-    """503: the model is not loaded yet, or its engine died (the replica is being restarted)."""
+    """503: the model is not loaded yet, its engine died or its replica is stopping (another replica
+    or a restarted one takes the retry)."""
 
     status = 503
     type = "server_error"
     code = "service_unavailable"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
 
 
 def to_api_error(exc: BaseException) -> APIError:

@@ -373,7 +373,7 @@ def test_to_api_error_maps_engine_and_ray_exceptions():
         "rate_limit_exceeded",
     )
     gone = to_api_error(ActorDiedError())
-    assert (gone.status, gone.code) == (503, "service_unavailable")
+    assert (gone.status, gone.code, gone.headers()) == (503, "service_unavailable", {"Retry-After": "1"})
     assert gone.body()["error"]["message"].startswith("the model server stopped while serving this request")
     wrapped = RayTaskError("f", "traceback", BadRequest("from the replica", "n"))
     assert to_api_error(wrapped).body() == error("from the replica", "n")

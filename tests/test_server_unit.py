@@ -556,3 +556,15 @@ def test_open_streams_share_the_chunk_rate_and_are_counted_back_down(client, ser
         assert server._chunk_interval() == pytest.approx(max(floor, 40 / rate))
     finally:
         server._open_streams = 0
+
+
+def test_a_request_to_a_stopping_replica_is_a_503_with_retry_after(checkpoint):
+    """After its engine has shut down (the replica is stopping), a request Serve still routes to it
+    gets a 503 that tells the client to retry: another replica, or the restarted one, takes it."""
+    server = make_server(checkpoint)
+    server.engine.shutdown()
+    with TestClient(create_app({MODEL: LocalBackend(server)})) as client:
+        response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert (response.status_code, response.headers["retry-after"]) == (503, "1")
+    assert response.json()["error"]["message"].startswith("engine loop died: RuntimeError('the engine was shut down')")
+    assert response.json()["error"]["code"] == "service_unavailable"
