@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fake_engine import FAIL, FAULT_MARK, HANG
-from serving_helpers import wait_for
+from serving_helpers import engine_worker_processes, model_server_processes, wait_for
 
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
@@ -534,8 +534,7 @@ def test_a_frozen_replica_ends_its_streams_and_is_replaced(serving, http):
     from serving_helpers import sse_events
 
     stream = OpenStream(http, model=MODEL_FAULTY)
-    (replica,) = [p for p in psutil.Process().children(recursive=True)
-                  if f"ModelServer-{MODEL_FAULTY}" in " ".join(p.cmdline() or [])]
+    (replica,) = model_server_processes(MODEL_FAULTY)
     os.kill(replica.pid, signal.SIGSTOP)
     try:
         events = sse_events(stream.lines)
@@ -602,24 +601,6 @@ def test_a_replica_shut_down_lets_its_streams_finish_or_ends_them_at_the_timeout
             assert stream[-2]["error"]["message"].startswith("the model server stopped while serving this request")
 
 
-def model_server_pids(model_id: str) -> list[int]:
-    """The pids of this test's Ray Serve replicas of `model_id`'s server (Ray titles each replica
-    process `ray::ServeReplica:<app>:<deployment>`, followed by the method it runs)."""
-    import re
-
-    import psutil
-
-    title = re.compile(rf"ray::ServeReplica:llm:ModelServer-{re.escape(model_id)}(\.|\s|$)")
-    pids = []
-    for process in psutil.Process().children(recursive=True):
-        try:
-            if title.match(" ".join(process.cmdline())):
-                pids.append(process.pid)
-        except psutil.Error:  # gone since it was listed
-            pass
-    return pids
-
-
 def test_a_soak_of_mixed_requests_loses_nothing_and_leaves_every_replica_idle(serving, http):
     """benchmarks/soak.py in-process on the tiny model: 300 requests at concurrency 32 (completions and
     chat, streamed or not, 60 with n=3, 75 with logprobs; 30 streams of 128 tokens the client closes
@@ -631,7 +612,7 @@ def test_a_soak_of_mixed_requests_loses_nothing_and_leaves_every_replica_idle(se
 
     from benchmarks.soak import SoakConfig, format_report, soak
 
-    pids = model_server_pids(MODEL)
+    pids = [p.pid for p in model_server_processes(MODEL)]
     assert len(pids) == 1
     wait_for(lambda: metric(http, "vllm:num_requests_running") == metric(http, "vllm:num_requests_waiting") == 0,
              60, "an idle engine")  # so that the server's counts below are the soak's alone
@@ -661,20 +642,6 @@ def test_a_soak_of_mixed_requests_loses_nothing_and_leaves_every_replica_idle(se
 
 
 # ---- a replica over two hosts ----
-
-
-def engine_worker_processes() -> list:
-    """The processes of this test's Ray instance (children of this process) that Ray titled after
-    the EngineWorker class (how operators find them too)."""
-    import psutil
-
-    def title(process) -> str:
-        try:
-            return " ".join(process.cmdline())
-        except psutil.Error:  # gone (or a zombie) since it was listed
-            return ""
-
-    return [p for p in psutil.Process().children(recursive=True) if title(p).startswith("ray::EngineWorker")]
 
 
 def test_a_replica_over_two_hosts_answers_as_transformers(serving, client):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import ray
 from parity import TIGHT, assert_greedy_parity
+from serving_helpers import engine_worker_processes
 
 from engine.core.config import EngineConfig
 from engine.core.step_plan import empty_step_plan
@@ -32,20 +33,6 @@ def test_greedy_tokens_and_logprobs_equal_transformers_over_two_hosts(two_hosts)
     assert {k: described[k] for k in ("num_hosts", "tensor_parallel_size", "num_devices", "mesh")} == {
         "num_hosts": "2", "tensor_parallel_size": "4", "num_devices": "4", "mesh": "data=1,model=4"}
     assert_greedy_parity(engine, model_dir)
-
-
-def engine_worker_processes() -> list:
-    """The processes of this test's Ray instance (children of this process) that Ray titled after
-    the EngineWorker class (how operators find them too)."""
-    import psutil
-
-    def title(process) -> str:
-        try:
-            return " ".join(process.cmdline())
-        except psutil.Error:  # gone (or a zombie) since it was listed
-            return ""
-
-    return [p for p in psutil.Process().children(recursive=True) if title(p).startswith("ray::EngineWorker")]
 
 
 def test_two_engine_worker_processes_hold_the_model(two_hosts):
