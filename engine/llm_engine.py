@@ -13,6 +13,11 @@ sequences. A sequence that ends at N may already have a row in N+1: that row's r
 This is safe for the KV pages such a sequence frees: steps run in launch order on the device, so
 whatever N+1 writes into them lands before any later step that reuses them.
 
+Structured output (a request with a grammar, engine.core.grammar): the bitmask a constrained row
+samples under depends on every token before it, so while such a sequence runs, each step is
+fetched before the next is planned (as with penalties): its host work is serialised with the
+device, for the whole batch. The mask is computed while planning and applied on the device.
+
 Single-threaded by design: `AsyncEngine` drives it from one background thread.
 """
 
@@ -24,6 +29,7 @@ import random
 from typing import Any, Optional
 
 from engine.core.config import EngineConfig
+from engine.core.grammar import GrammarCompiler
 from engine.core.pages import PageAllocator
 from engine.core.request import (
     EngineStats,
@@ -82,6 +88,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.runner.info.eos_token_ids)
         self.vocab_size = self.runner.vocab_size
         self.planner = StepPlanner(self.runner.buckets, self.vocab_size, self.runner.info.eos_token_ids)
+        self.grammars, self._no_grammars = _grammar_compiler(config.model, self.vocab_size, self.eos_token_ids)
         self._sequences: dict[str, Sequence] = {}
         self._aborted: list[str] = []
         self._in_flight: Optional[LaunchedStep] = None
@@ -94,8 +101,15 @@ class LLMEngine:
     # ---- the surface ----
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError if this request can never be served. Thread-safe (reads config)."""
+        """Raise InvalidRequestError if this request can never be served (an invalid grammar
+        included). Thread-safe."""
         check_request(prompt_ids, params, self.vocab_size, self.max_model_len)
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise InvalidRequestError(f"this model cannot constrain its output ({self._no_grammars}); send "
+                                          "the request without a response format or tool choice",
+                                          params.grammar.param)
+            self.grammars.compile(params.grammar)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.validate(prompt_ids, params)
@@ -104,6 +118,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         seq = Sequence(request_id, list(prompt_ids), params, seed)
         seq.prompt_logprobs = [None] * len(prompt_ids)
+        if params.grammar is not None:
+            seq.grammar = self.grammars.state(params.grammar)
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
 
@@ -161,7 +177,7 @@ class LLMEngine:
 
     def _needs_host_tokens(self) -> bool:
         """Whether planning the next step needs every token sampled so far on the host."""
-        return any(seq.params.needs_penalties for seq in self.scheduler.running)
+        return any(seq.params.needs_penalties or seq.grammar is not None for seq in self.scheduler.running)
 
     def _launch(self, previous: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
         """Plan and dispatch the next step (None if nothing can run); advance its rows."""
@@ -199,9 +215,10 @@ class LLMEngine:
         generated = row.start + row.length - len(seq.prompt_ids) + 1  # outputs up to this row's token
         seq.output_ids[generated - 1] = result.token
         seq.tokens_in_flight -= 1
+        grammar_done = seq.grammar is not None and (not seq.grammar.advance(result.token) or seq.grammar.complete)
         delta = TokenDelta(seq.request_id, [result.token],
                            logprobs=None if result.logprob is None else [result.logprob],
-                           finish_reason=self._finish_reason(seq, generated))
+                           finish_reason=self._finish_reason(seq, generated, grammar_done))
         if not seq.sent_first:
             seq.sent_first = True
             delta.num_prompt_tokens = len(seq.prompt_ids)
@@ -215,16 +232,26 @@ class LLMEngine:
             self.scheduler.finish(seq)
         return delta
 
-    def _finish_reason(self, seq: Sequence, generated: int) -> Optional[FinishReason]:
+    def _finish_reason(self, seq: Sequence, generated: int, grammar_done: bool) -> Optional[FinishReason]:
         """Why the sequence ends with its first `generated` output tokens, if it does."""
         params, last = seq.params, seq.output_ids[generated - 1]
-        if generated >= params.min_tokens and (
+        if grammar_done or (generated >= params.min_tokens and (
             last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids)
-        ):
+        )):
             return FinishReason.STOP
         if seq.ends_by_length(generated, self.max_model_len):
             return FinishReason.LENGTH
         return None
+
+
+
+def _grammar_compiler(model_dir: str, vocab_size: int, eos_token_ids) -> tuple[Optional[GrammarCompiler], str]:
+    """The model's grammar compiler, or None and why it cannot have one (e.g. no fast tokenizer)."""
+    try:
+        return GrammarCompiler(model_dir, vocab_size, tuple(sorted(eos_token_ids))), ""
+    except Exception as exc:  # noqa: BLE001 -- structured output is optional; everything else still serves
+        logger.warning("structured output is off for %s: %s", model_dir, exc)
+        return None, str(exc)
 
 
 def _row_results(plan: Plan, slots: RowSlots, out: StepOutput) -> list[RowResult]:

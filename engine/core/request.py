@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
+from typing import Literal, Optional
 
 MAX_TOP_LOGPROBS = 20
 
@@ -44,6 +44,9 @@ def check_request(prompt_ids: list[int], params: "SamplingParams", vocab_size: i
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"{name} names token id {bad}, outside the vocabulary [0, {vocab_size})", name)
+    if params.grammar is not None and params.min_tokens:
+        raise InvalidRequestError("min_tokens cannot be combined with a response format or tool choice: the "
+                                  "grammar decides where the output ends; remove min_tokens", "min_tokens")
 
 
 class EngineDeadError(RuntimeError):
@@ -54,6 +57,20 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token id
     LENGTH = "length"  # max_tokens, or the model's length limit
     ABORT = "abort"  # aborted by the caller (client disconnect, stop string matched upstream)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grammar:
+    """A constraint the output must match (structured output): each step may only sample tokens
+    that keep the output a prefix of a sentence of the grammar, and the output ends (finish reason
+    `stop`) when the grammar is complete. Compiled by the engine (engine.core.grammar); an invalid
+    one is an InvalidRequestError naming `param`."""
+
+    kind: Literal["json_schema", "regex", "lark"]
+    source: str
+    """A JSON schema as JSON text, a regular expression, or a Lark grammar (llguidance's syntax)."""
+    param: str = "response_format"
+    """The request field the grammar came from, named by errors."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +108,8 @@ class SamplingParams:
     """None: no logprobs. k >= 0: the chosen token's logprob plus the k most likely (k <= 20)."""
     prompt_logprobs: Optional[int] = None
     """None: none. k >= 0: logprob of every prompt token given its prefix, plus the top k."""
+    grammar: Optional[Grammar] = None
+    """The output must match this grammar (None: free text)."""
 
     def __post_init__(self):
         _check(self.max_tokens >= 1, "max_tokens must be at least 1", "max_tokens")

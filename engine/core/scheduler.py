@@ -24,10 +24,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import deque
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from engine.core.pages import PageAllocator, prefix_hashes
 from engine.core.request import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.core.grammar import GrammarState
 
 PENDING_TOKEN = -1
 """Placeholder in `Sequence.output_ids` for a token a step still in flight is sampling."""
@@ -66,6 +69,8 @@ class Sequence:
     sent_first: bool = False
     """Whether the first delta (with prompt bookkeeping) went out."""
     prompt_logprobs: list[Optional[TokenLogprob]] = dataclasses.field(default_factory=list)
+    grammar: Optional[GrammarState] = None
+    """Where the output stands in the request's grammar (structured output), or None."""
 
     @property
     def token_ids(self) -> list[int]:

@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from engine.core.buckets import Bucket, ShapeBuckets, pow2
+from engine.core.grammar import mask_words
 from engine.core.pages import SCRATCH_PAGE
 from engine.core.scheduler import Plan, Row
 
@@ -61,6 +62,7 @@ class SamplingInputs(NamedTuple):
     output_counts: Optional[np.ndarray] = None  # f32[R, V] occurrences in the output so far
     prompt_mask: Optional[np.ndarray] = None  # bool[R, V] token occurs in the prompt
     bias: Optional[np.ndarray] = None  # f32[R, V] logit bias; -inf blocks EOS before min_tokens
+    allowed: Optional[np.ndarray] = None  # i32[R, ceil(V / 32)] bit t: token t may be sampled (`constrain`)
 
 
 class SamplerSwitches(NamedTuple):
@@ -70,6 +72,7 @@ class SamplerSwitches(NamedTuple):
     logprobs: bool = False
     penalize: bool = False
     filter: bool = False
+    constrain: bool = False
 
 
 WARM_SAMPLER_SWITCHES = (SamplerSwitches(), SamplerSwitches(random=True),
@@ -217,11 +220,22 @@ class StepPlanner:
             logprobs=any(p.logprobs is not None for p in params),
             penalize=any(_needs_dense(row) for _, row in rows),
             filter=any(p.needs_filtering and not p.greedy for p in params),
+            constrain=any(row.samples and row.seq.grammar is not None for _, row in rows),
         )
         inputs = SamplingInputs(temperature, top_k, top_p, min_p, seed, position)
         if switches.penalize:
             inputs = inputs._replace(**self._dense_inputs(rows, n))
+        if switches.constrain:
+            inputs = inputs._replace(allowed=self._allowed_tokens(rows, n))
         return inputs, switches
+
+    def _allowed_tokens(self, rows: list[tuple[int, Row]], n: int) -> np.ndarray:
+        """The token bitmask of every row: what its grammar allows next, every token for the rest."""
+        allowed = np.full((n, mask_words(self.vocab_size)), -1, np.int32)
+        for i, row in rows:
+            if row.samples and row.seq.grammar is not None:
+                row.seq.grammar.fill_mask(allowed[i])
+        return allowed
 
     def _dense_inputs(self, rows: list[tuple[int, Row]], n: int) -> dict:
         vocab = self.vocab_size

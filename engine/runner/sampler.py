@@ -10,11 +10,13 @@ penalties, bias and temperature, as vLLM reports them.
 Sampling draws one uniform number per row and inverts the cumulative distribution, which on CPU
 costs far less than a Gumbel draw over the whole vocabulary.
 
-Four switches are static (engine.core.step_plan.SamplerSwitches), each compiled variant built on
+Five switches are static (engine.core.step_plan.SamplerSwitches), each compiled variant built on
 first use (warm-up builds the common ones): `random` (any row samples; otherwise argmax only),
 `logprobs` (any row wants logprobs), `penalize` (dense per-row arrays for presence/frequency/
 repetition penalties, logit bias and min_tokens) and `filter` (a sort over the vocabulary for
-top-k / top-p / min-p). Greedy tokens come from the attention backend's `argmax`.
+top-k / top-p / min-p), `constrain` (a token bitmask per row from the rows' grammars; every
+token not allowed gets -inf, after penalties and before temperature). Greedy tokens come from the
+attention backend's `argmax`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def sample(logits: jax.Array, inputs: SamplingInputs, switches: SamplerSwitches,
     """Tokens (and logprobs, when switched on) of every row; `argmax` gives greedy tokens."""
     logits = logits.astype(jnp.float32)
     adjusted = _penalize(logits, inputs) if switches.penalize else logits
+    if switches.constrain:
+        adjusted = _constrain(adjusted, inputs.allowed)
     tokens = argmax(adjusted)
     if switches.random:
         scaled = adjusted / jnp.maximum(inputs.temperature, 1e-5)[:, None]
@@ -71,8 +75,10 @@ def _uniform(seed, position):
 def _draw(scaled, uniform):
     """Invert the cumulative distribution of softmax(scaled) at `uniform` (one per row)."""
     cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)
-    index = jnp.sum(cdf < (uniform * cdf[:, -1])[:, None], axis=-1)
-    return jnp.minimum(index, scaled.shape[-1] - 1)
+    index = jnp.minimum(jnp.sum(cdf <= (uniform * cdf[:, -1])[:, None], axis=-1), scaled.shape[-1] - 1)
+    # a token of probability 0 (masked, filtered) is never drawn, even where rounding points at one
+    impossible = jnp.take_along_axis(scaled, index[:, None], axis=-1)[:, 0] == -jnp.inf
+    return jnp.where(impossible, jnp.argmax(scaled, axis=-1), index)
 
 
 def _penalize(logits, inputs: SamplingInputs):
@@ -82,6 +88,13 @@ def _penalize(logits, inputs: SamplingInputs):
     logits = logits - inputs.frequency[:, None] * inputs.output_counts
     logits = logits - inputs.presence[:, None] * (inputs.output_counts > 0)
     return logits + inputs.bias
+
+
+def _constrain(logits, allowed):
+    """-inf for every token whose bit is clear in `allowed` (i32[R, ceil(V / 32)])."""
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    keep = bits.reshape(allowed.shape[0], -1)[:, : logits.shape[-1]].astype(bool)
+    return jnp.where(keep, logits, -jnp.inf)
 
 
 def _filtered_draw(scaled, uniform, inputs: SamplingInputs):

@@ -1,0 +1,109 @@
+"""Structured output on the host: compiling a request's grammar and tracking each sequence's place
+in it. Pure Python, numpy and llguidance (no jax).
+
+llguidance (a Rust library) holds the model's vocabulary as bytes and, for a matcher at some point
+of a grammar, computes the bitmask of the tokens that may come next (bit t of word t // 32). The
+engine keeps one `GrammarState` per constrained sequence: the planner fills that sequence's row of
+the step's bitmask from it, the device sets every other token's logit to -inf before sampling
+(engine.runner.sampler), and the sampled token is fed back with `advance`. A sequence whose grammar
+is complete (nothing but the end may follow) finishes at once with reason `stop`.
+
+Invariants: a matcher has consumed exactly the sequence's known output tokens (preemption keeps
+them, so it needs no rollback); a mask never allows a token outside the grammar, nor one of the
+ids the model has beyond the tokenizer's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+
+from engine.core.request import Grammar, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""JSON output as `json.dumps` writes it: no free whitespace, so a model cannot pad its output with
+newlines until max_tokens. A schema may override these in its `x-guidance` object."""
+
+
+def mask_words(vocab_size: int) -> int:
+    """32-bit words in one row of a token bitmask."""
+    return (vocab_size + 31) // 32
+
+
+class GrammarCompiler:
+    """Compiles grammars against one model's tokenizer. Thread-safe: the serving thread validates
+    requests while the engine's loop makes matchers."""
+
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        from transformers import AutoTokenizer
+
+        start = time.perf_counter()
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(Path(model_dir).expanduser().absolute()))
+        eos = [t for t in eos_token_ids if t < vocab_size] or None
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+        logger.info("structured output: tokenizer of %d ids ready in %.2f s", vocab_size, time.perf_counter() - start)
+
+    def compile(self, grammar: Grammar) -> str:
+        """llguidance's form of `grammar`; InvalidRequestError (naming grammar.param) if it is invalid."""
+        try:
+            if grammar.kind == "json_schema":
+                text = llguidance.LLMatcher.grammar_from_json_schema(grammar.source, defaults=JSON_DEFAULTS)
+            elif grammar.kind == "regex":
+                text = llguidance.LLMatcher.grammar_from_regex(grammar.source)
+            else:
+                text = llguidance.LLMatcher.grammar_from_lark(grammar.source)
+        except ValueError as exc:
+            raise InvalidRequestError(f"invalid {_what(grammar)}: {exc}", grammar.param) from None
+        error = llguidance.LLMatcher.validate_grammar(text, self._tokenizer)
+        if error:
+            raise InvalidRequestError(f"invalid {_what(grammar)}: {error}", grammar.param)
+        return text
+
+    def state(self, grammar: Grammar) -> "GrammarState":
+        return GrammarState(llguidance.LLMatcher(self._tokenizer, self.compile(grammar)), self.vocab_size)
+
+
+class GrammarState:
+    """Where one sequence's output stands in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+        self._matcher = matcher
+        self._row = np.zeros((1, mask_words(vocab_size)), np.int32)
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        """Write the bitmask of the tokens allowed next into `out` (i32[words])."""
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._row, 0)
+        out[:] = self._row[0]
+
+    def advance(self, token: int) -> bool:
+        """Feed the sampled token; False if the grammar refused it (a mask was not applied)."""
+        if self._matcher.consume_token(token):
+            return True
+        logger.error("grammar refused token %d: %s", token, self._matcher.get_error())
+        return False
+
+    @property
+    def complete(self) -> bool:
+        """Nothing but the end of the output may follow (or the matcher failed)."""
+        return self._matcher.is_stopped()
+
+
+def json_schema_grammar(schema: dict, param: str) -> Grammar:
+    """A Grammar for output that is JSON matching `schema`."""
+    return Grammar("json_schema", json.dumps(schema), param)
+
+
+def _what(grammar: Grammar) -> str:
+    return {"json_schema": "JSON schema", "regex": "regular expression", "lark": "grammar"}[grammar.kind]
+
