@@ -12,7 +12,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, field_validator, model_validator
 
@@ -43,6 +43,11 @@ class ModelConfig(BaseModel):
     engine_cls: str = "engine.llm_engine:LLMEngine"
     """Import path `module:Class` of the engine core, constructed as `cls(EngineConfig)`; imported
     lazily on the model-server replica (the serving layer never imports jax)."""
+    tool_call_parser: Optional[Literal["hermes", "llama3_json"]] = None
+    """How tool calls are read from the model's text under `tool_choice: auto`: hermes
+    (`<tool_call>{...}</tool_call>`: Hermes, Qwen2.5, Qwen3) or llama3_json (`{"name": ...,
+    "parameters": ...}`: Llama 3.1 / 3.2). None: from the chat template (hermes unless it is
+    Llama 3's)."""
     engine: dict[str, Any] = {}
     """EngineConfig fields other than `model` (dtype, attention_backend, tensor_parallel_size,
     page_size, num_pages, max_num_seqs, max_num_batched_tokens, prefill_chunk, max_model_len,

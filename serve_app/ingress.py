@@ -55,15 +55,22 @@ from serve_app.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     parse_request,
 )
 
 BROADCAST_TIMEOUT_S = 10.0
 REF_TEMPLATE = "#/components/schemas/{model}"
-SCHEMA_MODELS = (CompletionRequest, ChatCompletionRequest, ErrorResponse)
+SCHEMA_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest,
+                 ErrorResponse)
 """The POST routes' bodies and the error body: `_publish_schema` adds them to the components."""
 BEARER = HTTPBearer(auto_error=False, description="the server's API key, as `Authorization: Bearer <key>`")
 """Declares the /v1 routes' security scheme in the schema when a key is set; it never refuses a
@@ -78,9 +85,15 @@ HEALTHY = {"type": "object", "properties": {"status": {"const": "ok"}}, "require
 class ModelBackend(Protocol):
     """How the ingress reaches the servers of one model."""
 
+    task: str
+    """"generate" (completions, chat) or "embed" (embeddings)."""
+
     def stream(self, request: BaseModel, arrival_time: float) -> AsyncIterator[list[str]]: ...
 
     async def respond(self, request: BaseModel, arrival_time: float) -> str: ...
+
+    async def call(self, method: str, *args: Any) -> str:
+        """The JSON answer of the servers' `method` (embed, tokenize, detokenize)."""
 
     async def statuses(self) -> list[Any]:
         """One `ModelServer.status()` per live replica (an exception for one that did not answer)."""
@@ -94,7 +107,8 @@ class HandleBackend:
     not even its keepalive (an empty batch, dropped here), for `silence_timeout_s` fails with a 503:
     a frozen or lost replica never leaves a client waiting."""
 
-    def __init__(self, handle: DeploymentHandle, silence_timeout_s: Optional[float] = None):
+    def __init__(self, handle: DeploymentHandle, silence_timeout_s: Optional[float] = None, task: str = "generate"):
+        self.task = task
         self._handle = handle
         self._streaming = handle.options(stream=True)
         self._silence_timeout_s = silence_timeout_s
@@ -125,7 +139,10 @@ class HandleBackend:
                 response.cancel()
 
     async def respond(self, request: BaseModel, arrival_time: float) -> str:
-        response = self._handle.respond.remote(request, arrival_time)
+        return await self.call("respond", request, arrival_time)
+
+    async def call(self, method: str, *args: Any) -> str:
+        response = getattr(self._handle, method).remote(*args)
         try:
             return await response
         except asyncio.CancelledError:
@@ -152,12 +169,17 @@ class LocalBackend:
 
     def __init__(self, server: Any):
         self.server = server
+        self.task = getattr(server, "task", "generate")
 
     def stream(self, request: BaseModel, arrival_time: float) -> AsyncIterator[list[str]]:
         return self.server.stream_chunks(request, arrival_time)
 
     async def respond(self, request: BaseModel, arrival_time: float) -> str:
         return await self.server.respond(request, arrival_time)
+
+    async def call(self, method: str, *args: Any) -> str:
+        answer = getattr(self.server, method)(*args)
+        return await answer if asyncio.iscoroutine(answer) else answer
 
     async def statuses(self) -> list[Any]:
         return [self.server.status()]
@@ -194,9 +216,12 @@ def create_app(
         try:
             request = parse_request(request_cls, await raw.body())
             check_limits(request, limits)
-            if request.model not in backends:
-                raise _unknown_model(request.model, backends)
-            return await _respond(backends[request.model], request)
+            backend = _backend(backends, request.model, request_cls)
+            if isinstance(request, EmbeddingRequest):
+                return _json(await backend.call("embed", request, time.time()))
+            if isinstance(request, (TokenizeRequest, DetokenizeRequest)):
+                return _json(await backend.call(request_cls.__name__.removesuffix("Request").lower(), request))
+            return await _respond(backend, request)
         except Exception as exc:
             return error_response(to_api_error(exc))
 
@@ -212,15 +237,30 @@ def create_app(
     async def chat_completions(raw: Request) -> Response:
         return await serve_request(raw, ChatCompletionRequest)
 
+    @v1.post("/embeddings", openapi_extra=_json_body(EmbeddingRequest), responses=_ok(EmbeddingResponse))
+    async def embeddings(raw: Request) -> Response:
+        return await serve_request(raw, EmbeddingRequest)
+
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_id) for model_id in backends])
+        return ModelList(data=[ModelCard(id=model_id, task=b.task) for model_id, b in backends.items()])
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
         if model_id not in backends:
             raise _unknown_model(model_id, backends)
-        return ModelCard(id=model_id)
+        return ModelCard(id=model_id, task=backends[model_id].task)
+
+    # vLLM's token utilities, next to /v1 (behind the same key)
+    utilities = APIRouter(dependencies=[Depends(_authorizer(api_key)), *security], responses=ERRORS)
+
+    @utilities.post("/tokenize", openapi_extra=_json_body(TokenizeRequest), responses=_ok(TokenizeResponse))
+    async def tokenize(raw: Request) -> Response:
+        return await serve_request(raw, TokenizeRequest)
+
+    @utilities.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest), responses=_ok(DetokenizeResponse))
+    async def detokenize(raw: Request) -> Response:
+        return await serve_request(raw, DetokenizeRequest)
 
     @app.get("/health", responses={200: {"content": {"application/json": {"schema": HEALTHY}}}, **ERRORS})
     async def health() -> Response:
@@ -236,7 +276,27 @@ def create_app(
         return Response(render(families), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(v1)
+    app.include_router(utilities)
     return app
+
+
+ROUTE_TASKS = {CompletionRequest: "generate", ChatCompletionRequest: "generate", EmbeddingRequest: "embed"}
+
+
+def _backend(backends: dict[str, ModelBackend], model_id: str, request_cls: type[BaseModel]) -> ModelBackend:
+    """The backend of `model_id`, if it serves requests of this kind (else a 404 or a 400)."""
+    if model_id not in backends:
+        raise _unknown_model(model_id, backends)
+    backend, task = backends[model_id], ROUTE_TASKS.get(request_cls)
+    if task is not None and backend.task != task:
+        route = "/v1/embeddings" if backend.task == "embed" else "/v1/completions or /v1/chat/completions"
+        what = "an embedding model" if backend.task == "embed" else "a text generation model"
+        raise BadRequest(f"model {model_id!r} is {what}; send this request to {route}", "model")
+    return backend
+
+
+def _json(body: str) -> Response:
+    return Response(body, media_type="application/json")
 
 
 def _publish_schema(app: FastAPI) -> None:
@@ -266,8 +326,10 @@ def _json_body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def _ok(model: type[BaseModel], chunk: Optional[type[BaseModel]] = None) -> dict[Any, Any]:
-    """The 200 of a POST route: `model` as JSON, or with `stream: true` server-sent events, each
-    `data: <chunk>` (a `chunk`, by default `model` again), then `data: [DONE]`."""
+    """The 200 of a POST route: `model` as JSON, or (a route with `chunk`) with `stream: true`
+    server-sent events, each `data: <chunk JSON>`, then `data: [DONE]`."""
+    if chunk is None and model not in (CompletionResponse,):
+        return {200: {"model": model}}
     events = {"type": "string", "description": f"data: <{(chunk or model).__name__} JSON> events, then data: [DONE]"}
     return {200: {"model": model, "content": {"text/event-stream": {"schema": events}}}}
 
@@ -361,10 +423,12 @@ class Ingress:
         limits: Optional[RequestLimits] = None,
         cors: Optional[CorsConfig] = None,
         silence_timeouts_s: Optional[dict[str, float]] = None,
+        tasks: Optional[dict[str, str]] = None,
     ):
         key = api_key.get_secret_value() if api_key is not None else None
-        silence = silence_timeouts_s or {}
-        backends = {model_id: HandleBackend(h, silence.get(model_id)) for model_id, h in servers.items()}
+        silence, tasks = silence_timeouts_s or {}, tasks or {}
+        backends = {model_id: HandleBackend(h, silence.get(model_id), tasks.get(model_id, "generate"))
+                    for model_id, h in servers.items()}
         self._app = create_app(backends, key, limits, cors)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -9,14 +9,14 @@ server's limit and the setting that holds it.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve_app.config import RequestLimits
 from serve_app.errors import BadRequest, PayloadTooLarge
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 
 class BodySizeLimit:
@@ -65,8 +65,18 @@ def _declared_length(scope: Scope) -> int:
     return -1
 
 
-def check_limits(request: Union[CompletionRequest, ChatCompletionRequest], limits: RequestLimits) -> None:
-    """Raise `BadRequest` for the first limit `request` exceeds."""
+def check_limits(request: Any, limits: RequestLimits) -> None:
+    """Raise `BadRequest` for the first limit `request` exceeds (an embeddings request: its inputs
+    count as prompts; /tokenize and /detokenize have no limit but the body size)."""
+    if isinstance(request, EmbeddingRequest):
+        inputs = len(request.inputs)
+        if inputs > limits.max_prompts_per_request:
+            raise BadRequest(f"input holds {inputs} inputs, over this server's limit of "
+                             f"{limits.max_prompts_per_request} (max_prompts_per_request); split them over several "
+                             "requests", "input")
+        return
+    if not isinstance(request, (CompletionRequest, ChatCompletionRequest)):
+        return
     prompts = len(request.prompts) if isinstance(request, CompletionRequest) else 1
     choices, longest_stop = prompts * request.n, max(map(len, request.stops), default=0)
     logprobs = "logprobs" if isinstance(request, CompletionRequest) else "top_logprobs"

@@ -14,13 +14,14 @@ checked by the ingress (`serve_app.limits`).
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.core.request import SamplingParams
+from engine.core.request import Grammar, SamplingParams
 from serve_app.errors import BadRequest
 
 Prompt = Union[str, list[int]]
@@ -41,7 +42,8 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         first = errors[0]
-        param = ".".join(str(p) for p in first["loc"]) or (first.get("ctx") or {}).get("param")
+        loc, named = ".".join(str(p) for p in first["loc"]), (first.get("ctx") or {}).get("param")
+        param = f"{loc}.{named}" if loc and named and not loc.endswith(named) else loc or named
         raise BadRequest("; ".join(_describe(e) for e in errors), param) from None
 
 
@@ -97,6 +99,40 @@ class StreamOptions(OpenAIModel):
     """Send a last chunk with `usage` (and no choices)."""
 
 
+class JsonSchemaFormat(OpenAIModel):
+    """`response_format.json_schema`: the schema the output must match."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    schema_: dict[str, Any] = Field({}, alias="schema")
+    """A JSON Schema (the draft 2020-12 subset llguidance compiles). Empty: any JSON value."""
+    strict: Optional[bool] = None
+    """Accepted; the output always matches the schema (constrained decoding)."""
+
+
+class ResponseFormat(OpenAIModel):
+    """`text`: free text. `json_object`: a JSON object. `json_schema`: JSON matching the schema.
+    The output is constrained token by token, so it matches whatever the model would rather say;
+    a generation cut by max_tokens ends with finish_reason `length` (and is then incomplete)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise invalid("response_format", "response_format.json_schema must be given exactly when type is "
+                          "'json_schema'")
+        return self
+
+    def grammar(self) -> Optional[Grammar]:
+        if self.type == "json_object":
+            return Grammar("json_schema", '{"type": "object"}')
+        if self.type == "json_schema":
+            return Grammar("json_schema", json.dumps(self.json_schema.schema_), "response_format.json_schema.schema")
+        return None
+
+
 class SamplingRequest(OpenAIModel):
     """The base of both request models: this server's extensions beyond OpenAI's fields (vLLM's
     names and meanings), and what both endpoints share."""
@@ -109,6 +145,8 @@ class SamplingRequest(OpenAIModel):
     """Generation stops after any of these tokens (kept in the token count, not in the text)."""
     ignore_eos: bool = False
     min_tokens: int = 0
+    response_format: Optional[ResponseFormat] = None
+    """Constrain the output to JSON (an OpenAI field on chat; an extension on completions)."""
 
     _stop = field_validator("stop", check_fields=False)(classmethod(lambda cls, v: _check_stop(v)))
     _logit_bias = field_validator("logit_bias", check_fields=False)(classmethod(lambda cls, v: _check_logit_bias(v)))
@@ -129,6 +167,7 @@ class SamplingRequest(OpenAIModel):
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            grammar=self.response_format.grammar() if self.response_format is not None else None,
             **kwargs,
         )
 
@@ -183,18 +222,7 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="plain", json_schema_input_type=PromptInput)
     @classmethod
     def _prompt(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list) and value:
-            if all(isinstance(p, str) for p in value) or all(_is_token_ids(p) for p in value):
-                return value
-            if _is_token_ids(value):
-                return value
-        raise invalid(
-            "prompt",
-            "prompt must be a string, a non-empty list of strings, a non-empty list of token ids, "
-            "or a non-empty list of non-empty token-id lists",
-        )
+        return _check_prompts(value, "prompt")
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "CompletionRequest":
@@ -208,9 +236,7 @@ class CompletionRequest(SamplingRequest):
     @property
     def prompts(self) -> list[Prompt]:
         """The batch: one entry per prompt."""
-        if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
-            return [self.prompt]
-        return list(self.prompt)
+        return _batch(self.prompt)
 
     def to_sampling_params(self) -> SamplingParams:
         """max_tokens=0 asks the engine for one token (its minimum); the server drops it."""
@@ -221,15 +247,82 @@ class CompletionRequest(SamplingRequest):
         )
 
 
+def _check_prompts(value: Any, param: str) -> PromptInput:
+    """One prompt or a batch: text, texts, token ids, or token-id lists."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value) or all(_is_token_ids(p) for p in value):
+            return value
+        if _is_token_ids(value):
+            return value
+    raise invalid(
+        param,
+        f"{param} must be a string, a non-empty list of strings, a non-empty list of token ids, "
+        "or a non-empty list of non-empty token-id lists",
+    )
+
+
+def _batch(value: PromptInput) -> list[Prompt]:
+    return [value] if isinstance(value, str) or _is_token_ids(value) else list(value)
+
+
 def _is_token_ids(value: Any) -> bool:
     return (
         isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     )
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    """A JSON Schema of the arguments object. None: the function takes no arguments."""
+    strict: Optional[bool] = None
+    """Accepted; calls made under tool_choice `required` or a named function always match
+    `parameters` (constrained decoding), calls the model makes on its own (`auto`) are parsed."""
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    """Forces a call of this function."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
+class CalledFunction(OpenAIModel):
+    name: str
+    arguments: str
+    """The arguments object as JSON text."""
+
+
+class MessageToolCall(OpenAIModel):
+    """A call an assistant message made (in a request's history)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(OpenAIModel):
     """One message of the conversation. Content is text, or a list of text parts (joined by
-    newlines)."""
+    newlines). An assistant message may carry the `tool_calls` it made (then content may be null);
+    a `tool` message answers one of them (`tool_call_id`)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[dict[str, Any]]] = ""
@@ -237,19 +330,28 @@ class ChatMessage(OpenAIModel):
     audio: Any = None
     function_call: Any = None
     refusal: Any = None
-    tool_call_id: Any = None
-    tool_calls: Any = None
+    tool_call_id: Optional[str] = None
+    tool_calls: list[MessageToolCall] = []
 
-    _supported = _unsupported(
-        {"audio": (), "function_call": (), "refusal": (), "tool_call_id": (), "tool_calls": ([],)}
-    )
+    _supported = _unsupported({"audio": (), "function_call": (), "refusal": ()})
 
     @field_validator("role")
     @classmethod
     def _role(cls, value: str) -> str:
-        if value in ("tool", "function"):
-            raise invalid("role", f"messages with role '{value}' are not supported yet (no tool calling)")
+        if value == "function":
+            raise invalid("role", "messages with role 'function' (deprecated by OpenAI) are not supported; send "
+                          "role 'tool' with a tool_call_id")
         return value
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.role == "tool" and self.tool_call_id is None:
+            raise invalid("tool_call_id", "a message with role 'tool' needs the tool_call_id it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise invalid("tool_calls", f"only assistant messages carry tool_calls, not role '{self.role}'")
+        for call in self.tool_calls:
+            _arguments_object(call.function.arguments)
+        return self
 
     @field_validator("content")
     @classmethod
@@ -265,12 +367,29 @@ class ChatMessage(OpenAIModel):
             texts.append(part["text"])
         return "\n".join(texts)
 
-    def template_dict(self) -> dict[str, str]:
-        """The message as chat templates expect it; `developer` is the newer name of `system`."""
-        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: `developer` is the newer name of `system`;
+        tool-call arguments as objects (as Hugging Face templates render them), not JSON text."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self.content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
         return message
+
+
+def _arguments_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        raise invalid("tool_calls", f"tool call arguments must be JSON text, got {arguments[:80]!r}") from None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -291,12 +410,11 @@ class ChatCompletionRequest(SamplingRequest):
     metadata: Any = None
     modalities: Any = None
     n: int = Field(1, ge=1)
-    parallel_tool_calls: Optional[bool] = None
-    """Accepted: it changes nothing without tools."""
+    parallel_tool_calls: bool = True
+    """Whether one answer may call several tools (false: at most one call)."""
     prediction: Any = None
     presence_penalty: float = 0.0
     reasoning_effort: Any = None
-    response_format: Any = None
     seed: Optional[int] = None
     """Choice i samples with seed + i."""
     service_tier: Any = None
@@ -305,8 +423,12 @@ class ChatCompletionRequest(SamplingRequest):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     temperature: float = 1.0
-    tool_choice: Any = None
-    tools: Any = None
+    tool_choice: Optional[ToolChoice] = None
+    """none: no call (the tools are not shown to the model); auto (the default with tools): the
+    model may call tools in its own format, which is parsed; required: at least one call; a named
+    function: a call of it. Required and named calls are constrained to the declared parameters."""
+    tools: list[Tool] = []
+    """Functions the model may call; the chat template renders them."""
     top_logprobs: Optional[int] = None
     """Alternatives per token (0-20); needs logprobs=true."""
     top_p: float = 1.0
@@ -323,11 +445,8 @@ class ChatCompletionRequest(SamplingRequest):
             "modalities": (["text"],),
             "prediction": (),
             "reasoning_effort": (),
-            "response_format": ({"type": "text"},),
             "service_tier": ("auto", "default"),
             "store": (False,),
-            "tool_choice": ("none",),
-            "tools": ([],),
             "web_search_options": (),
         }
     )
@@ -337,7 +456,32 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "top_logprobs needs logprobs=true")
         self._check_stream_options()
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise invalid("tools", f"tool names must be unique, got {names}")
+        choice = self.tool_choice
+        if (choice in ("auto", "required") or isinstance(choice, NamedToolChoice)) and not self.tools:
+            raise invalid("tool_choice", "tool_choice needs tools; declare them in 'tools'")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise invalid("tool_choice", f"tool_choice names function {choice.function.name!r}, which is not "
+                          f"among the declared tools {names}")
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise invalid("response_format", "response_format cannot be combined with a required or named "
+                          "tool_choice: the calls' arguments already follow the tools' schemas")
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required", or "function" (tool_choice names one: `forced_function`)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "function"
+        return self.tool_choice or "auto"
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """`default_max_tokens` applies when the request sets no limit (the room left in the
@@ -345,6 +489,59 @@ class ChatCompletionRequest(SamplingRequest):
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+
+
+class EmbeddingRequest(OpenAIModel):
+    """POST /v1/embeddings."""
+
+    input: PromptInput
+    """Text, a batch of texts, token ids, or a batch of token-id lists (token ids are used as
+    given: the model's special tokens are not added)."""
+    model: str
+    dimensions: Optional[int] = Field(None, ge=1)
+    """Only for models trained to be truncated (Matryoshka); otherwise their own size or nothing."""
+    encoding_format: Literal["float", "base64"] = "float"
+    """base64: each vector as little-endian float32 bytes, base64-encoded (as OpenAI sends it)."""
+    user: Optional[str] = None
+    """Accepted and not used."""
+
+    @field_validator("input", mode="plain", json_schema_input_type=PromptInput)
+    @classmethod
+    def _input(cls, value: Any) -> Any:
+        return _check_prompts(value, "input")
+
+    @property
+    def inputs(self) -> list[Prompt]:
+        return _batch(self.input)
+
+
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize (vLLM's shape): a `prompt` as /v1/completions tokenizes it, or `messages`
+    (and `tools`) as /v1/chat/completions renders them."""
+
+    model: str
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    tools: list[Tool] = []
+    add_generation_prompt: bool = True
+    """With messages: end with the assistant's turn (as chat completions do)."""
+    add_special_tokens: Optional[bool] = None
+    """Add the tokenizer's special tokens (BOS): default true for a prompt, false for messages
+    (the template writes them)."""
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise invalid("prompt", "send either 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize (vLLM's shape)."""
+
+    model: str
+    tokens: list[int]
 
 
 # ---- responses ----
@@ -405,6 +602,17 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    """Null when the answer is tool calls only."""
+    tool_calls: list[dict[str, Any]] = []
+    """{"id", "type": "function", "function": {"name", "arguments"}} per call; left out when none
+    (as OpenAI does)."""
+
+    @model_serializer(mode="wrap")
+    def _without_empty_calls(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -426,6 +634,16 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    """A call's first delta: {"index", "id", "type": "function", "function": {"name", "arguments": ""}};
+    then {"index", "function": {"arguments": <fragment>}}. Left out when none."""
+
+    @model_serializer(mode="wrap")
+    def _without_empty_calls(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChunkChoice(BaseModel):
@@ -457,11 +675,46 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: Union[list[float], str]
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+Task = Literal["generate", "embed"]
+"""What a model serves: text (/v1/completions, /v1/chat/completions) or embeddings (/v1/embeddings)."""
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "jax-serve"
+    task: Task = "generate"
+    """This server's extension: which routes serve the model."""
 
 
 class ModelList(BaseModel):

@@ -13,6 +13,7 @@ from typing import Optional
 
 from engine.core.request import TokenLogprob
 from serve_app.detokenize import TokenStrings
+from serve_app.tool_calls import ToolCall, ToolCallDelta
 from serve_app.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -59,10 +60,13 @@ class ChoiceUpdate:
     tokens: list[TokenOut] = dataclasses.field(default_factory=list)
     finish_reason: Optional[str] = None
     counts: Optional[ChoiceCounts] = None
+    tool_calls: list[ToolCallDelta] = dataclasses.field(default_factory=list)
+    """Tool-call deltas (chat with tools), in order."""
 
     def extend(self, later: "ChoiceUpdate") -> None:
         self.text += later.text
         self.tokens += later.tokens
+        self.tool_calls += later.tool_calls
         self.finish_reason = later.finish_reason or self.finish_reason
         self.counts = later.counts or self.counts
 
@@ -125,6 +129,19 @@ class CompletionFormatter:
         return out
 
 
+def _message(choice: ChoiceUpdate) -> ChatResponseMessage:
+    """A whole answer: its text, and its tool calls joined from their deltas (content null when
+    the answer is calls only)."""
+    calls: dict[int, ToolCall] = {}
+    for delta in choice.tool_calls:
+        if delta.id is not None:
+            calls[delta.index] = ToolCall(delta.id, delta.name, delta.arguments)
+        else:
+            calls[delta.index].arguments += delta.arguments
+    content = choice.text if choice.text or not calls else None
+    return ChatResponseMessage(content=content, tool_calls=[calls[i].to_openai() for i in sorted(calls)])
+
+
 class ChatFormatter:
     """Shapes of /v1/chat/completions. The first chunk of each choice carries the role."""
 
@@ -136,9 +153,10 @@ class ChatFormatter:
     def chunk(self, update: ChoiceUpdate) -> ChatCompletionChunk:
         role = None if update.index in self._started else "assistant"
         self._started.add(update.index)
+        calls = [d.to_openai() for d in update.tool_calls] or None
         choice = ChatChunkChoice(
             index=update.index,
-            delta=ChatDelta(role=role, content=update.text),
+            delta=ChatDelta(role=role, content=update.text if update.text or not calls else None, tool_calls=calls),
             logprobs=self._chat_logprobs(update.tokens),
             finish_reason=update.finish_reason,
         )
@@ -155,7 +173,7 @@ class ChatFormatter:
             choices=[
                 ChatChoice(
                     index=c.index,
-                    message=ChatResponseMessage(content=c.text),
+                    message=_message(c),
                     logprobs=self._chat_logprobs(c.tokens),
                     finish_reason=c.finish_reason,
                 )

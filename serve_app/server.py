@@ -14,25 +14,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
+import json
 import logging
 import os
 import threading
 import uuid
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
-import jinja2
 from ray import serve
 from ray.serve.exceptions import RayServeException
-from transformers import AutoTokenizer
 
 from engine.async_engine import AsyncEngine
-from engine.core.request import EngineDeadError, SamplingParams, TokenDelta
+from engine.core.request import EngineDeadError, Grammar, SamplingParams, TokenDelta
 from serve_app.config import ModelConfig
 from serve_app.detokenize import TextStream, TokenStrings
-from serve_app.errors import BadRequest, to_api_error
+from serve_app.errors import to_api_error
 from serve_app.metrics import ServerMetrics
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from serve_app.responses import (
     ChatFormatter,
     ChoiceCounts,
@@ -42,17 +42,21 @@ from serve_app.responses import (
     total_usage,
 )
 from serve_app.streams import merge_batches, with_keepalive
+from serve_app.tokenizer import PromptInput, PromptTokenizer
+from serve_app.tool_calls import (
+    CallStream,
+    NamedCallStream,
+    RequiredCallStream,
+    ToolCallDelta,
+    ToolCallStream,
+    default_parser,
+    named_schema,
+    required_schema,
+)
 
 logger = logging.getLogger(__name__)
 
 OpenAIRequest = Union[CompletionRequest, ChatCompletionRequest]
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptInput:
-    ids: list[int]
-    text: Optional[str] = None
-    """The prompt as the client sent it, when it was text (echoed as is)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,8 @@ class Job:
     """max_tokens=0: the one token the engine must make is not part of the answer."""
     logprobs: bool
     formatter: Union[CompletionFormatter, ChatFormatter]
+    calls: Optional[Callable[[], CallStream]] = None
+    """Chat with tools: makes each choice's reader of tool calls out of its text."""
 
 
 def route_logs_to_replica_log() -> None:
@@ -118,7 +124,9 @@ def replica_name() -> str:
 
 
 class ModelServer:
-    """One replica of a model: tokenizer + async engine + metrics."""
+    """One replica of a text generation model: tokenizer + async engine + metrics."""
+
+    task = "generate"
 
     def __init__(self, config: ModelConfig):
         from engine.formats.model_sources import resolve_model
@@ -128,8 +136,9 @@ class ModelServer:
             set_thread_niceness(config.engine_niceness)  # before any engine thread exists: they inherit it
         model_dir = resolve_model(config.model, config.cache_dir)
         self.model_id = config.model_id
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self._vocab_size = len(self.tokenizer)  # a fast tokenizer's len() builds its whole vocab dict: ~10 ms
+        self.prompts = PromptTokenizer(str(model_dir), config.model_id)
+        self.tokenizer = self.prompts.hf
+        self._tool_parser = config.tool_call_parser or default_parser(self.tokenizer.chat_template)
         self._strings = TokenStrings(self.tokenizer)
         engine_cls = import_engine_class(config.engine_cls)
         engine_config = config.engine_config(model_dir)
@@ -198,6 +207,18 @@ class ModelServer:
     def metric_families(self) -> list:
         return self.metrics.families()
 
+    def tokenize(self, request: TokenizeRequest) -> str:
+        try:
+            return self.prompts.tokenize(request, self.engine.stats().max_model_len).model_dump_json()
+        except Exception as exc:
+            raise to_api_error(exc) from None
+
+    def detokenize(self, request: DetokenizeRequest) -> str:
+        try:
+            return self.prompts.detokenize(request).model_dump_json()
+        except Exception as exc:
+            raise to_api_error(exc) from None
+
     def __del__(self):
         engine = getattr(self, "engine", None)
         if engine is not None:
@@ -207,14 +228,16 @@ class ModelServer:
 
     def _job(self, request: OpenAIRequest) -> Job:
         chat = isinstance(request, ChatCompletionRequest)
+        calls = None
         if chat:
-            prompts = [self._chat_prompt(request)]
+            prompts = [self.prompts.chat(request.messages, request.tools if request.tool_mode != "none" else ())]
             params = request.to_sampling_params(default_max_tokens=self._room_after(prompts[0]))
+            params, calls = self._tool_plan(request, params)
         else:
-            prompts = [self._completion_prompt(p) for p in request.prompts]
+            prompts = [self.prompts.prompt(p) for p in request.prompts]
             params = request.to_sampling_params()
-        self._check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
-        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        self.prompts.check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
+        self.prompts.check_token_ids(params.stop_token_ids, "stop_token_ids")
         for prompt in prompts:
             self.engine.validate(prompt.ids, params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -232,37 +255,32 @@ class ModelServer:
             drop_output=not chat and request.max_tokens == 0,
             logprobs=params.logprobs is not None,
             formatter=formatter_cls(request_id, self.model_id, self._strings, params.logprobs is not None),
+            calls=calls,
         )
 
-    def _completion_prompt(self, prompt: Union[str, list[int]]) -> PromptInput:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-            if not ids:
-                raise BadRequest("prompt must not be empty", "prompt")
-            return PromptInput(ids, prompt)
-        self._check_token_ids(prompt, "prompt")
-        return PromptInput(list(prompt))
-
-    def _chat_prompt(self, request: ChatCompletionRequest) -> PromptInput:
-        if not self.tokenizer.chat_template:
-            raise BadRequest(f"model {self.model_id!r} has no chat template; use /v1/completions", "messages")
-        messages = [m.template_dict() for m in request.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except jinja2.TemplateError as exc:
-            raise BadRequest(f"the model's chat template rejected the messages: {exc}", "messages") from None
-        return PromptInput(self.tokenizer.encode(text, add_special_tokens=False))
+    def _tool_plan(self, request: ChatCompletionRequest,
+                   params: SamplingParams) -> tuple[SamplingParams, Optional[Callable[[], CallStream]]]:
+        """How tool calls come out: `auto` parses the model's own format; `required` and a named
+        function constrain the output to the tools' schemas (a grammar naming `tools` in errors)."""
+        mode = request.tool_mode
+        if mode == "none":
+            return params, None
+        if mode == "auto":
+            return params, functools.partial(ToolCallStream, self._tool_parser)
+        if mode == "required":
+            schema = required_schema([t.model_dump(exclude_none=True) for t in request.tools],
+                                     request.parallel_tool_calls)
+            calls: Callable[[], CallStream] = RequiredCallStream
+        else:
+            name = request.tool_choice.function.name
+            schema = named_schema(next(t.function.parameters for t in request.tools if t.function.name == name))
+            calls = functools.partial(NamedCallStream, name)
+        return dataclasses.replace(params, grammar=Grammar("json_schema", json.dumps(schema), "tools")), calls
 
     def _room_after(self, prompt: PromptInput) -> int:
         """Tokens left in the context after the prompt (at least 1, so that the engine's own
         length check reports a prompt that does not fit)."""
         return max(1, self.engine.stats().max_model_len - len(prompt.ids))
-
-    def _check_token_ids(self, ids: Any, param: str) -> None:
-        vocab = self._vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise BadRequest(f"{param} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
 
     # ---- engine requests to choice updates ----
 
@@ -275,6 +293,8 @@ class ModelServer:
         tracker = self.metrics.track(sample.request_id, arrival_time)
         echo_text, echo_offsets = self._echo(sample.prompt) if job.echo else ("", [])
         text = TextStream(self.tokenizer, sample.prompt.ids, job.stops, start_offset=len(echo_text))
+        calls = job.calls() if job.calls is not None else None
+        called = False
         reason, counts = "abort", ChoiceCounts(0, 0, 0)
         try:
             deltas = self.engine.generate(sample.request_id, sample.prompt.ids, sample.params)
@@ -289,17 +309,22 @@ class ModelServer:
                     token_ids = [] if job.drop_output else delta.token_ids
                     new_text, offsets = text.push(token_ids)
                     logprobs = delta.logprobs or [None] * len(token_ids)
-                    update.text += new_text
                     update.tokens += [TokenOut(*t) for t in zip(token_ids, logprobs, offsets)]
                     counts.completion_tokens += len(token_ids)
+                    ending = text.stopped or delta.finished
                     if delta.finished and not text.stopped:
-                        update.text += text.finish()
-                    if text.stopped or delta.finished:
+                        new_text += text.finish()
+                    if calls is None:
+                        update.text += new_text
+                    else:
+                        called |= _read_calls(update, calls, new_text, ending)
+                    if ending:
                         reason = "stop" if text.stopped else delta.finish_reason.value
+                        reason = "tool_calls" if called and reason == "stop" else reason
                         update.finish_reason, update.counts = reason, counts
                         yield update
                         return
-                    if update.text or (job.logprobs and update.tokens):
+                    if update.text or update.tool_calls or (job.logprobs and update.tokens):
                         yield update
         finally:
             tracker.finish(reason, counts.prompt_tokens, counts.completion_tokens, counts.cached_tokens)
@@ -310,6 +335,15 @@ class ModelServer:
         text, offsets = stream.push(prompt.ids)
         text += stream.finish()
         return (prompt.text if prompt.text is not None else text), offsets
+
+
+def _read_calls(update: ChoiceUpdate, calls: CallStream, text: str, ending: bool) -> bool:
+    """Route a choice's new text through its tool-call reader into `update`; True if a call began."""
+    events = calls.push(text) + (calls.finish() if ending else [])
+    update.text += "".join(e for e in events if isinstance(e, str))
+    deltas = [e for e in events if isinstance(e, ToolCallDelta)]
+    update.tool_calls += deltas
+    return bool(deltas)
 
 
 def _seeded(params: SamplingParams, i: int) -> SamplingParams:

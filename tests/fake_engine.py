@@ -130,9 +130,12 @@ class FakeEngine:
             self._running[seq.request_id] = seq
             self._queries += len(seq.prompt)
 
+    def _next_token(self, seq: _Seq) -> int:
+        return seq.prompt[(len(seq.output) + seq.shift) % len(seq.prompt)]
+
     def _advance(self, seq: _Seq) -> TokenDelta:
         i = len(seq.output)
-        token = seq.prompt[(i + seq.shift) % len(seq.prompt)]
+        token = self._next_token(seq)
         seq.output.append(token)
         delta = TokenDelta(seq.request_id, [token], finish_reason=self._finish_reason(seq, token))
         if seq.params.logprobs is not None:
@@ -164,6 +167,21 @@ def _logprob(token: int, position: int, k: int, vocab_size: int) -> TokenLogprob
     chosen = -0.25 * (1 + position % 3)
     top = [(token, chosen)] + [((token + j) % vocab_size, chosen - j) for j in range(1, k)]
     return TokenLogprob(token, chosen, tuple(top[:k]))
+
+
+FIXED_OUTPUT_FILE = "fixed_output.json"
+
+
+class FixedOutputEngine(FakeEngine):
+    """Every request's output is the token ids listed in the checkpoint's `fixed_output.json`
+    (repeated if max_tokens asks for more): a model that says exactly what a test needs."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.output = json.loads((Path(config.model) / FIXED_OUTPUT_FILE).read_text())
+
+    def _next_token(self, seq: _Seq) -> int:
+        return self.output[len(seq.output) % len(self.output)]
 
 
 class SlowFakeEngine(FakeEngine):

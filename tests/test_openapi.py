@@ -20,6 +20,9 @@ MODEL = "tiny"
 PATHS = {
     "/v1/completions": {"post"},
     "/v1/chat/completions": {"post"},
+    "/v1/embeddings": {"post"},
+    "/tokenize": {"post"},
+    "/detokenize": {"post"},
     "/v1/models": {"get"},
     "/v1/models/{model_id}": {"get"},
     "/health": {"get"},
@@ -28,6 +31,8 @@ PATHS = {
 BODIES = {
     "/v1/completions": ("CompletionRequest", "prompt"),
     "/v1/chat/completions": ("ChatCompletionRequest", "messages"),
+    "/v1/embeddings": ("EmbeddingRequest", "input"),
+    "/detokenize": ("DetokenizeRequest", "tokens"),
 }
 MESSAGES = [{"role": "user", "content": "Hello world"}]
 
@@ -192,7 +197,7 @@ def test_with_an_api_key_the_schema_is_open_and_declares_bearer_auth():
         "description": "the server's API key, as `Authorization: Bearer <key>`",
     }
     for path, operations in document["paths"].items():
-        security = [{"HTTPBearer": []}] if path.startswith("/v1/") else None
+        security = [{"HTTPBearer": []}] if path.startswith(("/v1/", "/tokenize", "/detokenize")) else None
         assert all(op.get("security") == security for op in operations.values()), path
 
 

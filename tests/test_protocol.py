@@ -10,7 +10,7 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from engine.core.request import EngineDeadError, InvalidRequestError, SamplingParams
+from engine.core.request import EngineDeadError, Grammar, InvalidRequestError, SamplingParams
 from serve_app.errors import APIError, BadRequest, NotFound, Overloaded, Unauthorized, to_api_error
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -251,6 +251,45 @@ def test_chat_with_every_supported_field():
     )
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def test_response_format_becomes_a_grammar():
+    def grammar(response_format, endpoint=ChatCompletionRequest):
+        fields = {"messages": MESSAGES} if endpoint is ChatCompletionRequest else {"prompt": "x"}
+        request = parse(endpoint, model="m", response_format=response_format, **fields)
+        params = request.to_sampling_params(9) if endpoint is ChatCompletionRequest else request.to_sampling_params()
+        return params.grammar
+
+    assert grammar({"type": "text"}) is None
+    assert grammar({"type": "json_object"}) == Grammar("json_schema", '{"type": "object"}', "response_format")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    expected = Grammar("json_schema", json.dumps(schema), "response_format.json_schema.schema")
+    assert grammar({"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}) == expected
+    assert grammar({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}, CompletionRequest) == expected
+
+
+def test_tool_messages_render_for_templates():
+    request = parse(ChatCompletionRequest, model="m", tools=[TOOL], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ])
+    assert [m.template_dict() for m in request.messages] == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    assert request.tool_mode == "auto"
+    assert parse(ChatCompletionRequest, model="m", messages=MESSAGES, tools=[TOOL], tool_choice="none").tool_mode == "none"
+    assert parse(ChatCompletionRequest, model="m", messages=MESSAGES).tool_mode == "none"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert parse(ChatCompletionRequest, model="m", messages=MESSAGES, tools=[TOOL], tool_choice=named).tool_mode == "function"
+
+
 def test_chat_max_tokens_and_logprobs_mapping():
     def params(**body):
         return parse(ChatCompletionRequest, messages=MESSAGES, model="m", **body).to_sampling_params(77)
@@ -264,19 +303,36 @@ def test_chat_max_tokens_and_logprobs_mapping():
 @pytest.mark.parametrize(
     "body, message, param",
     [
-        ({"tools": [{"type": "function"}]}, "'tools' is not supported yet; only [] is accepted", "tools"),
-        ({"tool_choice": "auto"}, "'tool_choice' is not supported yet; only 'none' is accepted", "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools.0.function: Field required", "tools.0.function"),
+        ({"tools": [TOOL, TOOL]}, "tool names must be unique, got ['get_weather', 'get_weather']", "tools"),
+        ({"tool_choice": "auto"}, "tool_choice needs tools; declare them in 'tools'", "tool_choice"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice names function 'nope', which is not among the declared tools ['get_weather']",
+            "tool_choice",
+        ),
+        (
+            {"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format cannot be combined with a required or named tool_choice: the calls' arguments "
+            "already follow the tools' schemas",
+            "response_format",
+        ),
         ({"functions": [{"name": "f"}]}, "'functions' is not supported yet; only [] is accepted", "functions"),
         ({"function_call": "auto"}, "'function_call' is not supported yet; only 'none' is accepted", "function_call"),
         (
-            {"response_format": {"type": "json_object"}},
-            "'response_format' is not supported yet; only {'type': 'text'} is accepted",
+            {"response_format": {"type": "json_schema"}},
+            "response_format.json_schema must be given exactly when type is 'json_schema'",
             "response_format",
         ),
         (
-            {"response_format": {"type": "json_schema", "json_schema": {}}},
-            "'response_format' is not supported yet; only {'type': 'text'} is accepted",
-            "response_format",
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name: Field required",
+            "response_format.json_schema.name",
+        ),
+        (
+            {"response_format": {"type": "xml"}},
+            "response_format.type: Input should be 'text', 'json_object' or 'json_schema'",
+            "response_format.type",
         ),
         ({"audio": {"voice": "x"}}, "'audio' is not supported yet", "audio"),
         (
@@ -313,8 +369,24 @@ def test_chat_400s(body, message, param):
     [
         (
             {"role": "tool", "content": "x"},
-            "messages with role 'tool' are not supported yet (no tool calling)",
+            "a message with role 'tool' needs the tool_call_id it answers",
+            "messages.0.tool_call_id",
+        ),
+        (
+            {"role": "function", "content": "x", "name": "f"},
+            "messages with role 'function' (deprecated by OpenAI) are not supported; send role 'tool' with a "
+            "tool_call_id",
             "messages.0.role",
+        ),
+        (
+            {"role": "user", "content": "x", "tool_calls": [CALL]},
+            "only assistant messages carry tool_calls, not role 'user'",
+            "messages.0.tool_calls",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{oops"}}]},
+            "tool call arguments must be JSON text, got '{oops'",
+            "messages.0.tool_calls",
         ),
         (
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
@@ -323,8 +395,8 @@ def test_chat_400s(body, message, param):
         ),
         (
             {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
-            "'tool_calls' is not supported yet; only [] is accepted",
-            "messages.0.tool_calls",
+            "messages.0.tool_calls.0.function: Field required",
+            "messages.0.tool_calls.0.function",
         ),
         ({"role": "robot", "content": "x"}, None, "messages.0.role"),
     ],

@@ -302,11 +302,11 @@ def test_400_for_a_prompt_that_does_not_fit(serving, http):
 
 def test_400_for_unsupported_fields(http):
     response = http.post(
-        "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function"}]}
+        "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "audio": {"voice": "alloy"}}
     )
     assert (response.status_code, response.json()) == (
         400,
-        openai_error("'tools' is not supported yet; only [] is accepted", "tools"),
+        openai_error("'audio' is not supported yet", "audio"),
     )
 
 

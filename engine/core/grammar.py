@@ -15,7 +15,6 @@ ids the model has beyond the tokenizer's vocabulary.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -97,11 +96,6 @@ class GrammarState:
     def complete(self) -> bool:
         """Nothing but the end of the output may follow (or the matcher failed)."""
         return self._matcher.is_stopped()
-
-
-def json_schema_grammar(schema: dict, param: str) -> Grammar:
-    """A Grammar for output that is JSON matching `schema`."""
-    return Grammar("json_schema", json.dumps(schema), param)
 
 
 def _what(grammar: Grammar) -> str:
