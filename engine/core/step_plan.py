@@ -76,8 +76,10 @@ class SamplerSwitches(NamedTuple):
 
 
 WARM_SAMPLER_SWITCHES = (SamplerSwitches(), SamplerSwitches(random=True),
-                         SamplerSwitches(random=True, logprobs=True))
-"""The variants warm-up compiles; penalties and top-k/p filtering compile on first use."""
+                         SamplerSwitches(random=True, logprobs=True), SamplerSwitches(constrain=True),
+                         SamplerSwitches(random=True, constrain=True))
+"""The variants warm-up compiles (once per distinct row count: a few seconds); penalties and
+top-k/p filtering compile on first use."""
 
 
 class PromptLogprobInputs(NamedTuple):

@@ -38,6 +38,7 @@ from engine.attention.base import AttentionBackend, CacheShape
 from engine.attention.select import select_backend
 from engine.core.buckets import Bucket, ShapeBuckets
 from engine.core.config import EngineConfig
+from engine.core.grammar import mask_words
 from engine.core.step_plan import WARM_SAMPLER_SWITCHES, SamplerSwitches, StepOutput, StepPlan, empty_step_plan
 from engine.model.loading import load_model, model_info, resolve_dtype
 from engine.model.paged_model import ServingModel, forward, logits_at
@@ -182,11 +183,14 @@ class ModelRunner:
         buckets = self.buckets.all()
         for bucket in buckets:
             plan = empty_step_plan(bucket, self.page_size, step_id=-1)
-            inputs, sampling = self._global((plan.inputs, plan.sampling))
+            every_token = np.full((bucket.rows, mask_words(self.vocab_size)), -1, np.int32)
+            inputs, sampling, masked = self._global((plan.inputs, plan.sampling,
+                                                     plan.sampling._replace(allowed=every_token)))
             with self._device_context():
                 logits, _, self.cache = self.steps.forward(self.cache, inputs, self._no_tokens, bucket)
                 for switches in WARM_SAMPLER_SWITCHES:
-                    jax.block_until_ready(self.steps.sample(logits, sampling, switches=switches))
+                    jax.block_until_ready(self.steps.sample(logits, masked if switches.constrain else sampling,
+                                                            switches=switches))
         if jax.process_count() > 1:  # every host leaves warm-up together
             from jax.experimental.multihost_utils import sync_global_devices
 
