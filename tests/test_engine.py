@@ -329,11 +329,11 @@ def test_dtype_auto_serves_a_checkpoint_in_its_own_dtype(checkpoint_factory, lla
 
 @pytest.mark.parametrize("declared,served", [("bfloat16", "bfloat16"), ("float16", "bfloat16"),
                                              ("float32", "float32"), (None, "float32")])
-def test_the_declared_dtype_decides_auto(declared, served):
-    from engine.model.loading import _declared_dtype
+def test_thedeclared_dtype_decides_auto(declared, served):
+    from engine.model.loading import declared_dtype
 
-    assert _declared_dtype({} if declared is None else {"torch_dtype": declared}) == served
-    assert _declared_dtype({"dtype": declared} if declared else {}) == served  # transformers 5's key
+    assert declared_dtype({} if declared is None else {"torch_dtype": declared}) == served
+    assert declared_dtype({"dtype": declared} if declared else {}) == served  # transformers 5's key
 
 
 def test_the_kv_pool_takes_its_share_of_the_memory_the_weights_leave(llama_dir, monkeypatch, caplog):
@@ -409,16 +409,16 @@ def test_a_url_compilation_cache_goes_to_jax_as_it_is(tmp_path, monkeypatch):
     open, and no local directory named after it appears."""
     import jax
 
-    from engine.runner import model_runner
+    from engine.runner import compilation_cache
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path))
     before = jax.config.jax_compilation_cache_dir
     try:
-        model_runner._enable_compilation_cache("gs://bucket/xla")
+        compilation_cache.enable_compilation_cache("gs://bucket/xla")
         assert jax.config.jax_compilation_cache_dir == "gs://bucket/xla"
         assert list(tmp_path.iterdir()) == []
-        model_runner._enable_compilation_cache("~/xla")
+        compilation_cache.enable_compilation_cache("~/xla")
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla") and (tmp_path / "xla").is_dir()
     finally:
         jax.config.update("jax_compilation_cache_dir", before)

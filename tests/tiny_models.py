@@ -168,3 +168,68 @@ def _patch_config_for_levanter(out: Path, family: str) -> None:
     config = json.loads(path.read_text())
     config.setdefault("no_bias", False)
     path.write_text(json.dumps(config, indent=2))
+
+
+def make_bert_checkpoint(
+    out_dir: str | Path,
+    pooling: str | tuple[str, ...] = "mean",
+    normalize: bool = True,
+    *,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 64,
+    vocab_size: int = 100,
+    max_position_embeddings: int = 128,
+    max_seq_length: int | None = 64,
+    hidden_act: str = "gelu",
+    initializer_range: float = 0.2,
+    bert_prefix: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write a random `BertModel` in the sentence-transformers layout (no tokenizer: tests send ids).
+
+    `pooling`: one or several of "mean", "cls", "max", "mean_sqrt_len" (1_Pooling/config.json);
+    `normalize` adds a Normalize module to modules.json; `max_seq_length` (None: no
+    sentence_bert_config.json); `bert_prefix` saves the weights as `bert.*`, as BertFor* heads do.
+    Biases and LayerNorm weights are random too, so a parity test sees each one loaded.
+    """
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = transformers.BertConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings, hidden_act=hidden_act,
+        initializer_range=initializer_range, pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or "LayerNorm" in name:
+                param.add_(torch.randn_like(param) * initializer_range)
+    model.save_pretrained(out, safe_serialization=True)
+    if bert_prefix:
+        weights = out / "model.safetensors"
+        renamed = {f"bert.{k}": v.contiguous() for k, v in load_file(weights).items()}
+        save_file(renamed, weights, metadata={"format": "pt"})
+    modes = (pooling,) if isinstance(pooling, str) else tuple(pooling)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": hidden_size,
+        "pooling_mode_cls_token": "cls" in modes,
+        "pooling_mode_mean_tokens": "mean" in modes,
+        "pooling_mode_max_tokens": "max" in modes,
+        "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len" in modes,
+    }, indent=2))
+    if max_seq_length is not None:
+        (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
+    return out

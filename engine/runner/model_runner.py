@@ -25,7 +25,6 @@ import dataclasses
 import functools
 import logging
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import haliax as hax
@@ -43,6 +42,7 @@ from engine.core.step_plan import WARM_SAMPLER_SWITCHES, SamplerSwitches, StepOu
 from engine.model.loading import load_model, model_info, resolve_dtype
 from engine.model.paged_model import ServingModel, forward, logits_at
 from engine.runner import sharding
+from engine.runner.compilation_cache import enable_compilation_cache
 from engine.runner.sampler import SampleOutput, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         if config.compilation_cache_dir:
-            _enable_compilation_cache(config.compilation_cache_dir)
+            enable_compilation_cache(config.compilation_cache_dir)
         info = model_info(config.model)
         self.dtype = resolve_dtype(config.dtype, info)
         self.kv_cache_dtype = config.kv_cache_dtype or self.dtype
@@ -311,19 +311,6 @@ def _to_host(tree: Any) -> Any:
     if all(leaf.is_fully_addressable for leaf in leaves):
         return jax.device_get(tree)
     return jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), tree)
-
-
-def _enable_compilation_cache(path: str) -> None:
-    """Persist compiled executables (process-wide jax setting; the same path for every engine).
-    A URL (`gs://bucket/dir`) goes to JAX as it is: the hosts of a slice can share one cache."""
-    if "://" in path:
-        directory = path
-    else:
-        local = Path(path).expanduser()
-        local.mkdir(parents=True, exist_ok=True)
-        directory = str(local)
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 class _MeshContext:

@@ -1,0 +1,200 @@
+"""The embedding engine: token id lists in, one float32 vector per list out (`/v1/embeddings`).
+
+    EmbeddingEngine(config).embed([[101, 7592, 102], [101, 102]]) -> np.ndarray [2, dimensions]
+
+A BERT-family sentence-transformers checkpoint (engine.model.encoder) on one device. A batch is
+sorted by length and cut into groups, each padded into a shape bucket (`EmbedBuckets`: powers of
+two of rows and of positions) that compiles once, where the cuts waste the least padding; padding
+is masked, so a row's embedding does not depend on its batch. All groups of a call are dispatched
+before any result is read back.
+
+Of `EngineConfig` it reads `model`, `dtype`, `max_model_len` (None: sentence_bert_config.json's
+max_seq_length, else the model's max_position_embeddings), `max_num_seqs` (rows per program),
+`max_num_batched_tokens` (padded tokens per program, beyond one row of max_model_len), `warmup`
+and `compilation_cache_dir`. The caller never touches jax: numpy in and out. Not thread-safe
+except `validate`; engine.async_embedder runs it on one thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Optional
+
+import jax
+import numpy as np
+
+from engine.core.config import EngineConfig
+from engine.core.request import InvalidRequestError
+from engine.model import encoder
+from engine.runner.compilation_cache import enable_compilation_cache
+
+logger = logging.getLogger(__name__)
+
+MIN_LENGTH_BUCKET = 16
+"""The shortest padded length compiled: shorter ones would save little and add programs."""
+CALL_OVERHEAD_TOKENS = 32
+"""What one more program costs beyond its tokens, in padded tokens' worth of work: a batch is split
+where that saves more padding than this (all-MiniLM-L6-v2 on a 2-core CPU: ~4 ms a call, ~20
+tokens' work)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedBuckets:
+    """The padded shapes (rows, length) the engine compiles, and how a batch is laid over them.
+
+    Lengths are powers of two from MIN_LENGTH_BUCKET up to `max_len`, then `max_len` itself. A
+    length's rows are powers of two up to its cap, then the cap: `max_rows`, or fewer so that
+    rows x length stays within `max_tokens` (always at least one row).
+    """
+
+    max_rows: int
+    max_len: int
+    max_tokens: int
+
+    def lengths(self) -> list[int]:
+        return _powers_of_two_then(min(MIN_LENGTH_BUCKET, self.max_len), self.max_len)
+
+    def row_cap(self, length: int) -> int:
+        return max(1, min(self.max_rows, self.max_tokens // length))
+
+    def all(self) -> list[tuple[int, int]]:
+        """Every (rows, length) bucket, the order warm-up compiles them in."""
+        return [(rows, length) for length in self.lengths() for rows in _powers_of_two_then(1, self.row_cap(length))]
+
+    def length_bucket(self, n: int) -> int:
+        return next(length for length in self.lengths() if length >= n)
+
+    def plan(self, lengths: list[int]) -> list[tuple[int, int, list[int]]]:
+        """Groups of input indices with their bucket (rows, length), the cheapest cover of the
+        inputs: sorted by length and cut into runs so that the padded tokens computed, plus
+        CALL_OVERHEAD_TOKENS per program, are fewest (dynamic programming over the cuts, at most
+        len(lengths) x max_rows steps). Every length is at most `max_len`."""
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        fits: dict[int, list[int]] = {}  # length bucket -> rows bucket for each run size
+        best, cut = [0.0] + [float("inf")] * len(order), [0] * (len(order) + 1)
+        for end in range(1, len(order) + 1):
+            length = self.length_bucket(lengths[order[end - 1]])
+            if length not in fits:
+                fits[length] = self._rows_fitting(length)
+            fit = fits[length]
+            for size in range(1, min(end, len(fit) - 1) + 1):
+                cost = best[end - size] + CALL_OVERHEAD_TOKENS + fit[size] * length
+                if cost < best[end]:
+                    best[end], cut[end] = cost, end - size
+        groups, end = [], len(order)
+        while end:
+            groups.append(order[cut[end]:end])
+            end = cut[end]
+        return [self._bucket_of(group, lengths) for group in reversed(groups)]
+
+    def _rows_fitting(self, length: int) -> list[int]:
+        """[_, rows bucket for 1 input, for 2 inputs, ..., for row_cap(length) inputs]."""
+        rows = _powers_of_two_then(1, self.row_cap(length))
+        return [0] + [next(r for r in rows if r >= size) for size in range(1, rows[-1] + 1)]
+
+    def _bucket_of(self, group: list[int], lengths: list[int]) -> tuple[int, int, list[int]]:
+        length = self.length_bucket(max(lengths[i] for i in group))
+        return self._rows_fitting(length)[len(group)], length, group
+
+
+def _powers_of_two_then(start: int, last: int) -> list[int]:
+    """start, 2*start, 4*start, ... below `last`, then `last`."""
+    values = []
+    while start < last:
+        values.append(start)
+        start *= 2
+    return values + [last]
+
+
+class EmbeddingEngine:
+    """A sentence encoder and its compiled buckets. `embed` and `validate` are the whole API."""
+
+    def __init__(self, config: EngineConfig):
+        if config.tensor_parallel_size != 1 or config.num_hosts != 1:
+            raise ValueError("the embedding engine runs on one device; set tensor_parallel_size: 1 and num_hosts: 1")
+        if config.compilation_cache_dir:
+            enable_compilation_cache(config.compilation_cache_dir)
+        self.config = config
+        checkpoint = encoder.read_checkpoint(config.model)
+        model_config = checkpoint.config
+        self.pooling = checkpoint.pooling
+        self.dtype = model_config.dtype if config.dtype == "auto" else config.dtype
+        self.max_model_len = config.max_model_len or checkpoint.max_seq_length or model_config.max_position_embeddings
+        if self.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{model_config.max_position_embeddings}; lower max_model_len")
+        self.vocab_size = model_config.vocab_size
+        self.dimensions = checkpoint.dimensions
+        self.max_batch_size = config.max_num_seqs
+        """Rows of one compiled program; AsyncEmbedder merges callers up to this many inputs."""
+        self.buckets = EmbedBuckets(config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens)
+        model = encoder.load_encoder(checkpoint, self.dtype)
+        # the model travels as its flat list of arrays: flattening equinox modules per call is slow
+        self._weights, treedef = jax.tree_util.tree_flatten(model)
+
+        @jax.jit
+        def program(weights, tokens, mask):
+            return encoder.embed(jax.tree_util.tree_unflatten(treedef, weights), tokens, mask, self.pooling)
+
+        self._program = program
+        self.warmup_seconds: Optional[float] = self.warmup() if config.warmup else None
+        logger.info("embedding engine: %s", self.describe())
+
+    def validate(self, token_ids_batch: list[list[int]]) -> None:
+        """Raise InvalidRequestError (param "input") unless every list can be embedded. Thread-safe."""
+        if not token_ids_batch:
+            raise InvalidRequestError("the input is empty; send at least one text or token list", "input")
+        for i, ids in enumerate(token_ids_batch):
+            if not ids:
+                raise InvalidRequestError(f"input[{i}] has no tokens; send at least one token per input", "input")
+            if len(ids) > self.max_model_len:
+                raise InvalidRequestError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, input[{i}] "
+                    f"has {len(ids)} tokens. Please reduce the length of the input.", "input")
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"input[{i}] names token id {bad}, outside the vocabulary [0, {self.vocab_size})", "input")
+
+    def embed(self, batch: list[list[int]]) -> np.ndarray:
+        """float32 [len(batch), dimensions], row i the embedding of batch[i] (validated first)."""
+        self.validate(batch)
+        lengths = [len(ids) for ids in batch]
+        launched = []
+        for rows, length, group in self.buckets.plan(lengths):
+            tokens = np.zeros((rows, length), np.int32)
+            mask = np.zeros((rows, length), bool)
+            for row, index in enumerate(group):
+                tokens[row, : lengths[index]] = batch[index]
+                mask[row, : lengths[index]] = True
+            launched.append((group, self._program(self._weights, tokens, mask)))  # dispatch, do not wait
+        out = np.empty((len(batch), self.dimensions), np.float32)
+        for group, result in launched:
+            out[group] = np.asarray(result)[: len(group)]
+        return out
+
+    def warmup(self) -> float:
+        """Compile every bucket; returns the seconds it took."""
+        start = time.perf_counter()
+        buckets = self.buckets.all()
+        for rows, length in buckets:
+            jax.block_until_ready(self._program(self._weights, np.zeros((rows, length), np.int32),
+                                                np.ones((rows, length), bool)))
+        seconds = time.perf_counter() - start
+        logger.info("embedding warm-up compiled %d buckets in %.1f s", len(buckets), seconds)
+        return seconds
+
+    def describe(self) -> dict[str, str]:
+        """How the engine runs its model (fixed at start; logged, and an info metric's labels)."""
+        return {
+            "dtype": self.dtype,
+            "pooling": "+".join(self.pooling.modes),
+            "normalize": str(self.pooling.normalize).lower(),
+            "dimensions": str(self.dimensions),
+            "max_model_len": str(self.max_model_len),
+            "max_batch_size": str(self.max_batch_size),
+            "devices": f"1 x {jax.devices()[0].device_kind}",
+            "buckets": str(len(self.buckets.all())),
+        }
