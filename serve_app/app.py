@@ -14,8 +14,12 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
 from serve_app.config import AppConfig, ModelConfig
+from serve_app.embedding_server import EmbeddingServer
 from serve_app.ingress import Ingress
 from serve_app.server import ModelServer
+
+SERVERS = {"generate": ModelServer, "embed": EmbeddingServer}
+"""The replica class of each task."""
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -29,7 +33,8 @@ def build_app(args: dict[str, Any]) -> Application:
         max_ongoing_requests=config.ingress_max_ongoing_requests,
     )
     silence = {m.model_id: m.stream_silence_timeout_s for m in config.models}
-    return ingress.bind(config.api_key, servers, config.limits, config.cors, silence)
+    tasks = {m.model_id: m.task for m in config.models}
+    return ingress.bind(config.api_key, servers, config.limits, config.cors, silence, tasks)
 
 
 def server_deployment(model: ModelConfig) -> serve.Deployment:
@@ -63,4 +68,4 @@ def server_deployment(model: ModelConfig) -> serve.Deployment:
     if bundles:
         options["placement_group_bundles"] = bundles
         options["placement_group_strategy"] = model.placement_group_strategy
-    return serve.deployment(ModelServer).options(**options)
+    return serve.deployment(SERVERS[model.task]).options(**options)

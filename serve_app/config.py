@@ -40,9 +40,15 @@ class ModelConfig(BaseModel):
     alias."""
     cache_dir: Optional[str] = None
     """Where converted/downloaded models are kept on each replica's host (default: the engine's)."""
-    engine_cls: str = "engine.llm_engine:LLMEngine"
+    task: Literal["auto", "generate", "embed"] = "auto"
+    """generate: a text model (/v1/completions, /v1/chat/completions); embed: a sentence encoder
+    (/v1/embeddings). auto: embed for a checkpoint in the sentence-transformers layout (modules.json)
+    or of a BERT-family model_type, and for embedding aliases; generate otherwise. Set it where the
+    checkpoint is not readable from the machine that builds the app."""
+    engine_cls: Optional[str] = None
     """Import path `module:Class` of the engine core, constructed as `cls(EngineConfig)`; imported
-    lazily on the model-server replica (the serving layer never imports jax)."""
+    lazily on the model-server replica (the serving layer never imports jax). None: the task's
+    (engine.llm_engine:LLMEngine, engine.embedding_engine:EmbeddingEngine)."""
     tool_call_parser: Optional[Literal["hermes", "llama3_json"]] = None
     """How tool calls are read from the model's text under `tool_choice: auto`: hermes
     (`<tool_call>{...}</tool_call>`: Hermes, Qwen2.5, Qwen3) or llama3_json (`{"name": ...,
@@ -131,6 +137,10 @@ class ModelConfig(BaseModel):
         del self.engine["model"]
         if self.model_id is None:
             self.model_id = default_model_id(self.model)
+        if self.task == "auto":
+            self.task = detect_task(self.model)
+        if self.engine_cls is None:
+            self.engine_cls = DEFAULT_ENGINES[self.task]
         if ":" not in self.engine_cls:
             raise ValueError(f"engine_cls must look like 'module:Class', got {self.engine_cls!r}")
         if self.stream_silence_timeout_s <= self.stream_keepalive_s:
@@ -145,6 +155,26 @@ class ModelConfig(BaseModel):
     @property
     def deployment_name(self) -> str:
         return "ModelServer-" + re.sub(r"[^A-Za-z0-9_.-]", "-", self.model_id)
+
+
+DEFAULT_ENGINES = {"generate": "engine.llm_engine:LLMEngine", "embed": "engine.embedding_engine:EmbeddingEngine"}
+ENCODER_MODEL_TYPES = frozenset({"bert"})
+"""config.json model types the embedding engine loads (engine/model/encoder.py)."""
+
+
+def detect_task(spec: str) -> str:
+    """embed for a local sentence-transformers / BERT-family checkpoint or an embedding alias,
+    generate for anything else (including a path this machine cannot read)."""
+    from engine.formats.model_sources import builtin_task
+
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if (path / "modules.json").is_file():
+            return "embed"
+        config = path / "config.json"
+        model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+        return "embed" if model_type in ENCODER_MODEL_TYPES else "generate"
+    return builtin_task(spec) or "generate"
 
 
 def default_model_id(spec: str) -> str:
