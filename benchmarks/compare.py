@@ -227,7 +227,8 @@ def free_port() -> int:
 
 def ours_spec(checkpoint: Path, port: int, args: argparse.Namespace, workdir: Path) -> ServerSpec:
     """jax-serve through `serve run` on the shipped deploy/config.yaml with the benchmark's model,
-    sequence limits and HTTP port swapped in (a Serve config is the only way to pick the port)."""
+    sequence limits and HTTP port swapped into its text model (the embedding model left out), a
+    Serve config being the only way to pick the port."""
     import yaml
 
     app_args = {"model": str(checkpoint), "model_id": MODEL_NAME, "dtype": args.ours_dtype,
@@ -235,7 +236,8 @@ def ours_spec(checkpoint: Path, port: int, args: argparse.Namespace, workdir: Pa
     app_args.update(_key_values(args.ours_args, "--ours-args"))
     config = yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": port}
-    config["applications"][0]["args"].update(app_args)
+    args = config["applications"][0]["args"]
+    args["models"] = [{**args["models"][0], **app_args}]  # the text model only
     path = workdir / "ours-serve.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     serve = Path(sys.executable).parent / "serve"

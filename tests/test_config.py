@@ -71,19 +71,22 @@ def test_bad_args_say_what_to_change(args, message):
 def test_defaults_are_small_and_every_field_is_documented():
     model = ModelConfig(model="m")
     assert (model.num_cpus, model.max_ongoing_requests, model.max_queued_requests) == (0.5, 64, 256)
-    assert model.engine_cls == "engine.llm_engine:LLMEngine"
+    assert (model.task, model.engine_cls) == ("generate", "engine.llm_engine:LLMEngine")
     fields = {**ModelConfig.model_fields, **AppConfig.model_fields, **RequestLimits.model_fields,
               **CorsConfig.model_fields}
     assert [name for name, field in fields.items() if not field.description] == []
 
 
-@pytest.mark.parametrize("name", ["config.yaml", "tpu.yaml"])
-def test_deploy_configs_are_valid_serve_configs_for_the_default_model(name):
+@pytest.mark.parametrize("name,models", [
+    ("config.yaml", [("smollm2-135m-instruct", "generate"), ("all-minilm-l6-v2", "embed")]),
+    ("tpu.yaml", [("smollm2-135m-instruct", "generate")]),
+])
+def test_deploy_configs_are_valid_serve_configs_for_the_default_model(name, models):
     schema = ServeDeploySchema.model_validate(yaml.safe_load((DEPLOY / name).read_text()))
     (app,) = schema.applications
     assert app.import_path == "serve_app:build_app"
     config = AppConfig.from_args(app.args)
-    assert [m.model_id for m in config.models] == ["smollm2-135m-instruct"]
+    assert [(m.model_id, m.task) for m in config.models] == models
 
 
 def test_limits_and_cors_are_app_keys_flat_or_nested():

@@ -360,7 +360,7 @@ def test_compare_serves_the_shipped_config_with_the_benchmarks_model(tmp_path):
     args, shipped_args = written["applications"][0]["args"], shipped["applications"][0]["args"]
     swapped = {"model": str(tmp_path / "ckpt"), "model_id": "bench-llama", "dtype": "bfloat16", "max_num_seqs": 32,
                "max_model_len": 256}
-    assert args == {**shipped_args, **swapped}
+    assert args == {**shipped_args, "models": [{**shipped_args["models"][0], **swapped}]}
 
 
 def test_compare_interleaves_systems_each_round_and_drops_a_failed_one(monkeypatch, tmp_path):

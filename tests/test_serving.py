@@ -47,6 +47,7 @@ MODEL_FAULTY = "faulty-fake"
 a 2 s step watchdog, a 1 s health-check period, and streams the ingress ends after 3 s of silence
 (keepalives every 0.5 s)."""
 MAX_MODEL_LEN = 512
+DEFAULT_APP = Path(__file__).parent.parent / "deploy" / "config.yaml"
 MAX_ONGOING = 8
 MAX_QUEUED = 8
 EXTRA = 14
@@ -67,8 +68,12 @@ def serving(checkpoint_factory):
 
     from serve_app import build_app
 
+    import yaml
+
     checkpoint = checkpoint_factory("llama")
     eight_heads = checkpoint_factory("llama", **EIGHT_HEADS)
+    # the default app's embedding model, as deploy/config.yaml configures it (compiled on first use)
+    embedder = yaml.safe_load(DEFAULT_APP.read_text())["applications"][0]["args"]["models"][1]
     port = free_port()
     ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     try:
@@ -92,6 +97,7 @@ def serving(checkpoint_factory):
                      "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "step_timeout_s": 2,
                      "health_check_period_s": 1, "num_cpus": 0.1, "stream_batch_ms": 5,
                      "stream_keepalive_s": 0.5, "stream_silence_timeout_s": 3},
+                    {**embedder, "warmup": False, "num_cpus": 0.1},
                 ],
             }
         )
@@ -284,11 +290,49 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(serving, client,
 
 
 def test_models(client):
-    assert [m.id for m in client.models.list().data] == [MODEL, MODEL_TP2, MODEL_2HOSTS, MODEL_SLOW, MODEL_FAULTY]
+    assert [m.id for m in client.models.list().data] == [MODEL, MODEL_TP2, MODEL_2HOSTS, MODEL_SLOW, MODEL_FAULTY,
+                                                         "all-minilm-l6-v2"]
     assert client.models.retrieve(MODEL).id == MODEL
 
 
 # ---- errors ----
+
+
+def test_the_default_apps_embedding_model_puts_paraphrases_closest(client):
+    """all-MiniLM-L6-v2 from the shipped config, next to the text models behind the same endpoint."""
+    import numpy as np
+
+    from engine.formats.model_sources import resolve_model
+
+    texts = ["Paris is the capital of France", "The French capital is Paris", "Bananas are yellow"]
+    response = client.embeddings.create(model="all-minilm-l6-v2", input=texts)
+    paris, paraphrase, bananas = (np.array(d.embedding) for d in response.data)
+    assert len(paris) == 384 and np.isclose(np.linalg.norm(paris), 1.0, atol=1e-5)
+    assert paris @ paraphrase > 0.8 > 0.2 > paris @ bananas
+    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model("all-minilm-l6-v2"))
+    assert response.usage.prompt_tokens == sum(len(tokenizer.encode(t)) for t in texts) == 20
+    tasks = {m.id: m.task for m in client.models.list().data}
+    assert tasks["all-minilm-l6-v2"] == "embed" and tasks[MODEL] == "generate"
+
+
+def test_json_schema_and_a_named_tool_call_through_ray_serve(client):
+    """Constrained decoding on the real replica (the random model says garbage otherwise)."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "n": {"type": "integer",
+              "minimum": 0, "maximum": 9}}, "required": ["city", "n"], "additionalProperties": False}
+    answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, seed=3, temperature=1.0, n=2,
+                                            max_tokens=40, response_format={
+                                                "type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    for choice in answer.choices:
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    tool = {"type": "function", "function": {"name": "pick", "parameters": schema}}
+    call = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[tool], seed=4, temperature=1.0,
+                                          max_tokens=40, tool_choice={"type": "function", "function": {"name": "pick"}})
+    assert call.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.choices[0].message.tool_calls[0].function.arguments), schema)
 
 
 def test_400_for_a_prompt_that_does_not_fit(serving, http):
