@@ -368,7 +368,8 @@ def test_404_for_an_unknown_model(client):
         client.completions.create(model="gpt-5", prompt="x")
     assert info.value.status_code == 404
     assert info.value.body == {
-        "message": f"the model 'gpt-5' does not exist; served models: ['{MODEL_FAULTY}', '{MODEL_SLOW}', '{MODEL}', '{MODEL_2HOSTS}', '{MODEL_TP2}']",
+        "message": "the model 'gpt-5' does not exist; served models: ['all-minilm-l6-v2', "
+                   f"'{MODEL_FAULTY}', '{MODEL_SLOW}', '{MODEL}', '{MODEL_2HOSTS}', '{MODEL_TP2}']",
         "type": "invalid_request_error",
         "param": "model",
         "code": "model_not_found",
