@@ -12,6 +12,10 @@ each finished request is replaced by a new one until N have run (the engine's ce
 serving comparison, without HTTP, Ray or detokenizing). Compile time is excluded (the engine warms up
 first). Prints one row per batch size; each figure is the median of `--repeats` runs.
 
+`--grammar none,json` runs each batch size both free and under a JSON schema (structured output:
+an array of strings that cannot close before `--new-tokens`, so both produce as many tokens),
+interleaved round by round on the same engine; one row per batch size and grammar.
+
 `--one-engine` serves every batch size from one engine sized for the largest (one load and warm-up,
 as an accelerator run wants); `--bandwidth-bound` times a device-memory copy and prints the batch-1
 decode step against the bound it implies (checkpoint bytes / copy bandwidth: each decode step reads
@@ -32,8 +36,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from engine.core.config import EngineConfig  # noqa: E402
+from engine.core.request import Grammar, SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.core.request import SamplingParams  # noqa: E402
 
 SHAPES = {
     "bench-110m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048,
@@ -70,11 +74,16 @@ def copy_bandwidth(gib: int = 4, repeats: int = 10) -> float:
     return 2 * x.nbytes / statistics.median(times)
 
 
+BENCH_SCHEMA = '{"type": "array", "items": {"type": "string"}, "minItems": 100000}'
+"""JSON the output cannot complete within any benchmark's length: every request runs to max_tokens."""
+GRAMMARS = {"none": None, "json": Grammar("json_schema", BENCH_SCHEMA)}
+
+
 def run_once(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: int,
-             requests: int | None = None) -> dict:
+             requests: int | None = None, grammar: str = "none") -> dict:
     """`batch` requests at once; with `requests`, each finished one is replaced until that many ran."""
     rng = np.random.default_rng(seed)
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, grammar=GRAMMARS[grammar])
     submitted = 0
 
     def submit() -> None:
@@ -134,6 +143,8 @@ def main(argv=None) -> None:
     parser.add_argument("--requests", type=int, default=None,
                         help="closed loop: keep `batch` requests running until this many have run")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--grammar", default="none",
+                        help="comma-separated: none (free text), json (every request under BENCH_SCHEMA)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "xla", "tpu"],
                         help="the engine's attention backend (auto: cpu kernels on x86 CPUs)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -170,6 +181,9 @@ def main(argv=None) -> None:
         ray.init(address="local", include_dashboard=False, runtime_env={"env_vars": env})
     bandwidth = copy_bandwidth() if args.bandwidth_bound else None  # before an engine takes the memory
     batches = [int(b) for b in args.batch.split(",")]
+    grammars = args.grammar.split(",")
+    if set(grammars) - set(GRAMMARS):
+        parser.error(f"--grammar takes {', '.join(GRAMMARS)}")
     step_ms = {}
     engine = None
     for batch in batches:
@@ -183,21 +197,25 @@ def main(argv=None) -> None:
                 num_hosts=args.num_hosts, num_pages=args.num_pages))
         if batch == batches[0]:
             d = engine.describe()
-            print(f"| batch | output tok/s | decode step ms | run s | steps |{' replayed step ms |' * args.replay}"
+            print(f"| batch | grammar | output tok/s | decode step ms | run s | steps |"
+                  f"{' replayed step ms |' * args.replay}"
                   f"  ({d['dtype']}, {d['attention_backend']} "
                   f"backend, cpu_matmul {args.cpu_matmul}, tp={d['tensor_parallel_size']}, hosts={d['num_hosts']}, "
                   f"{args.prompt_len} in / "
                   f"{args.new_tokens} out)")
-            print("|---|---|---|---|---|" + "---|" * args.replay)
-        runs = [run_once(engine, batch, args.prompt_len, args.new_tokens, seed, args.requests)
-                for seed in range(args.repeats)]
+            print("|---|---|---|---|---|---|" + "---|" * args.replay)
+        runs = {g: [] for g in grammars}
+        for seed in range(args.repeats):  # interleaved: drift hits every grammar alike
+            for g in grammars:
+                runs[g].append(run_once(engine, batch, args.prompt_len, args.new_tokens, seed, args.requests, g))
         if args.num_hosts > 1 and not args.one_engine:
             engine.runner.shutdown()  # the next batch size starts its own workers
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        step_ms[batch] = med["step_ms"]
         replayed = f" {replay_step_ms(engine, batch):.2f} |" if args.replay and args.num_hosts == 1 else ""
-        print(f"| {batch} | {med['tok_s']:.0f} | {med['step_ms']:.2f} | {med['seconds']:.2f} | {med['steps']:.0f} |"
-              f"{replayed}", flush=True)
+        for g in grammars:
+            med = {k: statistics.median(r[k] for r in runs[g]) for k in runs[g][0]}
+            step_ms.setdefault(batch, med["step_ms"])
+            print(f"| {batch} | {g} | {med['tok_s']:.0f} | {med['step_ms']:.2f} | {med['seconds']:.2f} | "
+                  f"{med['steps']:.0f} |{replayed}", flush=True)
     if args.num_hosts > 1 and args.one_engine:
         engine.runner.shutdown()
     if bandwidth:

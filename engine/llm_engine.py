@@ -14,9 +14,11 @@ This is safe for the KV pages such a sequence frees: steps run in launch order o
 whatever N+1 writes into them lands before any later step that reuses them.
 
 Structured output (a request with a grammar, engine.core.grammar): the bitmask a constrained row
-samples under depends on every token before it, so while such a sequence runs, each step is
-fetched before the next is planned (as with penalties): its host work is serialised with the
-device, for the whole batch. The mask is computed while planning and applied on the device.
+samples under depends on every token before it, including the one step N is still sampling. So
+step N+1 is launched in two parts: its forward pass first (as any step, reading N's tokens on the
+device), then, once N is fetched and the grammars have taken its tokens, the masks are computed
+and N+1's sampling is launched. The masks overlap N+1's forward pass; what waits is the sampling.
+A runner that cannot defer sampling (several hosts) fetches each step before planning the next.
 
 Single-threaded by design: `AsyncEngine` drives it from one background thread.
 """
@@ -56,6 +58,8 @@ class LaunchedStep:
     slots: RowSlots
     handle: Any
     """What the executor returned from `launch` (a device step, or the workers' calls)."""
+    masks_pending: bool = False
+    """Its sampling waits for its grammars' masks (`LLMEngine._sample_constrained`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +147,8 @@ class LLMEngine:
         launched = self._launch(previous)
         if previous is not None:
             deltas += self._finish(previous)
+        if launched is not None and launched.masks_pending:
+            self._sample_constrained(launched)
         if launched is not None:
             if self.config.async_scheduling:
                 self._in_flight = launched
@@ -177,7 +183,9 @@ class LLMEngine:
 
     def _needs_host_tokens(self) -> bool:
         """Whether planning the next step needs every token sampled so far on the host."""
-        return any(seq.params.needs_penalties or seq.grammar is not None for seq in self.scheduler.running)
+        defer = self.runner.defers_sampling
+        return any(seq.params.needs_penalties or (seq.grammar is not None and not defer)
+                   for seq in self.scheduler.running)
 
     def _launch(self, previous: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
         """Plan and dispatch the next step (None if nothing can run); advance its rows."""
@@ -186,8 +194,12 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.rows:
             return None
-        step, slots = self.planner.build(plan, self._num_steps, previous.slots if previous is not None else None)
-        launched = LaunchedStep(plan, slots, self.runner.launch(step))
+        defer = previous is not None and self.runner.defers_sampling
+        step, slots = self.planner.build(plan, self._num_steps, previous.slots if previous is not None else None,
+                                         defer_masks=defer)
+        masks_pending = step.switches.constrain and step.sampling.allowed is None
+        handle = self.runner.launch(step, sample=False) if masks_pending else self.runner.launch(step)
+        launched = LaunchedStep(plan, slots, handle, masks_pending)
         for row in plan.rows:
             row.seq.num_computed += row.length
             if row.samples:
@@ -197,6 +209,12 @@ class LLMEngine:
         self._last_batch = len(plan.rows)
         self._max_batch = max(self._max_batch, self._last_batch)
         return launched
+
+    def _sample_constrained(self, launched: LaunchedStep) -> None:
+        """Launch the sampling of a step whose forward pass is running, under the masks of its
+        grammars (which have now seen every token before this step's)."""
+        rows = list(zip(launched.slots.slots, launched.plan.rows))
+        self.runner.sample(launched.handle, self.planner.allowed_tokens(rows, launched.slots.num_slots))
 
     def _finish(self, launched: LaunchedStep) -> list[TokenDelta]:
         """Wait for a launched step and turn its results into deltas."""

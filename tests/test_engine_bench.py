@@ -27,6 +27,15 @@ def test_without_requests_the_batch_runs_once(llama_dir):
     assert (result["requests"], result["tokens"]) == (3, 12)
 
 
+def test_json_grammar_runs_every_request_to_its_length(llama_dir):
+    """The benchmark's schema cannot complete early: constrained and free runs make as many tokens."""
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=3, max_num_batched_tokens=24, prefill_chunk=8,
+                                    page_size=4, max_model_len=48, warmup=False))
+    result = run_once(engine, batch=3, prompt_len=5, new_tokens=20, seed=1, grammar="json")
+    assert (result["requests"], result["tokens"]) == (3, 60)
+    assert engine.stats().num_free_pages == engine.stats().num_pages
+
+
 def test_replaying_padding_steps_leaves_the_engine_serving_as_before(llama_dir):
     """--replay launches padding-only steps straight on the runner: they write only to the scratch
     page, so the same greedy requests give the same tokens after them."""

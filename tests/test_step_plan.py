@@ -72,7 +72,7 @@ def test_padded_layout_puts_decodes_first_and_each_prompt_chunk_in_its_own_slots
     assert x.page_table.tolist() == [table(a), table(b)]
     assert (x.kv_lens.tolist(), x.q_start.tolist(), x.q_lens.tolist()) == ([6, 8], [0, 1], [1, 8])
     assert x.sample_index.tolist() == [0, 8]
-    assert slots == RowSlots(1, [0, 1], {"a": 0}, [])  # b's chunk does not reach its prompt's end
+    assert slots == RowSlots(1, [0, 1], {"a": 0}, [], 2)  # b's chunk does not reach its prompt's end
     assert step.reads_step is None and step.prompt_logprobs is None
 
 
@@ -127,7 +127,7 @@ def test_sampling_inputs_switches_and_dense_penalties():
     sched.add(picky)
     step, slots = planner.build(sched.schedule(), step_id=0)
     assert slots.slots == [0, 1]  # two prompt rows: no decode group
-    assert step.switches == (True, True, True, True)
+    assert step.switches == (True, True, True, True, False)
     s = step.sampling
     assert s.temperature.tolist() == pytest.approx([0.0, 0.7])
     assert (s.top_k.tolist(), s.seed.tolist(), s.position.tolist()) == ([0, 5], [1, 11], [2, 3])
@@ -165,3 +165,32 @@ def _plain(value) -> bool:
     if isinstance(value, tuple):
         return all(_plain(v) for v in value)
     return value is None or isinstance(value, (np.ndarray, int, float, bool, Bucket))
+
+
+class OnlyToken:
+    """A grammar state that allows one token (the planner's view of engine.core.grammar)."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        out[:] = 0
+        out[self.token // 32] = np.int32(np.uint32(1 << (self.token % 32)).view(np.int32))
+
+
+def test_constrained_rows_get_their_grammars_masks_now_or_deferred():
+    sched, planner = setup(ragged=False)
+    free = Sequence("f", [5, 6], SamplingParams(), seed=1)
+    constrained = Sequence("c", [7, 8, 9], SamplingParams(), seed=2)
+    constrained.grammar = OnlyToken(40)
+    sched.add(free)
+    sched.add(constrained)
+    plan = sched.schedule()
+    step, slots = planner.build(plan, step_id=0)
+    assert step.switches.constrain and step.sampling.allowed.shape == (2, 2)  # ceil(64 / 32) words
+    assert step.sampling.allowed[0].tolist() == [-1, -1]  # the free row: every token
+    assert step.sampling.allowed[1].view(np.uint32).tolist() == [0, 1 << 8]  # token 40 only
+    deferred, slots = planner.build(plan, step_id=0, defer_masks=True)
+    assert deferred.switches.constrain and deferred.sampling.allowed is None
+    later = planner.allowed_tokens(list(zip(slots.slots, plan.rows)), slots.num_slots)
+    assert np.array_equal(later, step.sampling.allowed)

@@ -68,9 +68,16 @@ def test_outputs_match_the_schema_for_every_seed(engine, tokenizer):
     assert_all_pages_free(engine)
 
 
-def test_seeded_constrained_output_is_reproducible_and_async_scheduling_changes_nothing(llama_dir, engine):
+def test_seeded_constrained_output_is_reproducible_and_async_scheduling_changes_nothing(llama_dir, engine,
+                                                                                         monkeypatch):
+    """With async scheduling the masks are made while the next forward pass runs (its sampling
+    launched afterwards); one step at a time they are made before: the same tokens either way."""
     prompt = make_prompts([13], seed=8)[0]
+    deferred = []
+    sample = engine.runner.sample
+    monkeypatch.setattr(engine.runner, "sample", lambda handle, allowed: deferred.append(sample(handle, allowed)))
     first = tokens_of(run_to_completion(engine, {"a": (prompt, constrained(seed=5))})["a"])
+    assert len(deferred) >= len(first) - 2  # every decode step but the first sampled after its masks
     again = tokens_of(run_to_completion(engine, {"a": (prompt, constrained(seed=5))})["a"])
     serial = LLMEngine(EngineConfig(model=str(llama_dir), **{**TIGHT, "async_scheduling": False}))
     assert first == again == tokens_of(run_to_completion(serial, {"a": (prompt, constrained(seed=5))})["a"])

@@ -28,7 +28,7 @@ import numpy as np
 from engine.core.buckets import Bucket, ShapeBuckets, pow2
 from engine.core.grammar import mask_words
 from engine.core.pages import SCRATCH_PAGE
-from engine.core.scheduler import Plan, Row
+from engine.core.scheduler import Plan, Row, Status
 
 U32 = 2**32
 
@@ -133,6 +133,8 @@ class RowSlots:
     """Sampling slot of each row that samples, by request id (what the next step reads)."""
     prompt_rows: list[int]
     """For each prompt logprob entry: the index (into `plan.rows`) of the row it belongs to."""
+    num_slots: int = 0
+    """Sampling slots of the step (its bucket's rows)."""
 
 
 class StepPlanner:
@@ -144,9 +146,11 @@ class StepPlanner:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
 
-    def build(self, plan: Plan, step_id: int, previous: Optional[RowSlots] = None) -> tuple[StepPlan, RowSlots]:
+    def build(self, plan: Plan, step_id: int, previous: Optional[RowSlots] = None,
+              defer_masks: bool = False) -> tuple[StepPlan, RowSlots]:
         """The plan of one step. `previous`: the step in flight, whose sampled tokens fill the
-        placeholders of this one."""
+        placeholders of this one. `defer_masks`: leave `sampling.allowed` None even when a row
+        is constrained (`allowed_tokens` makes it once the grammars have seen `previous`'s tokens)."""
         pages_needed = max(-(-(row.start + row.length) // self.page_size) for row in plan.rows)
         bucket = self.buckets.for_step(len(plan.decode), [row.length for row in plan.prefill], pages_needed)
         inputs = _empty_inputs(bucket, self.page_size)
@@ -159,12 +163,12 @@ class StepPlanner:
         if bucket.ragged:  # padding rows start where the tokens end, so q_start stays sorted
             inputs.q_start[len(plan.rows):] = starts[-1] + plan.rows[-1].length
         rows = list(zip(slots, plan.rows))
-        sampling, switches = self._sampling_inputs(rows, bucket.rows)
+        sampling, switches = self._sampling_inputs(rows, bucket.rows, defer_masks)
         prompt_lps, prompt_rows = self._prompt_logprob_inputs(plan, starts)
         step = StepPlan(step_id, bucket, inputs, sampling, switches, prompt_lps,
                         previous.step_id if reads_previous else None)
         slot_of = {row.seq.request_id: slot for slot, row in rows if row.samples}
-        return step, RowSlots(step_id, slots, slot_of, prompt_rows)
+        return step, RowSlots(step_id, slots, slot_of, prompt_rows, bucket.rows)
 
     # ---- internals ----
 
@@ -209,7 +213,8 @@ class StepPlanner:
         inputs.prev_slot[offset + row.length - 1] = prev
         return True
 
-    def _sampling_inputs(self, rows: list[tuple[int, Row]], n: int) -> tuple[SamplingInputs, SamplerSwitches]:
+    def _sampling_inputs(self, rows: list[tuple[int, Row]], n: int,
+                         defer_masks: bool = False) -> tuple[SamplingInputs, SamplerSwitches]:
         temperature, top_p, min_p = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.float32)
         top_k, seed, position = np.zeros(n, np.int32), np.zeros(n, np.uint32), np.zeros(n, np.int32)
         for i, row in rows:
@@ -227,15 +232,17 @@ class StepPlanner:
         inputs = SamplingInputs(temperature, top_k, top_p, min_p, seed, position)
         if switches.penalize:
             inputs = inputs._replace(**self._dense_inputs(rows, n))
-        if switches.constrain:
-            inputs = inputs._replace(allowed=self._allowed_tokens(rows, n))
+        if switches.constrain and not defer_masks:
+            inputs = inputs._replace(allowed=self.allowed_tokens(plan_rows=rows, n=n))
         return inputs, switches
 
-    def _allowed_tokens(self, rows: list[tuple[int, Row]], n: int) -> np.ndarray:
-        """The token bitmask of every row: what its grammar allows next, every token for the rest."""
+    def allowed_tokens(self, plan_rows: list[tuple[int, Row]], n: int) -> np.ndarray:
+        """The token bitmask of a step's `n` sampling slots, from (slot, row) pairs: what each
+        constrained row's grammar allows next, every token for the rest (a row of a sequence
+        that has finished meanwhile included: its token is dropped)."""
         allowed = np.full((n, mask_words(self.vocab_size)), -1, np.int32)
-        for i, row in rows:
-            if row.samples and row.seq.grammar is not None:
+        for i, row in plan_rows:
+            if row.samples and row.seq.grammar is not None and row.seq.status is not Status.FINISHED:
                 row.seq.grammar.fill_mask(allowed[i])
         return allowed
 

@@ -121,6 +121,10 @@ class EngineWorker:
 class MultiHostExecutor:
     """The leader's view of its workers: the surface of `ModelRunner` (launch / fetch / warmup)."""
 
+    defers_sampling = False
+    """Each step goes to the workers whole (one call per step): a grammar's masks are computed
+    before it is launched."""
+
     def __init__(self, config: EngineConfig):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

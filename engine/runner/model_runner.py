@@ -53,11 +53,14 @@ class StepHandle:
     """A step dispatched to the devices; `ModelRunner.fetch` waits for and reads its results."""
 
     step_id: int
-    out: SampleOutput
-    """On device until fetched; `out.tokens` feeds the next step's pending tokens."""
+    out: Optional[SampleOutput]
+    """On device until fetched; `out.tokens` feeds the next step's pending tokens. None until
+    `ModelRunner.sample` dispatches a deferred sampling."""
     logprobs: bool
     prompt: Optional[tuple]
     """Device arrays of the prompt logprobs the step computes, if any."""
+    unsampled: Optional[tuple] = None
+    """(logits, sampling inputs, switches) of a step launched with its sampling deferred."""
 
 
 class _Steps:
@@ -151,21 +154,39 @@ class ModelRunner:
 
     # ---- public ----
 
-    def launch(self, plan: StepPlan) -> StepHandle:
-        """Dispatch one step without waiting for it."""
-        if plan.reads_step is not None and plan.reads_step != self._last_step:
+    defers_sampling = True
+    """`launch(plan, sample=False)` then `sample(handle, allowed)` is supported (the engine
+    computes a step's grammar masks while its forward pass runs)."""
+
+    def launch(self, plan: StepPlan, sample: bool = True) -> StepHandle:
+        """Dispatch one step without waiting for it. With `sample=False` only the forward pass
+        goes: `sample` must dispatch the sampling before the next step is launched."""
+        if plan.reads_step is not None and (plan.reads_step != self._last_step or self._last_tokens is None):
             raise RuntimeError(f"step {plan.step_id} reads the tokens of step {plan.reads_step}, but the last step "
-                               f"launched here was {self._last_step} (engine bug)")
+                               f"sampled here was {self._last_step if self._last_tokens is not None else None} "
+                               "(engine bug)")
         prev_tokens = self._last_tokens if plan.reads_step is not None else self._no_tokens
         inputs, sampling, prompt_inputs = self._global((plan.inputs, plan.sampling, plan.prompt_logprobs))
         with self._device_context():
             logits, hidden, self.cache = self.steps.forward(self.cache, inputs, prev_tokens, plan.bucket)
-            out = self.steps.sample(logits, sampling, switches=plan.switches)
+            out = self.steps.sample(logits, sampling, switches=plan.switches) if sample else None
             prompt = None
             if prompt_inputs is not None:
                 prompt = self.steps.prompt_logprobs(hidden, *prompt_inputs)
-        self._last_step, self._last_tokens = plan.step_id, out.tokens
-        return StepHandle(plan.step_id, out, plan.switches.logprobs, prompt)
+        self._last_step, self._last_tokens = plan.step_id, out.tokens if sample else None
+        unsampled = None if sample else (logits, sampling, plan.switches)
+        return StepHandle(plan.step_id, out, plan.switches.logprobs, prompt, unsampled)
+
+    def sample(self, handle: StepHandle, allowed) -> None:
+        """Dispatch the deferred sampling of the step last launched, under the token bitmask
+        `allowed` (i32[R, ceil(V / 32)])."""
+        if handle.unsampled is None or handle.step_id != self._last_step:
+            raise RuntimeError(f"step {handle.step_id} has no deferred sampling to run (engine bug)")
+        logits, sampling, switches = handle.unsampled
+        with self._device_context():
+            handle.out = self.steps.sample(logits, sampling._replace(allowed=self._global(allowed)), switches=switches)
+        handle.unsampled = None
+        self._last_tokens = handle.out.tokens
 
     def fetch(self, handle: StepHandle) -> StepOutput:
         """Wait for a launched step and read its results."""
