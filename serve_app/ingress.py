@@ -219,8 +219,10 @@ def create_app(
             backend = _backend(backends, request.model, request_cls)
             if isinstance(request, EmbeddingRequest):
                 return _json(await backend.call("embed", request, time.time()))
-            if isinstance(request, (TokenizeRequest, DetokenizeRequest)):
-                return _json(await backend.call(request_cls.__name__.removesuffix("Request").lower(), request))
+            if isinstance(request, TokenizeRequest):
+                return _json(await backend.call("tokenize", request))
+            if isinstance(request, DetokenizeRequest):
+                return _json(await backend.call("detokenize", request))
             return await _respond(backend, request)
         except Exception as exc:
             return error_response(to_api_error(exc))
@@ -237,7 +239,7 @@ def create_app(
     async def chat_completions(raw: Request) -> Response:
         return await serve_request(raw, ChatCompletionRequest)
 
-    @v1.post("/embeddings", openapi_extra=_json_body(EmbeddingRequest), responses=_ok(EmbeddingResponse))
+    @v1.post("/embeddings", openapi_extra=_json_body(EmbeddingRequest), responses=_ok(EmbeddingResponse, streams=False))
     async def embeddings(raw: Request) -> Response:
         return await serve_request(raw, EmbeddingRequest)
 
@@ -254,11 +256,11 @@ def create_app(
     # vLLM's token utilities, next to /v1 (behind the same key)
     utilities = APIRouter(dependencies=[Depends(_authorizer(api_key)), *security], responses=ERRORS)
 
-    @utilities.post("/tokenize", openapi_extra=_json_body(TokenizeRequest), responses=_ok(TokenizeResponse))
+    @utilities.post("/tokenize", openapi_extra=_json_body(TokenizeRequest), responses=_ok(TokenizeResponse, streams=False))
     async def tokenize(raw: Request) -> Response:
         return await serve_request(raw, TokenizeRequest)
 
-    @utilities.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest), responses=_ok(DetokenizeResponse))
+    @utilities.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest), responses=_ok(DetokenizeResponse, streams=False))
     async def detokenize(raw: Request) -> Response:
         return await serve_request(raw, DetokenizeRequest)
 
@@ -325,10 +327,10 @@ def _json_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def _ok(model: type[BaseModel], chunk: Optional[type[BaseModel]] = None) -> dict[Any, Any]:
-    """The 200 of a POST route: `model` as JSON, or (a route with `chunk`) with `stream: true`
-    server-sent events, each `data: <chunk JSON>`, then `data: [DONE]`."""
-    if chunk is None and model not in (CompletionResponse,):
+def _ok(model: type[BaseModel], chunk: Optional[type[BaseModel]] = None, streams: bool = True) -> dict[Any, Any]:
+    """The 200 of a POST route: `model` as JSON, or (where it `streams`) with `stream: true`
+    server-sent events, each `data: <chunk>` (a `chunk`, by default `model` again), then `data: [DONE]`."""
+    if not streams:
         return {200: {"model": model}}
     events = {"type": "string", "description": f"data: <{(chunk or model).__name__} JSON> events, then data: [DONE]"}
     return {200: {"model": model, "content": {"text/event-stream": {"schema": events}}}}
