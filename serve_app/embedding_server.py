@@ -21,25 +21,19 @@ from typing import Any, Optional
 import numpy as np
 
 from engine.async_embedder import AsyncEmbedder
-from engine.core.request import EngineDeadError, EngineStats
+from engine.core.request import EngineStats
 from serve_app.config import ModelConfig
 from serve_app.errors import BadRequest, to_api_error
 from serve_app.metrics import ServerMetrics
-from serve_app.protocol import (
-    DetokenizeRequest,
-    Embedding,
-    EmbeddingRequest,
-    EmbeddingResponse,
-    EmbeddingUsage,
-    TokenizeRequest,
-)
+from serve_app.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from serve_app.replica import Replica
 from serve_app.server import import_engine_class, replica_name, route_logs_to_replica_log
 from serve_app.tokenizer import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 
 
-class EmbeddingServer:
+class EmbeddingServer(Replica):
     """One replica of an embedding model: tokenizer + batched encoder + metrics."""
 
     task = "embed"
@@ -54,10 +48,10 @@ class EmbeddingServer:
         engine_config = config.engine_config(model_dir)
         engine = import_engine_class(config.engine_cls)(engine_config)
         self.dimensions: int = engine.dimensions
-        self.max_model_len: int = engine.max_model_len
+        self._max_model_len: int = engine.max_model_len
         self.embedder = AsyncEmbedder(engine, watchdog_s=engine_config.step_timeout_s)
         self._truncatable = matryoshka_dimensions(model_dir)
-        stats = EngineStats(max_model_len=self.max_model_len)
+        stats = EngineStats(max_model_len=engine.max_model_len)
         self.metrics = ServerMetrics(config.model_id, replica_name(), lambda: stats, self.embedder.describe())
         logger.info("embedding model %s loaded from %s: %s", self.model_id, model_dir,
                     ", ".join(f"{k}={v}" for k, v in self.embedder.describe().items()))
@@ -84,38 +78,13 @@ class EmbeddingServer:
         except Exception as exc:
             raise to_api_error(exc) from None
 
-    def tokenize(self, request: TokenizeRequest) -> str:
-        try:
-            return self.prompts.tokenize(request, self.max_model_len).model_dump_json()
-        except Exception as exc:
-            raise to_api_error(exc) from None
+    @property
+    def core(self) -> AsyncEmbedder:
+        return self.embedder
 
-    def detokenize(self, request: DetokenizeRequest) -> str:
-        try:
-            return self.prompts.detokenize(request).model_dump_json()
-        except Exception as exc:
-            raise to_api_error(exc) from None
-
-    def status(self) -> dict[str, Any]:
-        try:
-            self.embedder.check()
-        except EngineDeadError:
-            return {"model": self.model_id, "alive": False, "error": repr(self.embedder.error)}
-        return {"model": self.model_id, "alive": True, "error": None}
-
-    def check_health(self) -> None:
-        try:
-            self.embedder.check()
-        except EngineDeadError as exc:
-            raise RuntimeError(f"encoder of {self.model_id} is dead: {exc}") from None
-
-    def metric_families(self) -> list:
-        return self.metrics.families()
-
-    def __del__(self):
-        embedder = getattr(self, "embedder", None)
-        if embedder is not None:
-            embedder.shutdown()
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
 
     # ---- internals ----
 

@@ -21,18 +21,19 @@ import logging
 import os
 import threading
 import uuid
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import AsyncIterator, Callable, Optional, Union
 
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from engine.async_engine import AsyncEngine
-from engine.core.request import EngineDeadError, Grammar, SamplingParams, TokenDelta
+from engine.core.request import Grammar, SamplingParams, TokenDelta
 from serve_app.config import ModelConfig
 from serve_app.detokenize import TextStream, TokenStrings
 from serve_app.errors import to_api_error
 from serve_app.metrics import ServerMetrics
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.replica import Replica
 from serve_app.responses import (
     ChatFormatter,
     ChoiceCounts,
@@ -123,7 +124,7 @@ def replica_name() -> str:
         return "local"
 
 
-class ModelServer:
+class ModelServer(Replica):
     """One replica of a text generation model: tokenizer + async engine + metrics."""
 
     task = "generate"
@@ -188,41 +189,13 @@ class ModelServer:
         except Exception as exc:
             raise to_api_error(exc) from None
 
-    def status(self) -> dict[str, Any]:
-        """For the ingress's /health: the engine's own check (a stuck step counts as dead)."""
-        try:
-            self.engine.check()
-        except EngineDeadError:
-            return {"model": self.model_id, "alive": False, "error": repr(self.engine.error)}
-        return {"model": self.model_id, "alive": True, "error": None}
+    @property
+    def core(self) -> AsyncEngine:
+        return self.engine
 
-    def check_health(self) -> None:
-        """Ray Serve's periodic probe: a replica whose engine died, or whose step is stuck past
-        the watchdog, fails it and is restarted (its requests have already been failed)."""
-        try:
-            self.engine.check()
-        except EngineDeadError as exc:
-            raise RuntimeError(f"engine of {self.model_id} is dead: {exc}") from None
-
-    def metric_families(self) -> list:
-        return self.metrics.families()
-
-    def tokenize(self, request: TokenizeRequest) -> str:
-        try:
-            return self.prompts.tokenize(request, self.engine.stats().max_model_len).model_dump_json()
-        except Exception as exc:
-            raise to_api_error(exc) from None
-
-    def detokenize(self, request: DetokenizeRequest) -> str:
-        try:
-            return self.prompts.detokenize(request).model_dump_json()
-        except Exception as exc:
-            raise to_api_error(exc) from None
-
-    def __del__(self):
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.stats().max_model_len
 
     # ---- requests to engine requests ----
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Optional
 
 import llguidance
 import llguidance.hf
