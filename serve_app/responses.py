@@ -129,6 +129,18 @@ class CompletionFormatter:
         return out
 
 
+def _joined(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive deltas of one call as one (a chunk carries each call once: its header with
+    the first fragments, or the fragments that followed)."""
+    joined: list[ToolCallDelta] = []
+    for delta in deltas:
+        if joined and joined[-1].index == delta.index and delta.id is None:
+            last = joined.pop()
+            delta = dataclasses.replace(last, arguments=last.arguments + delta.arguments)
+        joined.append(delta)
+    return joined
+
+
 def _message(choice: ChoiceUpdate) -> ChatResponseMessage:
     """A whole answer: its text, and its tool calls joined from their deltas (content null when
     the answer is calls only)."""
@@ -153,7 +165,7 @@ class ChatFormatter:
     def chunk(self, update: ChoiceUpdate) -> ChatCompletionChunk:
         role = None if update.index in self._started else "assistant"
         self._started.add(update.index)
-        calls = [d.to_openai() for d in update.tool_calls] or None
+        calls = [d.to_openai() for d in _joined(update.tool_calls)] or None
         choice = ChatChunkChoice(
             index=update.index,
             delta=ChatDelta(role=role, content=update.text if update.text or not calls else None, tool_calls=calls),

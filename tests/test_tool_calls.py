@@ -411,3 +411,20 @@ CHATML_TEMPLATE = (
 )
 def test_default_parser(template, parser):
     assert default_parser(template) == parser
+
+
+def test_a_chunk_carries_each_call_once():
+    from serve_app.responses import ChatFormatter, ChoiceUpdate
+
+    class NoStrings:
+        pass
+
+    update = ChoiceUpdate(0, tool_calls=[ToolCallDelta(0, "call_1", "f", ""), ToolCallDelta(0, None, None, '{"a"'),
+                                         ToolCallDelta(0, None, None, ": 1}"), ToolCallDelta(1, "call_2", "g", ""),
+                                         ToolCallDelta(1, None, None, "{}")])
+    chunk = ChatFormatter("id", "m", NoStrings(), logprobs=False).chunk(update)
+    assert chunk.choices[0].delta.tool_calls == [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+        {"index": 1, "id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+    ]
+    assert chunk.choices[0].delta.content is None
