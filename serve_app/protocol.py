@@ -133,6 +133,37 @@ class ResponseFormat(OpenAIModel):
         return None
 
 
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs` extension: exactly one constraint on the output."""
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(None, alias="json")
+    """A JSON schema (an object or its JSON text)."""
+    regex: Optional[str] = None
+    """A regular expression (Rust regex syntax) the whole output matches."""
+    choice: Optional[list[str]] = Field(None, min_length=1)
+    """The output is exactly one of these strings."""
+    grammar: Optional[str] = None
+    """A Lark grammar (llguidance's dialect), starting at `start`."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise invalid("structured_outputs", "structured_outputs takes exactly one of json, regex, choice, grammar")
+        return self
+
+    def grammar_spec(self) -> Grammar:
+        param = "structured_outputs"
+        if self.json_ is not None:
+            schema = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+            return Grammar("json_schema", schema, param)
+        if self.regex is not None:
+            return Grammar("regex", self.regex, param)
+        if self.choice is not None:
+            return Grammar("lark", "start: " + " | ".join(json.dumps(c) for c in self.choice), param)
+        return Grammar("lark", self.grammar, param)
+
+
 class SamplingRequest(OpenAIModel):
     """The base of both request models: this server's extensions beyond OpenAI's fields (vLLM's
     names and meanings), and what both endpoints share."""
@@ -147,6 +178,21 @@ class SamplingRequest(OpenAIModel):
     min_tokens: int = 0
     response_format: Optional[ResponseFormat] = None
     """Constrain the output to JSON (an OpenAI field on chat; an extension on completions)."""
+    structured_outputs: Optional[StructuredOutputs] = None
+    """vLLM's extension: constrain the output to a JSON schema, a regex, a choice or a grammar."""
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "SamplingRequest":
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise invalid("structured_outputs", "send either response_format or structured_outputs, not both")
+        return self
+
+    def grammar(self) -> Optional[Grammar]:
+        """The constraint on the output, if the request sets one."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.grammar_spec()
+        return self.response_format.grammar() if self.response_format is not None else None
 
     _stop = field_validator("stop", check_fields=False)(classmethod(lambda cls, v: _check_stop(v)))
     _logit_bias = field_validator("logit_bias", check_fields=False)(classmethod(lambda cls, v: _check_logit_bias(v)))
@@ -167,7 +213,7 @@ class SamplingRequest(OpenAIModel):
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
-            grammar=self.response_format.grammar() if self.response_format is not None else None,
+            grammar=self.grammar(),
             **kwargs,
         )
 
@@ -470,9 +516,10 @@ class ChatCompletionRequest(SamplingRequest):
             raise invalid("tool_choice", f"tool_choice names function {choice.function.name!r}, which is not "
                           f"among the declared tools {names}")
         forced = choice == "required" or isinstance(choice, NamedToolChoice)
-        if forced and self.response_format is not None and self.response_format.type != "text":
-            raise invalid("response_format", "response_format cannot be combined with a required or named "
-                          "tool_choice: the calls' arguments already follow the tools' schemas")
+        if forced and self.grammar() is not None:
+            param = "structured_outputs" if self.structured_outputs is not None else "response_format"
+            raise invalid(param, f"{param} cannot be combined with a required or named tool_choice: the calls' "
+                          "arguments already follow the tools' schemas")
 
     @property
     def tool_mode(self) -> str:

@@ -163,6 +163,27 @@ def test_invalid_response_format_is_a_400(http, response_format, message, param)
         "message": message, "type": "invalid_request_error", "param": param, "code": None}})
 
 
+@pytest.mark.parametrize("structured,check", [
+    ({"choice": ["yes", "no", 'it "depends"']}, lambda text: text in ("yes", "no", 'it "depends"')),
+    ({"regex": "[0-9]{3}-[a-z]{2}"}, lambda text: __import__("re").fullmatch("[0-9]{3}-[a-z]{2}", text)),
+    ({"grammar": 'start: "(" item ("," item)* ")"\nitem: "a" | "b"'},
+     lambda text: __import__("re").fullmatch(r"\([ab](,[ab])*\)", text)),
+    ({"json": PERSON}, lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
+])
+def test_vllm_structured_outputs(client, structured, check):
+    response = client.chat.completions.create(model=MODEL, messages=ASK, n=3, seed=9, temperature=1.0, max_tokens=60,
+                                              extra_body={"structured_outputs": structured})
+    for choice in response.choices:
+        assert choice.finish_reason == "stop" and check(choice.message.content), choice.message.content
+
+
+def test_structured_outputs_takes_exactly_one_constraint(http):
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                  "structured_outputs": {"regex": "a+", "choice": ["a"]}})
+    assert (response.status_code, response.json()["error"]["message"]) == (
+        400, "structured_outputs takes exactly one of json, regex, choice, grammar")
+
+
 def test_named_tool_choice_calls_that_function_with_valid_arguments(client):
     choice_of = {"type": "function", "function": {"name": "get_weather"}}
     response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice_of, n=3,
