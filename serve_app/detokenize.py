@@ -26,10 +26,13 @@ class IncrementalDetokenizer:
     pushed ids (after the context), and no piece ends inside a multi-byte character."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, context_ids: Iterable[int] = (), skip_special_tokens: bool = True
+        self, tokenizer: PreTrainedTokenizerBase, context_ids: Iterable[int] = (), keep_special: frozenset[int] = frozenset()
     ):
+        """Special tokens are skipped, except those in `keep_special` (a tool-call parser's tags
+        that a model's tokenizer marks special), which decode to their text."""
         self._tokenizer = tokenizer
-        self._skip_special = skip_special_tokens
+        self._keep = keep_special
+        self._drop = special_ids(tokenizer) - keep_special if keep_special else frozenset()
         self._ids = list(context_ids)[-CONTEXT_TOKENS:]
         self._prefix = 0  # ids[_prefix:_read] decode to the text returned last
         self._read = len(self._ids)  # ids[_read:] have not produced text yet
@@ -52,7 +55,17 @@ class IncrementalDetokenizer:
         return text[len(done) :]
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special) if ids else ""
+        if not ids:
+            return ""
+        if self._keep:
+            return self._tokenizer.decode([t for t in ids if t not in self._drop], skip_special_tokens=False)
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Every id that `decode(skip_special_tokens=True)` drops."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
 
 
 class StopMatcher:
@@ -111,8 +124,9 @@ class TextStream:
         context_ids: Iterable[int] = (),
         stops: Iterable[str] = (),
         start_offset: int = 0,
+        keep_special: frozenset[int] = frozenset(),
     ):
-        self._detokenizer = IncrementalDetokenizer(tokenizer, context_ids)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, context_ids, keep_special)
         self._stops = StopMatcher(stops)
         self._length = start_offset
 

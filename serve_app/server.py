@@ -29,7 +29,7 @@ from ray.serve.exceptions import RayServeException
 from engine.async_engine import AsyncEngine
 from engine.core.request import Grammar, SamplingParams, TokenDelta
 from serve_app.config import ModelConfig
-from serve_app.detokenize import TextStream, TokenStrings
+from serve_app.detokenize import TextStream, TokenStrings, special_ids
 from serve_app.errors import to_api_error
 from serve_app.metrics import ServerMetrics
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
@@ -45,6 +45,7 @@ from serve_app.responses import (
 from serve_app.streams import merge_batches, with_keepalive
 from serve_app.tokenizer import PromptInput, PromptTokenizer
 from serve_app.tool_calls import (
+    PARSER_TAGS,
     CallStream,
     NamedCallStream,
     RequiredCallStream,
@@ -84,6 +85,8 @@ class Job:
     formatter: Union[CompletionFormatter, ChatFormatter]
     calls: Optional[Callable[[], CallStream]] = None
     """Chat with tools: makes each choice's reader of tool calls out of its text."""
+    keep_special: frozenset[int] = frozenset()
+    """Special tokens the text keeps (the tool-call parser's tags, under `tool_choice: auto`)."""
 
 
 def route_logs_to_replica_log() -> None:
@@ -140,6 +143,7 @@ class ModelServer(Replica):
         self.prompts = PromptTokenizer(str(model_dir), config.model_id)
         self.tokenizer = self.prompts.hf
         self._tool_parser = config.tool_call_parser or default_parser(self.tokenizer.chat_template)
+        self._tool_tags = _special_tags(self.tokenizer, PARSER_TAGS[self._tool_parser])
         self._strings = TokenStrings(self.tokenizer)
         engine_cls = import_engine_class(config.engine_cls)
         engine_config = config.engine_config(model_dir)
@@ -229,6 +233,7 @@ class ModelServer(Replica):
             logprobs=params.logprobs is not None,
             formatter=formatter_cls(request_id, self.model_id, self._strings, params.logprobs is not None),
             calls=calls,
+            keep_special=self._tool_tags if chat and request.tool_mode == "auto" else frozenset(),
         )
 
     def _tool_plan(self, request: ChatCompletionRequest,
@@ -265,7 +270,8 @@ class ModelServer(Replica):
         early (a stop string) or being closed aborts the engine request."""
         tracker = self.metrics.track(sample.request_id, arrival_time)
         echo_text, echo_offsets = self._echo(sample.prompt) if job.echo else ("", [])
-        text = TextStream(self.tokenizer, sample.prompt.ids, job.stops, start_offset=len(echo_text))
+        text = TextStream(self.tokenizer, sample.prompt.ids, job.stops, start_offset=len(echo_text),
+                          keep_special=job.keep_special)
         calls = job.calls() if job.calls is not None else None
         called = False
         reason, counts = "abort", ChoiceCounts(0, 0, 0)
@@ -308,6 +314,12 @@ class ModelServer(Replica):
         text, offsets = stream.push(prompt.ids)
         text += stream.finish()
         return (prompt.text if prompt.text is not None else text), offsets
+
+
+def _special_tags(tokenizer, tags: tuple[str, ...]) -> frozenset[int]:
+    """The ids of `tags` that `tokenizer` has as special tokens (decoding would drop them)."""
+    vocab = tokenizer.get_vocab()
+    return frozenset(vocab[t] for t in tags if t in vocab) & special_ids(tokenizer)
 
 
 def _read_calls(update: ChoiceUpdate, calls: CallStream, text: str, ending: bool) -> bool:

@@ -29,6 +29,8 @@ from typing import Optional, Union
 
 PARSERS = ("hermes", "llama3_json")
 """Names of the tool-call formats `ToolCallStream` reads (`tool_choice: auto`)."""
+PARSER_TAGS = {"hermes": ("<tool_call>", "</tool_call>"), "llama3_json": ("<|python_tag|>",)}
+"""The markup each format reads; where a tokenizer makes it a special token, the detokenizer keeps it."""
 
 
 @dataclass

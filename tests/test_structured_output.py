@@ -166,3 +166,22 @@ def test_draw_never_picks_a_masked_token():
 
 def test_json_output_has_no_free_whitespace_by_default():
     assert JSON_DEFAULTS == {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def test_aborting_a_constrained_request_mid_generation_frees_everything(engine):
+    """Aborted between a deferred forward pass and its sampling's fetch: the step in flight still
+    completes, the sequence's row is dropped, its pages return."""
+    prompts = make_prompts([10, 20], seed=12)
+    engine.add_request("keep", prompts[0], constrained(seed=1))
+    engine.add_request("drop", prompts[1], constrained(seed=2))
+    made = {"keep": 0, "drop": 0}
+    while made["drop"] < 4:
+        for delta in engine.step():
+            made[delta.request_id] += len(delta.token_ids)
+    engine.abort("drop")
+    final = {}
+    while engine.has_work():
+        for delta in engine.step():
+            final[delta.request_id] = delta.finish_reason
+    assert final["drop"] is FinishReason.ABORT and final["keep"] is FinishReason.STOP
+    assert_all_pages_free(engine)

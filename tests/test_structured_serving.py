@@ -333,3 +333,32 @@ def test_without_tools_the_block_is_plain_text(fixed):
     response = fixed.chat.completions.create(model=MODEL, messages=ASK, max_tokens=100)
     assert (response.choices[0].finish_reason, response.choices[0].message.content) == ("stop", AUTO_OUTPUT)
     assert not response.choices[0].message.tool_calls
+
+
+def test_auto_reads_tags_the_tokenizer_makes_special(long_llama, tmp_path_factory):
+    """A tokenizer where `<tool_call>` / `</tool_call>` are special tokens (decoding drops
+    specials): under tool_choice auto they still reach the parser; EOS still does not show."""
+    from transformers import AutoTokenizer
+
+    out = tools_checkpoint(long_llama, tmp_path_factory)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    tokenizer.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "vocab_size": len(tokenizer)}))
+    start, end = tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    call = '\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'
+    ids = (tokenizer.encode("Checking.", add_special_tokens=False) + [start]
+           + tokenizer.encode(call, add_special_tokens=False) + [end, tokenizer.eos_token_id])
+    (out / FIXED_OUTPUT_FILE).write_text(json.dumps(ids))
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "Checking." + call
+    server, http, client = serve(out, engine_cls="fake_engine:FixedOutputEngine")
+    with http:
+        response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=100)
+        plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=100)
+    server.engine.shutdown()
+    choice = response.choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", "Checking.")
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("get_time", '{"zone":"UTC"}')]
+    assert plain.choices[0].message.content == "Checking." + call  # without tools, specials are dropped
