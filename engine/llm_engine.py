@@ -91,8 +91,9 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(self.runner.info.eos_token_ids)
         self.vocab_size = self.runner.vocab_size
-        self.planner = StepPlanner(self.runner.buckets, self.vocab_size, self.runner.info.eos_token_ids)
         self.grammars, self._no_grammars = _grammar_compiler(config.model, self.vocab_size, self.eos_token_ids)
+        self.planner = StepPlanner(self.runner.buckets, self.vocab_size, self.runner.info.eos_token_ids,
+                                   self.grammars)
         self._sequences: dict[str, Sequence] = {}
         self._aborted: list[str] = []
         self._in_flight: Optional[LaunchedStep] = None
@@ -219,10 +220,22 @@ class LLMEngine:
     def _finish(self, launched: LaunchedStep) -> list[TokenDelta]:
         """Wait for a launched step and turn its results into deltas."""
         results = _row_results(launched.plan, launched.slots, self.runner.fetch(launched.handle))
-        deltas = [self._advance(row, result) for row, result in zip(launched.plan.rows, results)]
+        over = self._feed_grammars(launched.plan.rows, results)
+        deltas = [self._advance(row, result, over.get(row.seq.request_id, False))
+                  for row, result in zip(launched.plan.rows, results)]
         return [delta for delta in deltas if delta is not None]
 
-    def _advance(self, row: Row, result: RowResult) -> Optional[TokenDelta]:
+    def _feed_grammars(self, rows: list[Row], results: list[RowResult]) -> dict[str, bool]:
+        """Feed constrained rows' sampled tokens to their grammars, all at once; per request id,
+        whether its grammar ends the output."""
+        fed = [(row.seq, result.token) for row, result in zip(rows, results)
+               if row.samples and row.seq.grammar is not None and row.seq.status is not Status.FINISHED]
+        if not fed:
+            return {}
+        over = self.grammars.advance([(seq.grammar, token) for seq, token in fed])
+        return {seq.request_id: done for (seq, _), done in zip(fed, over)}
+
+    def _advance(self, row: Row, result: RowResult, grammar_done: bool) -> Optional[TokenDelta]:
         seq = row.seq
         if seq.status is Status.FINISHED:  # aborted, or ended by the step before while this one ran
             return None
@@ -233,7 +246,6 @@ class LLMEngine:
         generated = row.start + row.length - len(seq.prompt_ids) + 1  # outputs up to this row's token
         seq.output_ids[generated - 1] = result.token
         seq.tokens_in_flight -= 1
-        grammar_done = seq.grammar is not None and (not seq.grammar.advance(result.token) or seq.grammar.complete)
         delta = TokenDelta(seq.request_id, [result.token],
                            logprobs=None if result.logprob is None else [result.logprob],
                            finish_reason=self._finish_reason(seq, generated, grammar_done))

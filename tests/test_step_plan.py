@@ -168,18 +168,24 @@ def _plain(value) -> bool:
 
 
 class OnlyToken:
-    """A grammar state that allows one token (the planner's view of engine.core.grammar)."""
+    """A grammar state that allows one token."""
 
     def __init__(self, token: int):
         self.token = token
 
-    def fill_mask(self, out: np.ndarray) -> None:
-        out[:] = 0
-        out[self.token // 32] = np.int32(np.uint32(1 << (self.token % 32)).view(np.int32))
+
+class OnlyTokenMasks:
+    """The planner's view of engine.core.grammar.GrammarCompiler, for OnlyToken states."""
+
+    def fill_masks(self, rows, out: np.ndarray) -> None:
+        for state, i in rows:
+            out[i] = 0
+            out[i, state.token // 32] = np.uint32(1 << (state.token % 32)).view(np.int32)
 
 
 def test_constrained_rows_get_their_grammars_masks_now_or_deferred():
     sched, planner = setup(ragged=False)
+    planner.grammars = OnlyTokenMasks()
     free = Sequence("f", [5, 6], SamplingParams(), seed=1)
     constrained = Sequence("c", [7, 8, 9], SamplingParams(), seed=2)
     constrained.grammar = OnlyToken(40)

@@ -5,8 +5,10 @@ llguidance (a Rust library) holds the model's vocabulary as bytes and, for a mat
 of a grammar, computes the bitmask of the tokens that may come next (bit t of word t // 32). The
 engine keeps one `GrammarState` per constrained sequence: the planner fills that sequence's row of
 the step's bitmask from it, the device sets every other token's logit to -inf before sampling
-(engine.runner.sampler), and the sampled token is fed back with `advance`. A sequence whose grammar
-is complete (nothing but the end may follow) finishes at once with reason `stop`.
+(engine.runner.sampler), and the sampled token is fed back with `advance`. Both run over a step's
+rows at once on llguidance's thread pool (outside the GIL), writing straight into the step's
+bitmask. A sequence whose grammar is complete (nothing but the end may follow) finishes at once
+with reason `stop`.
 
 Invariants: a matcher has consumed exactly the sequence's known output tokens (preemption keeps
 them, so it needs no rollback); a mask never allows a token outside the grammar, nor one of the
@@ -50,6 +52,7 @@ class GrammarCompiler:
         eos = [t for t in eos_token_ids if t < vocab_size] or None
         self.vocab_size = vocab_size
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self._executor = llguidance.LLExecutor()  # 80% of the CPUs, at most 32 threads
         logger.info("structured output: tokenizer of %d ids ready in %.2f s", vocab_size, time.perf_counter() - start)
 
     def compile(self, grammar: Grammar) -> str:
@@ -69,32 +72,34 @@ class GrammarCompiler:
         return text
 
     def state(self, grammar: Grammar) -> "GrammarState":
-        return GrammarState(llguidance.LLMatcher(self._tokenizer, self.compile(grammar)), self.vocab_size)
+        return GrammarState(llguidance.LLMatcher(self._tokenizer, self.compile(grammar)))
+
+    def fill_masks(self, rows: list[tuple["GrammarState", int]], out: np.ndarray) -> None:
+        """Write the bitmask of the tokens each state allows next into its row of `out`
+        (i32[R, mask_words(vocab_size)]); other rows are left as they are."""
+        if rows:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(s.matcher, i) for s, i in rows], out)
+
+    def advance(self, fed: list[tuple["GrammarState", int]]) -> list[bool]:
+        """Feed each state its sampled token; per state, whether its output is over: the grammar
+        is complete, or it refused the token (a mask was not applied: logged)."""
+        accepted = llguidance.numpy.consume_token_par(self._executor, [(s.matcher, t) for s, t in fed])
+        for (state, token), ok in zip(fed, accepted):
+            if not ok:
+                logger.error("grammar refused token %d: %s", token, state.matcher.get_error())
+        return [not ok or state.complete for (state, _), ok in zip(fed, accepted)]
 
 
 class GrammarState:
-    """Where one sequence's output stands in its grammar."""
+    """Where one sequence's output stands in its grammar (its llguidance matcher)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
-        self._matcher = matcher
-        self._row = np.zeros((1, mask_words(vocab_size)), np.int32)
-
-    def fill_mask(self, out: np.ndarray) -> None:
-        """Write the bitmask of the tokens allowed next into `out` (i32[words])."""
-        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._row, 0)
-        out[:] = self._row[0]
-
-    def advance(self, token: int) -> bool:
-        """Feed the sampled token; False if the grammar refused it (a mask was not applied)."""
-        if self._matcher.consume_token(token):
-            return True
-        logger.error("grammar refused token %d: %s", token, self._matcher.get_error())
-        return False
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher = matcher
 
     @property
     def complete(self) -> bool:
         """Nothing but the end of the output may follow (or the matcher failed)."""
-        return self._matcher.is_stopped()
+        return self.matcher.is_stopped()
 
 
 def _what(grammar: Grammar) -> str:

@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from engine.core.buckets import Bucket, ShapeBuckets, pow2
-from engine.core.grammar import mask_words
+from engine.core.grammar import GrammarCompiler, mask_words
 from engine.core.pages import SCRATCH_PAGE
 from engine.core.scheduler import Plan, Row, Status
 
@@ -140,7 +140,10 @@ class RowSlots:
 class StepPlanner:
     """Builds step plans for one engine: its buckets, page size, vocabulary and EOS ids."""
 
-    def __init__(self, buckets: ShapeBuckets, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, buckets: ShapeBuckets, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 grammars: Optional[GrammarCompiler] = None):
+        """`grammars` fills constrained rows' masks (none: the engine refuses such requests)."""
+        self.grammars = grammars
         self.buckets = buckets
         self.page_size = buckets.page_size
         self.vocab_size = vocab_size
@@ -241,9 +244,10 @@ class StepPlanner:
         constrained row's grammar allows next, every token for the rest (a row of a sequence
         that has finished meanwhile included: its token is dropped)."""
         allowed = np.full((n, mask_words(self.vocab_size)), -1, np.int32)
-        for i, row in plan_rows:
-            if row.samples and row.seq.grammar is not None and row.seq.status is not Status.FINISHED:
-                row.seq.grammar.fill_mask(allowed[i])
+        constrained = [(row.seq.grammar, i) for i, row in plan_rows
+                       if row.samples and row.seq.grammar is not None and row.seq.status is not Status.FINISHED]
+        if constrained:
+            self.grammars.fill_masks(constrained, allowed)
         return allowed
 
     def _dense_inputs(self, rows: list[tuple[int, Row]], n: int) -> dict:
