@@ -15,7 +15,9 @@ class EngineConfig:
 
     model: str
     """Local Hugging Face checkpoint directory (absolute or relative) of a Llama, Qwen2, Qwen3 or
-    Mistral model."""
+    Mistral model (LLMEngine), or of a BERT sentence encoder (EmbeddingEngine: it reads `dtype`,
+    `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, `warmup`, `compilation_cache_dir`,
+    `step_timeout_s`)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights and activations. auto: the checkpoint's own, as its config.json declares it
     (float16 served as bfloat16). bfloat16 halves memory; matmuls accumulate in float32. On the cpu
