@@ -29,6 +29,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from engine.core.request import EngineDeadError
+from engine.liveness import liveness_failure
 
 logger = logging.getLogger(__name__)
 
@@ -139,16 +140,10 @@ class AsyncEmbedder:
     def check(self) -> None:
         """Raise EngineDeadError unless the embedder can serve. A call past the watchdog, or a worker
         thread that is gone, kills it here: its callers fail now, not when (if) the call returns."""
-        started = self._call_started
-        stuck_s = 0.0 if started is None else time.monotonic() - started
-        if stuck_s > self._watchdog_s:
-            logger.error("embedding call stuck for %.0f s (watchdog %g s): failing its requests", stuck_s,
-                         self._watchdog_s)
-            self._die(TimeoutError(f"an embedding call has not returned for {stuck_s:.0f} s (watchdog "
-                                   f"{self._watchdog_s:g} s; raise step_timeout_s if calls are legitimately "
-                                   "this slow)"))
-        elif not self._thread.is_alive():
-            self._die(RuntimeError("the embedding worker thread is gone"))
+        failure = liveness_failure(self._call_started, self._watchdog_s, self._thread, "an embedding call", "calls",
+                                   "the embedding worker thread")
+        if failure is not None:
+            self._die(failure)
         self._raise_if_dead()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

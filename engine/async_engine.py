@@ -25,6 +25,7 @@ import time
 from typing import AsyncIterator, Optional, Protocol
 
 from engine.core.request import EngineDeadError, EngineStats, InvalidRequestError, SamplingParams, TokenDelta
+from engine.liveness import liveness_failure
 
 logger = logging.getLogger(__name__)
 
@@ -140,14 +141,10 @@ class AsyncEngine:
     def check(self) -> None:
         """Raise EngineDeadError unless the engine can serve. A step past the watchdog, or a loop
         thread that is gone, kills the engine here: its streams end now, not when (if) it returns."""
-        started = self._step_started
-        stuck_s = 0.0 if started is None else time.monotonic() - started
-        if stuck_s > self._watchdog_s:
-            logger.error("engine step stuck for %.0f s (watchdog %g s): failing its requests", stuck_s, self._watchdog_s)
-            self._die(TimeoutError(f"an engine step has not returned for {stuck_s:.0f} s (watchdog {self._watchdog_s:g} s; "
-                                   "raise step_timeout_s if steps are legitimately this slow)"))
-        elif not self._thread.is_alive():
-            self._die(RuntimeError("the engine loop thread is gone"))
+        failure = liveness_failure(self._step_started, self._watchdog_s, self._thread, "an engine step", "steps",
+                                   "the engine loop thread")
+        if failure is not None:
+            self._die(failure)
         self._raise_if_dead()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

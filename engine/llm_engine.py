@@ -109,7 +109,7 @@ class LLMEngine:
         """Raise InvalidRequestError if this request can never be served (an invalid grammar
         included). Thread-safe."""
         check_request(prompt_ids, params, self.vocab_size, self.max_model_len)
-        if params.grammar is not None:
+        if params.grammar is not None:  # compiled once: `add_request` finds it compiled
             if self.grammars is None:
                 raise InvalidRequestError(f"this model cannot constrain its output ({self._no_grammars}); send "
                                           "the request without a response format or tool choice",

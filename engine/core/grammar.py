@@ -17,6 +17,7 @@ ids the model has beyond the tokenizer's vocabulary.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -33,6 +34,10 @@ logger = logging.getLogger(__name__)
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """JSON output as `json.dumps` writes it: no free whitespace, so a model cannot pad its output with
 newlines until max_tokens. A schema may override these in its `x-guidance` object."""
+
+
+COMPILED_GRAMMARS = 256
+"""Compiled grammars a compiler remembers (the most recently used)."""
 
 
 def mask_words(vocab_size: int) -> int:
@@ -53,10 +58,14 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
         self._executor = llguidance.LLExecutor()  # 80% of the CPUs, at most 32 threads
+        # a request is checked on the serving thread, then its matcher made on the engine's, once per
+        # choice: each grammar compiles once (lru_cache is thread-safe; errors are not cached)
+        self.compile = functools.lru_cache(maxsize=COMPILED_GRAMMARS)(self._compile)
         logger.info("structured output: tokenizer of %d ids ready in %.2f s", vocab_size, time.perf_counter() - start)
 
-    def compile(self, grammar: Grammar) -> str:
-        """llguidance's form of `grammar`; InvalidRequestError (naming grammar.param) if it is invalid."""
+    def _compile(self, grammar: Grammar) -> str:
+        """llguidance's form of `grammar`; InvalidRequestError (naming grammar.param) if it is invalid.
+        Called through `compile`, which remembers the latest grammars."""
         try:
             if grammar.kind == "json_schema":
                 text = llguidance.LLMatcher.grammar_from_json_schema(grammar.source, defaults=JSON_DEFAULTS)
