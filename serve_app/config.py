@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, field
 
 from engine.core.config import EngineConfig
 from engine.core.request import MAX_TOP_LOGPROBS
+from engine.formats.model_sources import builtin_task
 
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model"}
 
@@ -165,8 +166,6 @@ ENCODER_MODEL_TYPES = frozenset({"bert"})
 def detect_task(spec: str) -> str:
     """embed for a local sentence-transformers / BERT-family checkpoint or an embedding alias,
     generate for anything else (including a path this machine cannot read)."""
-    from engine.formats.model_sources import builtin_task
-
     path = Path(spec).expanduser()
     if path.is_dir():
         if (path / "modules.json").is_file():

@@ -26,9 +26,7 @@ from serve_app.config import ModelConfig
 from serve_app.errors import BadRequest, to_api_error
 from serve_app.metrics import ServerMetrics
 from serve_app.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from serve_app.replica import Replica
-from serve_app.server import import_engine_class, replica_name, route_logs_to_replica_log
-from serve_app.tokenizer import PromptTokenizer
+from serve_app.replica import Replica, replica_name
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +37,7 @@ class EmbeddingServer(Replica):
     task = "embed"
 
     def __init__(self, config: ModelConfig):
-        from engine.formats.model_sources import resolve_model
-
-        route_logs_to_replica_log()
-        model_dir = resolve_model(config.model, config.cache_dir)
-        self.model_id = config.model_id
-        self.prompts = PromptTokenizer(str(model_dir), config.model_id)
-        engine_config = config.engine_config(model_dir)
-        engine = import_engine_class(config.engine_cls)(engine_config)
+        model_dir, engine_config, engine = self._start(config)
         self.dimensions: int = engine.dimensions
         self._max_model_len: int = engine.max_model_len
         self.embedder = AsyncEmbedder(engine, watchdog_s=engine_config.step_timeout_s)

@@ -4,13 +4,26 @@ serve_app.embedding_server) build on it."""
 
 from __future__ import annotations
 
+import importlib
+import logging
+import os
+import threading
+from pathlib import Path
 from typing import Any
 
+from ray import serve
+from ray.serve.exceptions import RayServeException
+
+from engine.core.config import EngineConfig
 from engine.core.request import EngineDeadError
+from serve_app.config import ModelConfig
 from serve_app.errors import to_api_error
 from serve_app.metrics import ServerMetrics
 from serve_app.protocol import DetokenizeRequest, TokenizeRequest
 from serve_app.tokenizer import PromptTokenizer
+
+logger = logging.getLogger(__name__)
+
 
 
 class Replica:
@@ -22,6 +35,21 @@ class Replica:
     model_id: str
     prompts: PromptTokenizer
     metrics: ServerMetrics
+
+    def _start(self, config: ModelConfig) -> tuple[Path, EngineConfig, Any]:
+        """What every replica does first: route its logs, give the engine's threads their niceness
+        (before any exists: they inherit it), resolve the checkpoint, load the tokenizer, build the
+        engine core. Returns (checkpoint directory, engine config, engine core)."""
+        from engine.formats.model_sources import resolve_model
+
+        route_logs_to_replica_log()
+        if config.engine_niceness is not None:
+            set_thread_niceness(config.engine_niceness)
+        model_dir = resolve_model(config.model, config.cache_dir)
+        self.model_id = config.model_id
+        self.prompts = PromptTokenizer(str(model_dir), config.model_id)
+        engine_config = config.engine_config(model_dir)
+        return model_dir, engine_config, import_engine_class(config.engine_cls)(engine_config)
 
     @property
     def core(self) -> Any:
@@ -68,3 +96,41 @@ class Replica:
         except AttributeError:  # construction failed before the core existed
             return
         core.shutdown()
+
+
+def route_logs_to_replica_log() -> None:
+    """Send the engine's and this package's INFO lines (warm-up time, one line per request) to the
+    replica's Ray Serve log; otherwise Ray's root logger drops them."""
+    serve_logger = logging.getLogger("ray.serve")
+    for name in ("engine", "serve_app"):
+        package_logger = logging.getLogger(name)
+        package_logger.setLevel(logging.INFO)
+        for handler in serve_logger.handlers:
+            if handler not in package_logger.handlers:
+                package_logger.addHandler(handler)
+        package_logger.propagate = not serve_logger.handlers
+
+
+def set_thread_niceness(value: int) -> None:
+    """Give the calling thread, and every thread it starts from now on, niceness `value` (Linux
+    niceness is per thread). Logs a warning when not permitted."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), value)
+    except (PermissionError, AttributeError, OSError) as exc:
+        logger.warning("cannot set the engine's niceness to %d (%s); start Ray with RAY_worker_niceness=%d "
+                       "or set engine_niceness: null", value, exc, value)
+
+
+def import_engine_class(path: str) -> type:
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"engine_cls {path!r} cannot be imported ({exc}); set engine_cls to 'module:Class'") from exc
+
+
+def replica_name() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:  # not inside a Serve replica (tests, a single process)
+        return "local"

@@ -142,16 +142,11 @@ def _joined(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
 
 
 def _message(choice: ChoiceUpdate) -> ChatResponseMessage:
-    """A whole answer: its text, and its tool calls joined from their deltas (content null when
-    the answer is calls only)."""
-    calls: dict[int, ToolCall] = {}
-    for delta in choice.tool_calls:
-        if delta.id is not None:
-            calls[delta.index] = ToolCall(delta.id, delta.name, delta.arguments)
-        else:
-            calls[delta.index].arguments += delta.arguments
+    """A whole answer: its text, and its tool calls joined from their deltas (a call's deltas
+    come together, in call order; content null when the answer is calls only)."""
+    calls = [ToolCall(d.id, d.name, d.arguments).to_openai() for d in _joined(choice.tool_calls)]
     content = choice.text if choice.text or not calls else None
-    return ChatResponseMessage(content=content, tool_calls=[calls[i].to_openai() for i in sorted(calls)])
+    return ChatResponseMessage(content=content, tool_calls=calls)
 
 
 class ChatFormatter:

@@ -15,16 +15,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
 import json
 import logging
-import os
-import threading
 import uuid
 from typing import AsyncIterator, Callable, Optional, Union
-
-from ray import serve
-from ray.serve.exceptions import RayServeException
 
 from engine.async_engine import AsyncEngine
 from engine.core.request import Grammar, SamplingParams, TokenDelta
@@ -33,7 +27,7 @@ from serve_app.detokenize import TextStream, TokenStrings, special_ids
 from serve_app.errors import to_api_error
 from serve_app.metrics import ServerMetrics
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.replica import Replica
+from serve_app.replica import Replica, replica_name
 from serve_app.responses import (
     ChatFormatter,
     ChoiceCounts,
@@ -43,7 +37,7 @@ from serve_app.responses import (
     total_usage,
 )
 from serve_app.streams import merge_batches, with_keepalive
-from serve_app.tokenizer import PromptInput, PromptTokenizer
+from serve_app.tokenizer import PromptInput
 from serve_app.tool_calls import (
     PARSER_TAGS,
     CallStream,
@@ -89,65 +83,18 @@ class Job:
     """Special tokens the text keeps (the tool-call parser's tags, under `tool_choice: auto`)."""
 
 
-def route_logs_to_replica_log() -> None:
-    """Send the engine's and this package's INFO lines (warm-up time, one line per request) to the
-    replica's Ray Serve log; otherwise Ray's root logger drops them."""
-    serve_logger = logging.getLogger("ray.serve")
-    for name in ("engine", "serve_app"):
-        package_logger = logging.getLogger(name)
-        package_logger.setLevel(logging.INFO)
-        for handler in serve_logger.handlers:
-            if handler not in package_logger.handlers:
-                package_logger.addHandler(handler)
-        package_logger.propagate = not serve_logger.handlers
-
-
-def set_thread_niceness(value: int) -> None:
-    """Give the calling thread, and every thread it starts from now on, niceness `value` (Linux
-    niceness is per thread). Logs a warning when not permitted."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), value)
-    except (PermissionError, AttributeError, OSError) as exc:
-        logger.warning("cannot set the engine's niceness to %d (%s); start Ray with RAY_worker_niceness=%d "
-                       "or set engine_niceness: null", value, exc, value)
-
-
-def import_engine_class(path: str) -> type:
-    module, _, name = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"engine_cls {path!r} cannot be imported ({exc}); set engine_cls to 'module:Class'") from exc
-
-
-def replica_name() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except RayServeException:  # not inside a Serve replica (tests, a single process)
-        return "local"
-
-
 class ModelServer(Replica):
     """One replica of a text generation model: tokenizer + async engine + metrics."""
 
     task = "generate"
 
     def __init__(self, config: ModelConfig):
-        from engine.formats.model_sources import resolve_model
-
-        route_logs_to_replica_log()
-        if config.engine_niceness is not None:
-            set_thread_niceness(config.engine_niceness)  # before any engine thread exists: they inherit it
-        model_dir = resolve_model(config.model, config.cache_dir)
-        self.model_id = config.model_id
-        self.prompts = PromptTokenizer(str(model_dir), config.model_id)
+        model_dir, engine_config, core = self._start(config)
         self.tokenizer = self.prompts.hf
         self._tool_parser = config.tool_call_parser or default_parser(self.tokenizer.chat_template)
         self._tool_tags = _special_tags(self.tokenizer, PARSER_TAGS[self._tool_parser])
         self._strings = TokenStrings(self.tokenizer)
-        engine_cls = import_engine_class(config.engine_cls)
-        engine_config = config.engine_config(model_dir)
-        self.engine = AsyncEngine(engine_cls(engine_config), watchdog_s=engine_config.step_timeout_s)
+        self.engine = AsyncEngine(core, watchdog_s=engine_config.step_timeout_s)
         self.metrics = ServerMetrics(config.model_id, replica_name(), self.engine.stats, self.engine.describe())
         self._stream_interval_s = config.stream_batch_ms / 1000.0
         self._stream_chunks_per_s = config.stream_chunks_per_s

@@ -525,7 +525,7 @@ def test_engine_niceness_applies_to_threads_started_afterwards():
     import os
     import threading
 
-    from serve_app.server import set_thread_niceness
+    from serve_app.replica import set_thread_niceness
 
     seen = {}
 
