@@ -119,7 +119,7 @@ def replay_step_ms(engine: LLMEngine, batch: int, steps: int = 50) -> float:
     from engine.core.step_plan import empty_step_plan
 
     runner = engine.runner
-    plan = empty_step_plan(runner.buckets.for_step(batch, [], runner.max_pages_per_seq), runner.page_size, step_id=-1)
+    plan = empty_step_plan(runner.buckets.for_step(batch, batch), runner.buckets, step_id=-1)
     runner.fetch(runner.launch(plan))
     start = time.perf_counter()
     for _ in range(steps):
@@ -139,7 +139,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--prefill-chunk", type=int, default=128)
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per row per step (default: the budget)")
     parser.add_argument("--requests", type=int, default=None,
                         help="closed loop: keep `batch` requests running until this many have run")
     parser.add_argument("--repeats", type=int, default=3)

@@ -83,8 +83,7 @@ class LLMEngine:
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
-                prefill_chunk=config.prefill_chunk,
-                max_prefill_rows=self.runner.buckets.max_prefill_rows,
+                prefill_chunk=config.prefill_chunk or config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
             ),
             self.allocator,

@@ -11,11 +11,11 @@ import transformers
 from engine.core.request import FinishReason, SamplingParams
 from engine.llm_engine import LLMEngine
 
-PROMPT_LENGTHS = [3, 7, 12, 20, 33, 50, 9, 17]
+PROMPT_LENGTHS = [3, 7, 12, 24, 33, 50, 9, 17]
+"""Shorter than, equal to and longer than TIGHT's step budget."""
 NEW_TOKENS = 32
 
-TIGHT = dict(max_num_seqs=4, max_num_batched_tokens=24, prefill_chunk=16, page_size=4, num_pages=40,
-             max_model_len=128, warmup=False)
+TIGHT = dict(max_num_seqs=4, max_num_batched_tokens=24, page_size=4, num_pages=40, max_model_len=128, warmup=False)
 
 
 def make_prompts(lengths=PROMPT_LENGTHS, seed=0, vocab=400) -> list[list[int]]:
@@ -65,14 +65,17 @@ def hf_model(path: str):
 
 
 def assert_greedy_parity(engine: LLMEngine, model_dir) -> None:
-    """8 prompts queue (4 slots), chunk (a budget below the longest prompt) and preempt (a small
-    pool); every greedy token equals transformers', every logprob within 1e-3, all pages return."""
+    """9 prompts queue (4 slots), share steps with decodes, chunk (a budget below the longest
+    prompts), preempt (a small pool) and hit the prefix cache (the last extends the 50-token one);
+    every greedy token equals transformers', every logprob within 1e-3, all pages return."""
     prompts = make_prompts()
+    prompts.append(prompts[5][:30] + make_prompts([5], seed=99)[0])
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     deltas = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
 
     stats = engine.stats()
     assert stats.num_preemptions >= 1, "the page pool was meant to force a preemption"
+    assert stats.prefix_cache_hits > 0, "the last prompt was meant to reuse the 50-token one's pages"
     assert stats.max_batch_size == 4
     for i, prompt in enumerate(prompts):
         want_tokens, want_logprobs = hf_greedy(model_dir, prompt, NEW_TOKENS)

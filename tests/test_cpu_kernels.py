@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine.attention import cpu_kernels
-from engine.attention.cpu_kernels import (FusedLinear, PackedLinear, argmax, decode_attention, matmul, pack, silu_mul,
+from engine.attention.cpu_kernels import (FusedLinear, PackedLinear, argmax, matmul, pack, paged_attention, silu_mul,
                                           xla_matmul)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 + FMA and g++")
@@ -123,30 +123,32 @@ def test_argmax_is_the_first_maximum(rows, vocab):
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
 
 
-def _reference_attention(q, k_all, v_all, layer, pages, lens):
+def _reference_attention(q, k_all, v_all, layer, pages, rows, lens):
+    """Each query s against the first lens[s] tokens of page table rows[s], in float64."""
     s, h, g, d = q.shape
     page_size = k_all.shape[-1]
     out = np.zeros_like(q)
-    for row in range(s):
-        n = lens[row]
-        if n == 0:
+    for query in range(s):
+        if lens[query] == 0 or rows[query] >= len(pages):
             continue
-        slots = [(pages[row, t // page_size], t % page_size) for t in range(n)]
+        n, table = lens[query], pages[rows[query]]
+        slots = [(table[t // page_size], t % page_size) for t in range(n)]
         keys = np.stack([k_all[layer, p, :, :, slot] for p, slot in slots], axis=-1)  # [h, d, n]
         values = np.stack([v_all[layer, p, :, slot] for p, slot in slots], axis=1)  # [h, n, d]
-        scores = np.einsum("hgd,hdn->hgn", q[row].astype(np.float64), keys)
+        scores = np.einsum("hgd,hdn->hgn", q[query].astype(np.float64), keys)
         weights = np.exp(scores - scores.max(-1, keepdims=True))
         weights /= weights.sum(-1, keepdims=True)
-        out[row] = np.einsum("hgn,hnd->hgd", weights, values)
+        out[query] = np.einsum("hgn,hnd->hgd", weights, values)
     return out
 
 
 @pytest.mark.parametrize(("page_size", "group", "dim"), [(4, 3, 8), (16, 3, 16), (16, 1, 64), (8, 5, 32), (24, 4, 64)])
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16, jnp.uint16])
-def test_decode_attention_equals_dense_reference(page_size, group, dim, cache_dtype):
+def test_paged_attention_equals_dense_reference(page_size, group, dim, cache_dtype):
     """Scalar paths (page size 4, head dim 8: no 8-token or 16-column blocks) and vector paths (one or
     two 8-token blocks per page, query-head blocks of 1, 4 and 4 + 1), over a float32 or bfloat16
-    cache, or bfloat16 stored as its uint16 bits (the reference gets the bfloat16 values widened)."""
+    cache, or bfloat16 stored as its uint16 bits (the reference gets the bfloat16 values widened).
+    Queries share page tables the way a prompt's tokens do; a row outside the tables reads nothing."""
     rng = np.random.default_rng(page_size * group)
     layers, num_pages, heads, table_len = 3, 40, 2, 6
     k_all = rng.standard_normal((layers, num_pages, heads, dim, page_size)).astype(np.float32)
@@ -154,51 +156,51 @@ def test_decode_attention_equals_dense_reference(page_size, group, dim, cache_dt
     if cache_dtype != jnp.float32:
         k_all, v_all = (np.asarray(jnp.asarray(c).astype(jnp.bfloat16)) for c in (k_all, v_all))
     cache = lambda c: jax.lax.bitcast_convert_type(c, jnp.uint16) if cache_dtype == jnp.uint16 else c  # noqa: E731
-    lens = np.array([1, page_size, page_size + 1, 0, table_len * page_size, 2 * page_size - 1], np.int32)
-    pages = rng.permutation(np.arange(1, num_pages))[: len(lens) * table_len].reshape(len(lens), table_len)
-    pages = pages.astype(np.int32)
+    lens = np.array([1, page_size, page_size + 1, 0, table_len * page_size, 2 * page_size - 1, 3], np.int32)
+    rows = np.array([0, 1, 1, 2, 3, 4, 5], np.int32)
+    pages = rng.permutation(np.arange(1, num_pages))[: 5 * table_len].reshape(5, table_len).astype(np.int32)
     q = rng.standard_normal((len(lens), heads, group, dim)).astype(np.float32) * 0.5
     k_cache, v_cache = (cache(jnp.asarray(c)) for c in (k_all, v_all))
-    got = jax.jit(decode_attention)(jnp.asarray(q), k_cache, v_cache, 2, jnp.asarray(pages), jnp.asarray(lens))
-    want = _reference_attention(q, k_all.astype(np.float32), v_all.astype(np.float32), 2, pages, lens)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-    assert not np.asarray(got)[3].any(), "a padding row (lens 0) gets zeros"
+    got = np.asarray(jax.jit(paged_attention)(jnp.asarray(q), k_cache, v_cache, 2, jnp.asarray(pages),
+                                              jnp.asarray(rows), jnp.asarray(lens)))
+    want = _reference_attention(q, k_all.astype(np.float32), v_all.astype(np.float32), 2, pages, rows, lens)
+    np.testing.assert_allclose(got[:6], want[:6], rtol=1e-5, atol=1e-5)
+    assert not got[3].any(), "padding (lens 0) gets zeros"
+    assert not got[6].any(), "a row outside the page tables reads nothing"
 
 
-def test_attention_over_a_mixed_steps_token_tables_equals_the_xla_path():
-    """Two decode rows (one padding) and three prefill rows of chunk 4: a full chunk continuing a
-    cached prefix, a 2-token chunk, a padding row. Every real token attends causally to its row's
-    cache; padding tokens get zeros."""
-    from engine.attention.cpu import _token_tables
-    from engine.attention.xla import SplitKVCache, _decode_attention, _prefill_attention
-    from engine.core.buckets import Bucket
+def test_the_kernel_and_the_xla_backend_attend_a_packed_step_alike():
+    """A packed step: a decode row, a 4-token chunk continuing a cached prefix, a fresh 2-token
+    prompt, then padding tokens (belonging to a padding row). Every real token attends causally to
+    its own sequence; both backends match the reference."""
+    from engine.attention.base import visible_tokens
+    from engine.attention.xla import SplitKVCache, _paged_attention
     from engine.core.step_plan import StepInputs
 
     rng = np.random.default_rng(7)
-    layers, num_pages, heads, group, dim, page_size, table_len, chunk = 2, 30, 2, 3, 16, 4, 4, 4
+    layers, num_pages, heads, group, dim, page_size, table_len, tokens = 2, 30, 2, 3, 16, 4, 40, 10
     k_all = rng.standard_normal((layers, num_pages, heads, dim, page_size)).astype(np.float32)
     v_all = rng.standard_normal((layers, num_pages, heads, page_size, dim)).astype(np.float32)
-    pages = rng.permutation(np.arange(1, num_pages))[:5 * table_len].reshape(5, table_len).astype(np.int32)
-    bucket = Bucket(decode_rows=2, rows=5, tokens=2 + 3 * chunk, pages=table_len, chunk=chunk)
-    zeros = np.zeros(bucket.tokens, np.int32)
-    inputs = StepInputs(zeros, zeros, zeros, zeros - 1, pages,
-                        kv_lens=np.array([9, 0, 10, 2, 0], np.int32), q_start=np.array([0, 1, 2, 6, 10], np.int32),
-                        q_lens=np.array([1, 0, 4, 2, 0], np.int32), sample_index=np.zeros(5, np.int32))
+    pages = np.zeros((4, table_len), np.int32)
+    pages[:3, :4] = rng.permutation(np.arange(1, num_pages))[:12].reshape(3, 4)
+    positions = np.array([8, 6, 7, 8, 9, 0, 1, 0, 0, 0], np.int32)
+    token_row = np.array([0, 1, 1, 1, 1, 2, 2, 3, 3, 3], np.int32)
+    zeros = np.zeros(tokens, np.int32)
+    inputs = StepInputs(zeros, positions, zeros, zeros - 1, token_row, pages,
+                        kv_lens=np.array([9, 10, 2, 0], np.int32), q_start=np.array([0, 1, 5, 7], np.int32),
+                        q_lens=np.array([1, 4, 2, 0], np.int32), sample_index=np.zeros(4, np.int32))
     inputs = StepInputs(*map(jnp.asarray, inputs))
-    q = rng.standard_normal((bucket.tokens, heads, group, dim)).astype(np.float32) * 0.5
+    q = rng.standard_normal((tokens, heads, group, dim)).astype(np.float32) * 0.5
+    lens = np.asarray(visible_tokens(inputs))
+    assert lens.tolist() == [9, 7, 8, 9, 10, 1, 2, 0, 0, 0]
+    want = _reference_attention(q, k_all, v_all, 1, pages, token_row, lens)
     k_all, v_all, q = map(jnp.asarray, (k_all, v_all, q))
-    cache = SplitKVCache(k_all, v_all)
-
-    table, lens = _token_tables(inputs, bucket)
-    assert np.asarray(lens).tolist() == [9, 0, 7, 8, 9, 10, 1, 2, 0, 0, 0, 0, 0, 0]
-    got = np.asarray(jax.jit(decode_attention)(q, k_all, v_all, 1, table, lens))
-    want_dec = np.asarray(_decode_attention(q[:2], cache, 1, inputs.page_table[:2], inputs.kv_lens[:2]))
-    start = inputs.kv_lens[2:] - inputs.q_lens[2:]
-    want_pre = np.asarray(_prefill_attention(q[2:], cache, 1, inputs.page_table[2:], start))
-    np.testing.assert_allclose(got[:1], want_dec[:1], rtol=1e-5, atol=1e-5)
-    real = np.asarray(lens)[2:] > 0
-    np.testing.assert_allclose(got[2:][real], want_pre[real], rtol=1e-5, atol=1e-5)
-    assert not got[1].any() and not got[2:][~real].any()
+    kernel = np.asarray(jax.jit(paged_attention)(q, k_all, v_all, 1, inputs.page_table, inputs.token_row, lens))
+    xla = np.asarray(jax.jit(_paged_attention, static_argnums=2)(q, SplitKVCache(k_all, v_all), 1,
+                                                                   inputs.page_table[inputs.token_row], lens))
+    np.testing.assert_allclose(kernel[:7], want[:7], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(xla[:7], want[:7], rtol=1e-5, atol=1e-5)
+    assert not kernel[7:].any()
 
 
 def test_a_failing_build_falls_back_with_a_warning(tmp_path):

@@ -25,13 +25,12 @@ from engine.llm_engine import LLMEngine
     ("llama", False, "tpu"), ("qwen3", False, "cpu"), ("qwen3", False, "tpu"), ("qwen2", False, "cpu"),
     ("mistral", True, "cpu")])
 def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, scan_layers, backend):
-    """cpu: the project's kernels (an AVX2 machine); xla: dense attention in plain JAX; tpu:
-    levanter's ragged paged attention (its reference implementation off TPU), ragged token layout."""
+    """cpu: the project's kernels (an AVX2 machine); xla: masked attention in plain JAX; tpu:
+    levanter's ragged paged attention (its reference implementation off TPU)."""
     model_dir = checkpoint_factory(family)
     engine = LLMEngine(EngineConfig(model=str(model_dir), scan_layers=scan_layers, attention_backend=backend,
                                     **TIGHT))
     assert engine.runner.backend.name == backend
-    assert engine.runner.buckets.ragged == (backend == "tpu")
     if backend == "cpu":  # q/k/v and gate/up run as one matmul each
         layer = engine.runner.model.first_layer
         assert isinstance(layer.self_attn.q_proj, FusedLinear) and layer.self_attn.k_proj is None
@@ -218,55 +217,6 @@ def test_async_scheduling_keeps_one_step_in_flight(llama_engine):
     assert_all_pages_free(llama_engine)
 
 
-def test_a_mixed_step_pads_its_decodes_to_a_compiled_tier(llama_dir, monkeypatch):
-    """Decode rows beside prompt chunks pad to max_num_seqs / 4 or to max_num_seqs (both compiled
-    at warm-up), not always to max_num_seqs."""
-    config = {**TIGHT, "max_num_seqs": 8, "max_num_batched_tokens": 64, "num_pages": 80}
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), attention_backend="cpu", **config))
-    buckets = engine.runner.buckets
-    assert buckets.mixed_decode_rows == [2, 8]
-    picked, for_step = [], buckets.for_step
-
-    def spy(num_decode, prefill_lengths, pages_needed):
-        bucket = for_step(num_decode, prefill_lengths, pages_needed)
-        picked.append(((num_decode, len(prefill_lengths)), (bucket.decode_rows, bucket.prefill_rows)))
-        return bucket
-
-    monkeypatch.setattr(engine.planner, "buckets", _Spy(buckets, spy))
-    prompts = make_prompts([3] * 6, seed=13)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-
-    def admit(ids: str) -> None:  # add requests, then step until a step plans no prompt chunk
-        for rid in ids:
-            engine.add_request(rid, prompts["abcdef".index(rid)], params)
-        engine.step()
-        while engine.stats().num_waiting or picked[-1][0][1] > 0:
-            engine.step()
-
-    admit("a")
-    admit("b")
-    admit("cde")
-    admit("f")
-    while engine.has_work():
-        engine.step()
-    assert ((1, 1), (2, 1)) in picked  # 1 decode + 1 prompt chunk: decodes padded to 2
-    assert ((2, 3), (2, 4)) in picked
-    assert ((5, 1), (8, 1)) in picked
-    compiled = {(b.decode_rows, b.prefill_rows) for b in buckets.all()}
-    assert {shape for _, shape in picked} <= compiled
-    assert_all_pages_free(engine)
-
-
-class _Spy:
-    """`buckets` with `for_step` replaced."""
-
-    def __init__(self, buckets, for_step):
-        self._buckets, self.for_step = buckets, for_step
-
-    def __getattr__(self, name):
-        return getattr(self._buckets, name)
-
-
 def test_requests_that_cannot_fit_are_refused_with_the_numbers(llama_engine):
     with pytest.raises(InvalidRequestError, match=r"maximum context length is 128 tokens.*130 tokens \(30 in the "
                                                   r"prompt, 100 for the completion\)"):
@@ -359,8 +309,8 @@ def test_the_kv_pool_takes_its_share_of_the_memory_the_weights_leave(llama_dir, 
 @pytest.mark.parametrize("cpu_matmul", ["kernel", "xla", "auto"])
 def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monkeypatch, cpu_matmul):
     """kernel / xla force one path for every product; auto, with a fake timer that makes XLA's dot
-    faster from 16 rows on, mixes them: the prompt-chunk steps' layers (16, 17 and 20 tokens) on
-    XLA's dot, decode steps and the LM head (at most 5 rows) on the kernel. (A vocabulary of 512
+    faster from 16 rows on, mixes them: the layers of the 16- and 24-token buckets on XLA's dot, the
+    1- and 8-token buckets and the LM head (at most 4 rows) on the kernel. (A vocabulary of 512
     ids, so that the LM head is packed too.)"""
     from engine.attention import matmul_choice
 
@@ -372,9 +322,9 @@ def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monke
     engine = LLMEngine(EngineConfig(model=str(llama_dir), attention_backend="cpu", cpu_matmul=cpu_matmul,
                                     compilation_cache_dir=None, **{**TIGHT, "warmup": True}))
     layer_rows = {b.tokens for b in engine.runner.buckets.all()}
-    want = {"kernel": frozenset(), "xla": frozenset(layer_rows), "auto": frozenset({16, 17, 20})}[cpu_matmul]
+    want = {"kernel": frozenset(), "xla": frozenset(layer_rows), "auto": frozenset({16, 24})}[cpu_matmul]
     layer = engine.runner.model.first_layer
-    assert layer_rows == {1, 2, 4, 16, 17, 20}
+    assert layer_rows == {1, 8, 16, 24}
     assert layer.self_attn.q_proj.xla_rows == layer.self_attn.o_proj.xla_rows == layer.mlp.gate_up.xla_rows == want
     head = engine.runner.model.lm_head.xla_rows
     assert head == (frozenset({b.rows for b in engine.runner.buckets.all()}) if cpu_matmul == "xla" else frozenset())

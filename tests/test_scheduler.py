@@ -22,11 +22,10 @@ def make(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 64,
     prefill_chunk: int = 16,
-    max_prefill_rows: int = 4,
     max_model_len: int = 64,
     caching: bool = True,
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, prefill_chunk, max_prefill_rows, max_model_len)
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, prefill_chunk, max_model_len)
     return Scheduler(config, PageAllocator(num_pages, page_size, caching))
 
 
@@ -84,11 +83,11 @@ class Sim:
     def token(self, s: Sequence) -> int:
         return 1000 + (s.seed * 7919 + len(s.output_ids) * 31) % 997
 
-    def step(self) -> Plan:
+    def step(self, max_tokens: Optional[int] = None) -> Plan:
         before = {id(s): (s.status, s.num_pending) for s in self.live}
-        plan = self.sched.schedule()
+        plan = self.sched.schedule(max_tokens)
         self.steps += 1
-        self.check_plan(plan, before)
+        self.check_plan(plan, before, max_tokens)
         self.run(plan)
         finished = []
         for row in plan.rows:
@@ -114,12 +113,11 @@ class Sim:
 
     # ---- invariants ----
 
-    def check_plan(self, plan: Plan, before: dict) -> None:
+    def check_plan(self, plan: Plan, before: dict, max_tokens: Optional[int] = None) -> None:
         cfg, sched = self.sched.config, self.sched
         row_seqs = [row.seq for row in plan.rows]
         assert len(set(map(id, row_seqs))) == len(row_seqs), "a sequence has two rows"
-        assert plan.num_tokens <= cfg.max_num_batched_tokens
-        assert len(plan.prefill) <= cfg.max_prefill_rows
+        assert plan.num_tokens <= min(cfg.max_num_batched_tokens, max_tokens or cfg.max_num_batched_tokens)
         assert len(sched.running) <= cfg.max_num_seqs
         for row in plan.decode:
             assert row.length == 1
@@ -129,9 +127,6 @@ class Sim:
             assert row.start == s.num_computed
             assert 1 <= row.length <= min(s.num_pending, cfg.prefill_chunk)
             assert len(s.pages) == cdiv(row.start + row.length, self.ps)
-            # a row that yields prompt logprobs is a prefill row (the runner computes them there only)
-            if s.params.prompt_logprobs is not None and row.start + 1 < len(s.prompt_ids):
-                assert any(r is row for r in plan.prefill)
         for s in plan.preempted:
             assert s.status is Status.WAITING and s.pages == [] and s.num_computed == 0
             assert all(r is not s for r in row_seqs), "a preempted sequence kept its row"
@@ -143,7 +138,8 @@ class Sim:
         decoding = [s for s in self.live if before[id(s)] == (Status.RUNNING, 1)]
         skipped = [s for s in decoding if s.status is Status.RUNNING and all(r is not s for r in row_seqs)]
         if skipped:
-            assert len(plan.decode) == plan.num_tokens == cfg.max_num_batched_tokens
+            assert len(plan.decode) == plan.num_tokens == min(cfg.max_num_batched_tokens,
+                                                                max_tokens or cfg.max_num_batched_tokens)
         # A running sequence only goes without a row for lack of budget, prefill rows or pages.
         if not plan.rows:
             assert plan.preempted or not sched.running
@@ -202,9 +198,9 @@ class Sim:
 # ---- configuration ----
 
 
-@pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "max_prefill_rows"])
+@pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "max_model_len"])
 def test_config_fields_must_be_positive(field):
-    values = dict(max_num_seqs=1, max_num_batched_tokens=1, prefill_chunk=1, max_prefill_rows=1, max_model_len=1)
+    values = dict(max_num_seqs=1, max_num_batched_tokens=1, prefill_chunk=1, max_model_len=1)
     values[field] = 0
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**values)
@@ -366,19 +362,18 @@ def test_max_num_seqs_bounds_the_running_set():
     sim.run_all()
 
 
-def test_max_prefill_rows_bounds_the_prefill_group():
-    sched = make(max_prefill_rows=2, prefill_chunk=8)
+def test_a_step_limit_below_the_budget_is_honoured():
+    """While the larger programs still compile the engine passes the largest ready step size."""
+    sched = make(max_num_batched_tokens=64, prefill_chunk=64)
     sim = Sim(sched)
     sim.add(*[seq(str(i), 20, max_tokens=2) for i in range(3)])
     sim.add(seq("one", 1, max_tokens=2))
-    plan = sim.step()
-    assert rows(plan.prefill) == [("0", 0, 8), ("1", 0, 8)] and plan.decode == []
-    assert ids(sched.waiting) == ["2", "one"]  # the queue is first come, first served
-    assert rows(sim.step().prefill) == [("0", 8, 8), ("1", 8, 8)]
-    assert rows(sim.step().prefill) == [("0", 16, 4), ("1", 16, 4)]
-    plan = sim.step()
+    assert rows(sim.step(max_tokens=8).prefill) == [("0", 0, 8)]
+    assert ids(sched.waiting) == ["1", "2", "one"]  # the queue is first come, first served
+    assert rows(sim.step(max_tokens=32).prefill) == [("0", 8, 12), ("1", 0, 20)]
+    plan = sim.step(max_tokens=100)  # the configured budget still bounds it
     assert rows(plan.decode) == [("0", 20, 1), ("1", 20, 1), ("one", 0, 1)]  # "one" is a decode row
-    assert rows(plan.prefill) == [("2", 0, 8)]
+    assert rows(plan.prefill) == [("2", 0, 20)]
     assert ids(sched.waiting) == []
     sim.run_all()
 
@@ -605,28 +600,16 @@ def test_prompt_logprobs_requests_skip_the_prefix_cache():
     sim.run_all()
 
 
-def test_prompt_logprob_rows_go_to_the_prefill_group():
+def test_prompt_logprob_rows_read_the_prompt_one_budget_at_a_time():
     sched = make(max_num_batched_tokens=1)
     sim = Sim(sched)
     a = seq("a", 3, max_tokens=2, prompt_logprobs=0)
     sim.add(a)
-    assert rows(sim.step().prefill) == [("a", 0, 1)]  # position 0 predicts prompt token 1
-    assert rows(sim.step().prefill) == [("a", 1, 1)]
-    assert rows(sim.step().decode) == [("a", 2, 1)]  # the last prompt position predicts an output
-    assert rows(sim.step().decode) == [("a", 3, 1)]
+    assert rows(sim.step().rows) == [("a", 0, 1)]  # position 0 predicts prompt token 1
+    assert rows(sim.step().rows) == [("a", 1, 1)]
+    assert rows(sim.step().rows) == [("a", 2, 1)]  # the last prompt position predicts an output
+    assert rows(sim.step().rows) == [("a", 3, 1)]
     sim.check_all_free()
-
-
-def test_prompt_logprob_rows_respect_max_prefill_rows():
-    sched = make(max_prefill_rows=1, max_num_batched_tokens=2)
-    sim = Sim(sched)
-    a, b = seq("a", 3, max_tokens=1, prompt_logprobs=0), seq("b", 3, max_tokens=1, prompt_logprobs=0)
-    sim.add(a, b)
-    plan = sim.step()
-    assert rows(plan.prefill) == [("a", 0, 2)] and plan.decode == [] and b.status is Status.WAITING
-    plan = sim.step()
-    assert rows(plan.decode) == [("a", 2, 1)] and rows(plan.prefill) == [("b", 0, 1)]
-    sim.run_all()
 
 
 def test_disabled_prefix_cache_shares_nothing():
@@ -732,7 +715,6 @@ def random_run(seed: int) -> Sim:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=rng.randint(max_num_seqs, 24),
         prefill_chunk=rng.randint(1, 12),
-        max_prefill_rows=rng.randint(1, 3),
         max_model_len=max_model_len,
         caching=rng.random() < 0.85,
     )
@@ -760,7 +742,7 @@ def random_run(seed: int) -> Sim:
             arrive()
         if sim.live and rng.random() < 0.04:
             sim.abort(rng.choice(sim.live))
-        sim.step()
+        sim.step(rng.choice([None, None, rng.randint(1, 24)]))  # sometimes a smaller step is all that is ready
     sim.run_all(max_steps=sim.steps + 2000)
     return sim
 

@@ -2,9 +2,9 @@
 
 A backend owns four things, and nothing outside it asks which backend runs:
 - the KV cache: its layout, its storage dtype, its initialisation and its sharding by KV head;
-- the cache write and attention over one step's tokens (`attend`, once per layer);
-- the token layout it reads (`ragged`: rows packed, or padded to `prefill_chunk`; see
-  engine.core.buckets) and any per-step tables it precomputes (`begin_step`);
+- the cache write and attention over one step's tokens (`attend`, once per layer), in the one
+  token layout every backend reads (rows packed, see engine.core.buckets), and any per-step tables
+  it precomputes (`begin_step`);
 - weight preparation (`prepare`) and the activation dtype, for backends with their own kernels.
 
 Attention is over named arrays: q (position, kv_head, q_heads_per_group, head_size), k and v
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from jax.sharding import PartitionSpec
 
-from engine.core.buckets import Bucket, ShapeBuckets
+from engine.core.buckets import ShapeBuckets
 from engine.core.step_plan import StepInputs
 
 Q_AXES = ("position", "kv_head", "q_heads_per_group", "head_size")
@@ -43,18 +43,15 @@ class CacheShape:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionStep:
-    """What every layer's attention of one step reads: the step's arrays, its bucket, and the
-    tables a backend precomputed once for all layers (`begin_step`)."""
+    """What every layer's attention of one step reads: the step's arrays and the tables a backend
+    precomputed once for all layers (`begin_step`)."""
 
     inputs: StepInputs
-    bucket: Bucket
     tables: Any = None
 
 
 class AttentionBackend:
     name: ClassVar[str]
-    ragged: ClassVar[bool] = False
-    """Whether the backend reads the ragged token layout (else the padded one)."""
     shardable: ClassVar[bool] = True
     """Whether it runs with tensor parallelism (its ops partition over a mesh)."""
     scannable: ClassVar[bool] = True
@@ -84,8 +81,8 @@ class AttentionBackend:
     def storage_dtype(self, dtype) -> jnp.dtype:
         return jnp.dtype(dtype)
 
-    def begin_step(self, inputs: StepInputs, bucket: Bucket) -> AttentionStep:
-        return AttentionStep(inputs, bucket)
+    def begin_step(self, inputs: StepInputs) -> AttentionStep:
+        return AttentionStep(inputs)
 
     def attend(self, cache, layer, q: NamedArray, k: NamedArray, v: NamedArray, scale: float,
                step: AttentionStep) -> tuple[NamedArray, Any]:
@@ -97,3 +94,11 @@ class AttentionBackend:
     def argmax(logits: jax.Array) -> jax.Array:
         """Greedy tokens i32[R] of logits f32[R, V] (the first maximum, as jnp.argmax)."""
         return jnp.argmax(logits, axis=-1)
+
+
+def visible_tokens(inputs: StepInputs) -> jax.Array:
+    """i32[T]: how many of its sequence's tokens each token attends to (itself and every one
+    before it), 0 for padding. Padding sits after the last row's tokens, where the last row (a
+    padding row when there is one) ends: q_start[-1] + q_lens[-1]."""
+    end = inputs.q_start[-1] + inputs.q_lens[-1]
+    return jnp.where(jnp.arange(inputs.tokens.shape[0]) < end, inputs.positions + 1, 0)

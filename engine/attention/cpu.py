@@ -7,9 +7,9 @@ on CPU. One device only: the FFI calls have no partitioning rule.
   `FusedLinear` each, so a layer makes four matmul calls instead of seven. Each product shape runs
   on the kernel or on XLA's dot, whichever is faster on this machine (engine.attention.matmul_choice).
 - Activations are float32 whatever the weights' dtype (XLA's bf16 converts are slow on CPU).
-- Attention: one kernel call per layer for the whole step, reading the pages in place. A prompt
-  token is a row of its own (its sequence's page table, its own causal length), so causal prefill
-  attention is decode attention with one query per token.
+- Attention: one kernel call per layer for the whole step, reading the pages in place. Every token
+  is a query of its own (its row's page table, its own causal length), so causal prefill attention
+  is decode attention with one query per token.
 - The cache has the xla backend's layout (`SplitKVCache`); a bfloat16 cache is stored as its
   uint16 bits: XLA's CPU backend widens a bfloat16 scatter to float32 (converting the whole cache
   twice per layer and step); an integer scatter writes in place, and the kernel reads the bits as
@@ -31,7 +31,7 @@ from haliax import NamedArray
 from levanter.layers.attention import Attention
 
 from engine.attention import cpu_kernels
-from engine.attention.base import Q_AXES, AttentionStep
+from engine.attention.base import Q_AXES, AttentionStep, visible_tokens
 from engine.attention.cpu_kernels import PANEL, FusedLinear, PackedLinear, silu_mul, unflatten_rows
 from engine.attention.matmul_choice import XLA, MatmulChooser, Product
 from engine.attention.xla import SplitKVCache, XlaBackend
@@ -94,30 +94,18 @@ class CpuBackend(XlaBackend):
         dtype = jnp.dtype(dtype)
         return jnp.dtype(jnp.uint16) if dtype == jnp.bfloat16 else dtype
 
-    def begin_step(self, inputs, bucket) -> AttentionStep:
-        return AttentionStep(inputs, bucket, _token_tables(inputs, bucket))
+    def begin_step(self, inputs) -> AttentionStep:
+        return AttentionStep(inputs, visible_tokens(inputs))
 
     def attend(self, cache: SplitKVCache, layer, q, k, v, scale, step: AttentionStep):
         cache = cache.write(layer, step.inputs.kv_dest, k, v)
         q_arr = q.rearrange(Q_AXES).array.astype(jnp.float32) * scale
-        o = cpu_kernels.decode_attention(q_arr, cache.k, cache.v, layer, *step.tables)
+        inputs = step.inputs
+        o = cpu_kernels.paged_attention(q_arr, cache.k, cache.v, layer, inputs.page_table, inputs.token_row,
+                                        step.tables)
         return hax.named(o, Q_AXES), cache
 
     argmax = staticmethod(cpu_kernels.argmax)
-
-
-def _token_tables(inputs, bucket) -> tuple[jax.Array, jax.Array]:
-    """Every token's page table i32[T, L] and visible tokens i32[T] (0 for padding), decode tokens
-    first: prefill token j of row r sees positions [0, start[r] + j]."""
-    sd, chunk = bucket.decode_rows, bucket.chunk
-    if not bucket.prefill_rows:
-        return inputs.page_table, inputs.kv_lens
-    q_lens = inputs.q_lens[sd:, None]
-    start = inputs.kv_lens[sd:, None] - q_lens
-    j = jnp.arange(chunk, dtype=jnp.int32)[None, :]
-    lens = jnp.where(j < q_lens, start + j + 1, 0).reshape(-1)  # [Sp * C]
-    pages = jnp.repeat(inputs.page_table[sd:], chunk, axis=0)
-    return (jnp.concatenate([inputs.page_table[:sd], pages]), jnp.concatenate([inputs.kv_lens[:sd], lens]))
 
 
 class PackedSwiGLU(eqx.Module):

@@ -10,9 +10,10 @@
 //      row by row, so a micro-tile reads one contiguous stream. N must be a multiple of 16.
 //   y: f32[M, N] row-major.
 //
-// 2. Paged attention: one query token per row against its cached keys and values, read in place
-//    from the page pool. A prompt token is a row too (its row's page table, the tokens up to and
-//    including itself), so this is causal prefill attention as well as decode attention. Why: XLA
+// 2. Paged attention: one query token at a time against its sequence's cached keys and values,
+//    read in place from the page pool. A prompt token is such a query too (its row's page table,
+//    the tokens up to and including itself), so this is causal prefill attention as well as decode
+//    attention. Why: XLA
 //    gathers every row's pages into a padded copy and reduces over the padding too, which cost more
 //    than the matmuls at batch 32 and ~20% of a 512-token prefill step.
 //
@@ -252,8 +253,9 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
 //   q:     f32[S, H, G, D]  one pre-scaled query per row (H kv heads, G query heads each)
 //   k:     T[layers, pages, H, D, PS]  (token slot minor; T float32, or bfloat16 / its uint16 bits)
 //   v:     T[layers, pages, H, PS, D]
-//   layer: i32[]   pages: i32[S, L] page table   lens: i32[S] visible tokens (0: padding row)
-//   out:   f32[S, H, G, D]  softmax(q k^T) v over tokens [0, lens[s]); zeros where lens[s] == 0.
+//   layer: i32[]   pages: i32[R, L] page tables   rows: i32[S] the page table of each query
+//   lens:  i32[S] visible tokens (0: padding)
+//   out:   f32[S, H, G, D]  softmax(q k^T) v over tokens [0, lens[s]) of table rows[s]; zeros where lens[s] == 0.
 
 inline __m256 Exp8(__m256 x) {  // e^x, relative error ~2e-7, for x <= 0 (flushes to 0 below -87)
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
@@ -428,12 +430,12 @@ void AttendOne(const float* q, const T* kpool, const T* vpool, const int32_t* ta
 }
 
 template <typename T>
-void AttendAll(ffi::ThreadPool& pool, const AttnShape& a, int64_t rows, const float* qp, const T* kl, const T* vl,
-               const int32_t* tp, const int32_t* lp, float* op) {
+void AttendAll(ffi::ThreadPool& pool, const AttnShape& a, int64_t queries, int64_t tables, const float* qp,
+               const T* kl, const T* vl, const int32_t* tp, const int32_t* rp, const int32_t* lp, float* op) {
   const int64_t max_tokens = a.table_len * a.page_size;
-  ParallelFor(pool, rows * a.heads, [=](int64_t c) {
-    const int64_t s = c / a.heads, h = c % a.heads;
-    const int64_t n = std::min<int64_t>(std::max<int32_t>(lp[s], 0), max_tokens);
+  ParallelFor(pool, queries * a.heads, [=](int64_t c) {
+    const int64_t s = c / a.heads, h = c % a.heads, row = rp[s];
+    const int64_t n = row < 0 || row >= tables ? 0 : std::min<int64_t>(std::max<int32_t>(lp[s], 0), max_tokens);
     float* o = op + c * a.group * a.dim;
     if (n == 0) {
       std::fill(o, o + a.group * a.dim, 0.0f);
@@ -441,37 +443,38 @@ void AttendAll(ffi::ThreadPool& pool, const AttnShape& a, int64_t rows, const fl
     }
     std::unique_ptr<float[]> scores(new float[a.group * ScoresStride(n, a.page_size)]);
     const int64_t head_offset = h * a.dim * a.page_size;
-    AttendOne(qp + c * a.group * a.dim, kl + head_offset, vl + head_offset, tp + s * a.table_len, n, a,
+    AttendOne(qp + c * a.group * a.dim, kl + head_offset, vl + head_offset, tp + row * a.table_len, n, a,
               scores.get(), o);
   });
 }
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> lens,
-                           ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> rows,
+                           ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = pages.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || kd[2] != qd[1] || kd[3] != qd[3] ||
-      td[0] != qd[0] || lens.element_count() != qd[0] || v.dimensions().size() != 5) {
-    return ffi::Error::InvalidArgument("decode_attention: want q[S,H,G,D], k[layers,pages,H,D,PS], "
-                                       "pages[S,L], lens[S]");
+      rows.element_count() != qd[0] || lens.element_count() != qd[0] || v.dimensions().size() != 5) {
+    return ffi::Error::InvalidArgument("paged_attention: want q[S,H,G,D], k[layers,pages,H,D,PS], "
+                                       "pages[R,L], rows[S], lens[S]");
   }
   if (k.element_type() != v.element_type()) {
-    return ffi::Error::InvalidArgument("decode_attention: keys and values must have one dtype");
+    return ffi::Error::InvalidArgument("paged_attention: keys and values must have one dtype");
   }
   const AttnShape a{qd[1], qd[2], qd[3], kd[4], kd[1], td[1]};
   const int64_t layer_offset = layer.typed_data()[0] * a.pool_pages * a.heads * a.dim * a.page_size;
-  const int32_t *tp = pages.typed_data(), *lp = lens.typed_data();
+  const int32_t *tp = pages.typed_data(), *rp = rows.typed_data(), *lp = lens.typed_data();
   switch (k.element_type()) {
     case ffi::F32:
-      AttendAll(pool, a, qd[0], q.typed_data(), static_cast<const float*>(k.untyped_data()) + layer_offset,
-                static_cast<const float*>(v.untyped_data()) + layer_offset, tp, lp, out->typed_data());
+      AttendAll(pool, a, qd[0], td[0], q.typed_data(), static_cast<const float*>(k.untyped_data()) + layer_offset,
+                static_cast<const float*>(v.untyped_data()) + layer_offset, tp, rp, lp, out->typed_data());
       break;
     case ffi::BF16:
-    case ffi::U16:  // bfloat16 bits (the engine stores a bfloat16 cache as uint16, see engine/paged_model.py)
-      AttendAll(pool, a, qd[0], q.typed_data(), static_cast<const uint16_t*>(k.untyped_data()) + layer_offset,
-                static_cast<const uint16_t*>(v.untyped_data()) + layer_offset, tp, lp, out->typed_data());
+    case ffi::U16:  // bfloat16 bits (the cpu backend stores a bfloat16 cache as uint16)
+      AttendAll(pool, a, qd[0], td[0], q.typed_data(),
+                static_cast<const uint16_t*>(k.untyped_data()) + layer_offset,
+                static_cast<const uint16_t*>(v.untyped_data()) + layer_offset, tp, rp, lp, out->typed_data());
       break;
-    default: return ffi::Error::InvalidArgument("decode_attention: the cache must be float32 or bfloat16 (or uint16 bits)");
+    default: return ffi::Error::InvalidArgument("paged_attention: the cache must be float32 or bfloat16 (or uint16 bits)");
   }
   return ffi::Error::Success();
 }
@@ -556,12 +559,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeMatmul, Matmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeDecodeAttention, DecodeAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServePagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

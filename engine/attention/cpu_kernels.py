@@ -3,9 +3,9 @@
 - `matmul` / `PackedLinear`: XLA's CPU dot is slow on the few-row products of decoding and has no
   fast bfloat16 path; this kernel streams packed weights (bfloat16 or float32) and accumulates in
   float32.
-- `decode_attention`: one query per row against its pages, read in place from the KV pool (XLA
-  would gather every row's pages into a padded copy first). A prompt token is a row with its own
-  visible length, so the same kernel runs causal prefill attention.
+- `paged_attention`: each query token against its sequence's pages, read in place from the KV pool
+  (XLA would gather every row's pages into a padded copy first). A prompt token is a query with its
+  own visible length, so the same kernel runs causal prefill attention.
 - `silu_mul`: SwiGLU's silu(gate) * up on every thread, straight from the fused gate/up output (XLA
   runs this elementwise fusion on one thread, after copying gate and up out of it).
 - `argmax`: greedy decoding's row-wise argmax over the vocabulary (XLA's reduction is one-threaded
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 PANEL = 16
 """Output columns per packed panel; a packable weight has N % PANEL == 0."""
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
-_SYMBOLS = {"jax_serve_matmul": "JaxServeMatmul", "jax_serve_decode_attention": "JaxServeDecodeAttention",
+_SYMBOLS = {"jax_serve_matmul": "JaxServeMatmul", "jax_serve_paged_attention": "JaxServePagedAttention",
             "jax_serve_silu_mul": "JaxServeSiluMul", "jax_serve_argmax": "JaxServeArgmax"}
 
 
@@ -161,17 +161,18 @@ def _packed_matmul(inputs: NamedArray, In, packed: jax.Array,
     return batch, (xla_matmul if x.shape[0] in xla_rows else matmul)(x, packed)
 
 
-def decode_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pages: jax.Array,
-                     lens: jax.Array) -> jax.Array:
-    """Softmax attention of one pre-scaled query per row over its first `lens` cached tokens (a row
-    is a decoding sequence or one prompt token).
+def paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pages: jax.Array, rows: jax.Array,
+                    lens: jax.Array) -> jax.Array:
+    """Softmax attention of each pre-scaled query over the first `lens` cached tokens of its
+    sequence (a query is a decoding sequence's token or one prompt token).
 
     q: f32[S, kv_head, group, head_dim]; k_all: [layer, page, kv_head, head_dim, slot]; v_all:
     [layer, page, kv_head, slot, head_dim], both float32 or both bfloat16 (or bfloat16's uint16 bits;
-    read as such, summed in float32); layer: i32 scalar; pages: i32[S, L] page table;
-    lens: i32[S] (0 for padding rows, which get zeros). Returns f32[S, kv_head, group, head_dim]."""
-    call = jax.ffi.ffi_call("jax_serve_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q, k_all, v_all, jnp.asarray(layer, jnp.int32), pages, lens)
+    read as such, summed in float32); layer: i32 scalar; pages: i32[R, L] page tables; rows: i32[S]
+    each query's page table; lens: i32[S] (0 for padding, which gets zeros).
+    Returns f32[S, kv_head, group, head_dim]."""
+    call = jax.ffi.ffi_call("jax_serve_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q, k_all, v_all, jnp.asarray(layer, jnp.int32), pages, rows, lens)
 
 
 def silu_mul(gate_up: jax.Array) -> jax.Array:

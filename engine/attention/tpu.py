@@ -5,10 +5,10 @@ paged attention kernel under `shard_map` (each device its own KV heads); elsewhe
 levanter's reference implementation (loops over sequences, query tokens and page blocks: slow, but
 exact), which is how CI tests this backend on CPUs.
 
-Ragged token layout (engine.core.buckets): rows packed one after another, `cu_q_lens` their
-boundaries, `kv_lens` each row's tokens in the cache after the step, `page_indices` every row's
-page table over `max_model_len` (the kernel reads only the pages `kv_lens` covers). No row is
-padded to `prefill_chunk`; only the step's end is padded to its token bucket.
+The packed token layout (engine.core.buckets) is the kernel's own: rows one after another,
+`cu_q_lens` their boundaries, `kv_lens` each row's tokens in the cache after the step,
+`page_indices` every row's page table over `max_model_len` (the kernel reads only the pages
+`kv_lens` covers); only the step's end is padded to its token bucket.
 
 The cache is one array per layer, [page, slot, 2 * kv_head, head_dim] with the key of head h at
 2h and its value at 2h + 1 (levanter's `KvPageCache` layout), so the kernel reads a layer's pages
@@ -37,7 +37,6 @@ class RaggedKVCache(eqx.Module):
 
 class TpuBackend(AttentionBackend):
     name = "tpu"
-    ragged = True
     scannable = False
 
     def init_cache(self, shape: CacheShape) -> RaggedKVCache:

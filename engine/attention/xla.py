@@ -1,17 +1,16 @@
-"""The `xla` backend: dense masked attention in plain JAX, the portable path (any device, any mesh).
+"""The `xla` backend: masked attention in plain JAX, the portable path (any device, any mesh).
 
-Padded token layout (engine.core.buckets): the decode group (`Sd` rows of one token) and the
-prefill group (`Sp` rows of `C` token slots). Each row gathers its `L` pages and attends densely:
-
-- decode group: one query per row against its pages, a broadcast multiply-and-reduce (XLA on CPU
-  runs many tiny (group x head_dim x K) einsums several times slower than a vectorised reduction);
-- prefill group: the row's chunk against its pages, causal within the row, two einsums.
+Each token is a query against its own sequence (its row's page table), causal by position, in the
+packed token layout every backend reads (engine.core.buckets). Keys and values are read in blocks
+of `BLOCK_TOKENS` cached tokens with a running softmax (flash attention's recurrence), in a loop
+whose trip count is the step's longest visible length: a step costs what its rows' lengths need,
+and the page table's width (max_model_len) is no dimension of the program.
 
 The cache (`SplitKVCache`) keeps keys f[layer, page, kv_head, head_dim, slot] and values
 f[layer, page, kv_head, slot, head_dim]: a page is one contiguous block per head, so gathering a
-row's pages copies whole blocks, and keys keep the token position minor, as the decode reduction
-wants it. Both are split on `kv_head` under tensor parallelism: every device attends with its own
-heads, and only the output projection's all-reduce crosses devices.
+block of pages copies whole blocks, and keys keep the token position minor, as the score
+reduction wants it. Both are split on `kv_head` under tensor parallelism: every device attends
+with its own heads, and only the output projection's all-reduce crosses devices.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from jax.sharding import PartitionSpec
 
-from engine.attention.base import Q_AXES, AttentionBackend, AttentionStep, CacheShape
+from engine.attention.base import Q_AXES, AttentionBackend, AttentionStep, CacheShape, visible_tokens
 
 NEG_INF = -1e30
 
@@ -66,54 +65,46 @@ class XlaBackend(AttentionBackend):
     def cache_partition(self, model_axis: str) -> PartitionSpec:
         return PartitionSpec(None, None, model_axis, None, None)  # keys and values: [layer, page, kv_head, ...]
 
+    def begin_step(self, inputs) -> AttentionStep:
+        return AttentionStep(inputs, visible_tokens(inputs))
+
     def attend(self, cache: SplitKVCache, layer, q, k, v, scale, step: AttentionStep):
         cache = cache.write(layer, step.inputs.kv_dest, k, v)
         q_arr = q.rearrange(Q_AXES).array.astype(jnp.float32) * scale
-        inputs, sd = step.inputs, step.bucket.decode_rows
-        out = []
-        if sd:
-            out.append(_decode_attention(q_arr[:sd], cache, layer, inputs.page_table[:sd], inputs.kv_lens[:sd]))
-        if step.bucket.prefill_rows:
-            start = inputs.kv_lens[sd:] - inputs.q_lens[sd:]  # position of each prefill row's first token
-            out.append(_prefill_attention(q_arr[sd:], cache, layer, inputs.page_table[sd:], start))
-        o = jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]
+        o = _paged_attention(q_arr, cache, layer, step.inputs.page_table[step.inputs.token_row], step.tables)
         return hax.named(o, Q_AXES), cache
 
 
-def _gather_pages(cache: SplitKVCache, layer, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's keys f32[row, kv_head, head_dim, K] and values f32[row, kv_head, K, head_dim],
-    K = pages per row * page_size: the key position is the minor axis of both reductions below."""
-    rows = pages.shape[0]
-    k = cache.k[layer, pages].transpose(0, 2, 3, 1, 4)  # [row, head, dim, L, slot]
-    v = cache.v[layer, pages].transpose(0, 2, 1, 3, 4)  # [row, head, L, slot, dim]
-    k = k.reshape(rows, k.shape[1], k.shape[2], -1).astype(jnp.float32)
-    v = v.reshape(rows, v.shape[1], -1, v.shape[-1]).astype(jnp.float32)
-    return k, v
+BLOCK_TOKENS = 128
+"""Cached tokens one iteration of the attention loop reads per query (whole pages)."""
 
 
-def _decode_attention(q, cache, layer, pages, lens):
-    """q: f32[Sd, kv_head, group, head_dim] (pre-scaled), one query per row at position lens - 1."""
-    k, v = _gather_pages(cache, layer, pages)
-    scores = (q[..., None] * k[:, :, None]).sum(axis=3)  # [Sd, h, g, K]
-    visible = jnp.arange(k.shape[-1])[None, :] < lens[:, None]  # [Sd, K]
-    weights = _masked_softmax(scores, visible[:, None, None, :])
-    return (weights[..., None] * v[:, :, None]).sum(axis=3)  # [Sd, h, g, d]
+def _paged_attention(q, cache: SplitKVCache, layer, tables, lens):
+    """q: f32[T, kv_head, group, head_dim] (pre-scaled); tables: i32[T, L] each query's page table;
+    lens: i32[T] tokens each query sees (0: padding, whose output is garbage the caller never reads).
+    Returns f32[T, kv_head, group, head_dim]."""
+    tokens, heads, group, dim = q.shape
+    page_size = cache.k.shape[-1]
+    block = max(1, BLOCK_TOKENS // page_size)  # pages per iteration
+    width = -(-tables.shape[1] // block) * block
+    tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))  # padding reads the scratch page, masked
+    num_blocks = (jnp.max(lens) + block * page_size - 1) // (block * page_size)
 
+    def attend_block(i, carry):
+        top, total, acc = carry  # running max f32[T, h, g], softmax denominator f32[T, h, g], f32[T, h, g, d]
+        pages = jax.lax.dynamic_slice_in_dim(tables, i * block, block, axis=1)  # [T, B]
+        k = cache.k[layer, pages].transpose(0, 2, 3, 1, 4).reshape(tokens, heads, dim, -1).astype(jnp.float32)
+        v = cache.v[layer, pages].transpose(0, 2, 1, 3, 4).reshape(tokens, heads, -1, dim).astype(jnp.float32)
+        scores = (q[..., None] * k[:, :, None]).sum(axis=3)  # [T, h, g, K]
+        position = i * block * page_size + jnp.arange(k.shape[-1])
+        scores = jnp.where((position[None, :] < lens[:, None])[:, None, None, :], scores, NEG_INF)
+        new_top = jnp.maximum(top, scores.max(axis=-1))
+        weights = jnp.exp(scores - new_top[..., None])
+        rescale = jnp.exp(top - new_top)
+        acc = acc * rescale[..., None] + (weights[..., None] * v[:, :, None]).sum(axis=3)
+        return new_top, total * rescale + weights.sum(axis=-1), acc
 
-def _prefill_attention(q, cache, layer, pages, start):
-    """q: f32[Sp * C, kv_head, group, head_dim] (pre-scaled); row r's token j is at start[r] + j."""
-    rows = pages.shape[0]
-    q = q.reshape(rows, -1, *q.shape[1:])  # [Sp, C, h, g, d]
-    k, v = _gather_pages(cache, layer, pages)
-    scores = jnp.einsum("schgd,shdk->shgck", q, k)
-    q_pos = start[:, None] + jnp.arange(q.shape[1])[None, :]  # [Sp, C]
-    visible = jnp.arange(k.shape[-1])[None, None, :] <= q_pos[:, :, None]  # causal, within the row
-    weights = _masked_softmax(scores, visible[:, None, None, :, :])
-    out = jnp.einsum("shgck,shkd->schgd", weights, v)
-    return out.reshape(-1, *out.shape[2:])
-
-
-def _masked_softmax(scores, visible):
-    """Softmax over the last axis where visible. Rows with nothing visible (padding) get finite
-    garbage that the caller never reads."""
-    return jax.nn.softmax(jnp.where(visible, scores, NEG_INF), axis=-1)
+    init = (jnp.full((tokens, heads, group), NEG_INF, jnp.float32), jnp.zeros((tokens, heads, group), jnp.float32),
+            jnp.zeros((tokens, heads, group, dim), jnp.float32))
+    _, total, acc = jax.lax.fori_loop(0, num_blocks, attend_block, init)
+    return acc / jnp.maximum(total, 1e-30)[..., None]

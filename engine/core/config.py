@@ -39,9 +39,14 @@ class EngineConfig:
     max_num_seqs: int = 32
     """Sequences decoded together at most (the batch size)."""
     max_num_batched_tokens: int = 512
-    """Token budget of one step, shared by decodes (one token each) and prompt chunks."""
-    prefill_chunk: int = 128
-    """Prompt tokens one sequence contributes to one step at most (a row of the prefill group)."""
+    """Token budget of one step, shared by decodes (one token each) and prompts: a prompt that fits
+    the budget beside the running decodes is read in one step, a longer one in budget-sized chunks.
+    Also the largest compiled step: a step costs about what its tokens cost, never more than the
+    next rung of the bucket ladder (engine.core.buckets)."""
+    prefill_chunk: Optional[int] = None
+    """Prompt tokens one sequence contributes to one step at most. None: the whole budget. Lower it
+    to keep the steps that read long prompts short, so decoding sequences wait less between
+    tokens (at the cost of more steps before a long prompt's first token)."""
     max_model_len: Optional[int] = None
     """Prompt + output tokens per sequence. None: the model's max_position_embeddings, capped at 4096."""
     enable_prefix_caching: bool = True
@@ -104,8 +109,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1 (or None: the whole budget), got {self.prefill_chunk}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "

@@ -92,12 +92,6 @@ class Sequence:
     def num_pending(self) -> int:
         return self.num_tokens - self.num_computed
 
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """Whether computing from `num_computed` on still predicts prompt tokens (the last prompt
-        position predicts the first output token, not a prompt token)."""
-        return self.params.prompt_logprobs is not None and self.num_computed + 1 < len(self.prompt_ids)
-
 
 @dataclasses.dataclass
 class Row:
@@ -119,7 +113,7 @@ class Plan:
     decode: list[Row]
     """Rows of one token each."""
     prefill: list[Row]
-    """Rows of several tokens (at most the prefill chunk), and rows that yield prompt logprobs."""
+    """Rows of several tokens (at most the prefill chunk)."""
     preempted: list[Sequence]
     """Sequences preempted while planning; none of them has a row in this plan."""
 
@@ -139,14 +133,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     """Token budget of one step."""
     prefill_chunk: int
-    """Tokens of one prefill row at most."""
-    max_prefill_rows: int
-    """Prefill rows in one step at most."""
+    """Tokens of one row at most (a prompt longer than this takes several steps)."""
     max_model_len: int
     """Tokens (prompt + output) of one sequence at most."""
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "max_prefill_rows", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
@@ -186,9 +178,12 @@ class Scheduler:
         seq.pages = []
         seq.status = Status.FINISHED
 
-    def schedule(self) -> Plan:
+    def schedule(self, max_tokens: Optional[int] = None) -> Plan:
+        """The next step's rows. `max_tokens`: a lower token budget for this step than the
+        configured one (the largest step the device side can run right now)."""
         plan = Plan(decode=[], prefill=[], preempted=[])
-        budget = self._schedule_running(plan)
+        limit = self.config.max_num_batched_tokens if max_tokens is None else min(max_tokens, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(plan, limit)
         for row in plan.rows:  # final now: no row of this plan can be dropped any more
             self._register_full_pages(row.seq, row.start + row.length)
         if not plan.preempted:
@@ -197,21 +192,19 @@ class Scheduler:
 
     # ---- internals ----
 
-    def _schedule_running(self, plan: Plan) -> int:
-        """Decodes first (one token each), then running prompts' chunks, oldest first within each.
-        Returns the budget left."""
-        budget = self.config.max_num_batched_tokens
+    def _schedule_running(self, plan: Plan, limit: int) -> int:
+        """Decodes first (one token each), then running prompts' chunks, oldest first within each,
+        within `limit` tokens. Returns the budget left."""
+        budget = limit
         for decoding in (True, False):
             for seq in [s for s in self.running if (s.num_pending == 1) == decoding]:
                 if seq.status is not Status.RUNNING or budget == 0 or self._at_length_limit(seq):
                     continue
                 length = min(seq.num_pending, self.config.prefill_chunk, budget)
-                if self._is_prefill(seq, length) and len(plan.prefill) == self.config.max_prefill_rows:
-                    continue
                 num_preempted = len(plan.preempted)
                 reserved = self._reserve_running(seq, length, plan)
                 if len(plan.preempted) > num_preempted:  # victims' rows were dropped: their tokens are back
-                    budget = self.config.max_num_batched_tokens - plan.num_tokens
+                    budget = limit - plan.num_tokens
                 if reserved:
                     self._add_row(plan, Row(seq, seq.num_computed, length))
                     budget -= length
@@ -220,10 +213,6 @@ class Scheduler:
     def _admit_waiting(self, plan: Plan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            # The cache can only shorten the row, so this check errs on the side of waiting.
-            upper = min(seq.num_pending, self.config.prefill_chunk, budget)
-            if self._is_prefill(seq, upper) and len(plan.prefill) == self.config.max_prefill_rows:
-                return
             fresh = not seq.pages
             if fresh:
                 self._match_prefix(seq)
@@ -293,13 +282,9 @@ class Scheduler:
         return max(0, total - len(seq.pages))
 
     @staticmethod
-    def _is_prefill(seq: Sequence, length: int) -> bool:
-        """Rows of several tokens, and rows that yield prompt logprobs (computed for prefill rows
-        only), go to the prefill group."""
-        return length > 1 or seq.wants_prompt_logprobs
-
-    def _add_row(self, plan: Plan, row: Row) -> None:
-        (plan.prefill if self._is_prefill(row.seq, row.length) else plan.decode).append(row)
+    def _add_row(plan: Plan, row: Row) -> None:
+        """Rows of one token go first (decodes), rows of several (prompts) after them."""
+        (plan.decode if row.length == 1 else plan.prefill).append(row)
 
     def _register_full_pages(self, seq: Sequence, end: int) -> None:
         """Offer the pages this step fills to the prefix cache once the row is final. Within a

@@ -5,12 +5,13 @@ arrays in a shape bucket, sampling inputs and the sampler's switches. The device
 nothing else, so a plan pickles and can be sent to the other hosts of a replica. What maps the
 step's outputs back to sequences (`RowSlots`) stays with the engine.
 
-Token layout (see engine.core.buckets): row k of `plan.rows` (decodes first, then prefill rows)
-owns tokens [q_start[k], q_start[k] + q_lens[k]); every token writes its key and value to
-`kv_dest` (page * page_size + slot) before attention reads the pages, so a row sees its own
-chunk; padding tokens write to the scratch page, padding rows have q_lens = kv_lens = 0. Each row
-samples from its last token (`sample_index`); its sampled token lands in slot k of the step's
-output (decode row i at slot i and prefill row r at slot Sd + r in the padded layout).
+Token layout (see engine.core.buckets): row k of `plan.rows` (decodes first, then prompt rows)
+owns tokens [q_start[k], q_start[k] + q_lens[k]), packed one after another; `token_row` names each
+token's row. Every token writes its key and value to `kv_dest` (page * page_size + slot) before
+attention reads the pages, so a row sees its own new tokens. Padding sits at the end only: padding
+tokens write to the scratch page and belong to the last row; padding rows start where the tokens
+end and have q_lens = kv_lens = 0. Each row samples from its last token (`sample_index`); its
+sampled token lands in slot k of the step's output.
 
 A row whose last token is still being sampled by the previous step (async scheduling: a
 placeholder on the host) takes it from that step's sampled tokens on the device: `prev_slot[t]`
@@ -20,8 +21,9 @@ names the slot, and `reads_step` names the step, so a host that did not run that
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import zlib
-from typing import NamedTuple, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import numpy as np
 
@@ -40,7 +42,8 @@ class StepInputs(NamedTuple):
     positions: np.ndarray  # i32[T]
     kv_dest: np.ndarray  # i32[T] flat cache slot of each token's key/value; padding -> scratch page
     prev_slot: np.ndarray  # i32[T] slot of the previous step's sampled token that replaces it, or -1
-    page_table: np.ndarray  # i32[R, L] pages of each row's sequence (padding -> scratch page 0)
+    token_row: np.ndarray  # i32[T] the row each token belongs to (padding tokens: the last row)
+    page_table: np.ndarray  # i32[R, L] pages of each row's sequence over max_model_len (padding -> scratch page 0)
     kv_lens: np.ndarray  # i32[R] tokens in the cache after this step (0 for padding rows)
     q_start: np.ndarray  # i32[R] first token of the row
     q_lens: np.ndarray  # i32[R] tokens of the row in this step (0 for padding rows)
@@ -149,45 +152,32 @@ class StepPlanner:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
 
-    def build(self, plan: Plan, step_id: int, previous: Optional[RowSlots] = None,
-              defer_masks: bool = False) -> tuple[StepPlan, RowSlots]:
+    def build(self, plan: Plan, step_id: int, previous: Optional[RowSlots] = None, defer_masks: bool = False,
+              ready: Optional[Iterable[Bucket]] = None) -> tuple[StepPlan, RowSlots]:
         """The plan of one step. `previous`: the step in flight, whose sampled tokens fill the
         placeholders of this one. `defer_masks`: leave `sampling.allowed` None even when a row
-        is constrained (`allowed_tokens` makes it once the grammars have seen `previous`'s tokens)."""
-        pages_needed = max(-(-(row.start + row.length) // self.page_size) for row in plan.rows)
-        bucket = self.buckets.for_step(len(plan.decode), [row.length for row in plan.prefill], pages_needed)
-        inputs = _empty_inputs(bucket, self.page_size)
-        starts = self._row_starts(plan, bucket)
-        first_prefill = len(plan.decode) if bucket.ragged else bucket.decode_rows
-        slots = list(range(len(plan.decode))) + [first_prefill + r for r in range(len(plan.prefill))]
+        is constrained (`allowed_tokens` makes it once the grammars have seen `previous`'s tokens).
+        `ready`: the buckets the step may take (default: any)."""
+        bucket = self.buckets.for_step(plan.num_tokens, len(plan.rows), ready)
+        inputs = _empty_inputs(bucket, self.buckets.max_pages_per_seq, self.page_size)
+        starts = list(itertools.accumulate((row.length for row in plan.rows), initial=0))
         reads_previous = False
-        for row, start, slot in zip(plan.rows, starts, slots):
-            reads_previous |= self._fill_row(row, start, slot, inputs, bucket, previous)
-        if bucket.ragged:  # padding rows start where the tokens end, so q_start stays sorted
-            inputs.q_start[len(plan.rows):] = starts[-1] + plan.rows[-1].length
-        rows = list(zip(slots, plan.rows))
+        for slot, (row, start) in enumerate(zip(plan.rows, starts)):
+            reads_previous |= self._fill_row(row, start, slot, inputs, previous)
+        end = starts[len(plan.rows)]
+        inputs.q_start[len(plan.rows):] = end  # padding rows start where the tokens end: q_start stays sorted
+        inputs.token_row[end:] = bucket.rows - 1
+        rows = list(enumerate(plan.rows))
         sampling, switches = self._sampling_inputs(rows, bucket.rows, defer_masks)
         prompt_lps, prompt_rows = self._prompt_logprob_inputs(plan, starts)
         step = StepPlan(step_id, bucket, inputs, sampling, switches, prompt_lps,
                         previous.step_id if reads_previous else None)
         slot_of = {row.seq.request_id: slot for slot, row in rows if row.samples}
-        return step, RowSlots(step_id, slots, slot_of, prompt_rows, bucket.rows)
+        return step, RowSlots(step_id, list(range(len(plan.rows))), slot_of, prompt_rows, bucket.rows)
 
     # ---- internals ----
 
-    def _row_starts(self, plan: Plan, bucket: Bucket) -> list[int]:
-        """First token of each row of `plan.rows` in the step's layout."""
-        starts = list(range(len(plan.decode)))
-        if bucket.ragged:
-            offset = len(plan.decode)
-            for row in plan.prefill:
-                starts.append(offset)
-                offset += row.length
-        else:
-            starts += [bucket.decode_rows + r * bucket.chunk for r in range(len(plan.prefill))]
-        return starts
-
-    def _fill_row(self, row: Row, offset: int, slot: int, inputs: StepInputs, bucket: Bucket,
+    def _fill_row(self, row: Row, offset: int, slot: int, inputs: StepInputs,
                   previous: Optional[RowSlots]) -> bool:
         """Write one row's tokens and row arrays; True when it reads a token of `previous`."""
         seq, start, end = row.seq, row.start, row.start + row.length
@@ -203,7 +193,8 @@ class StepPlanner:
             inputs.tokens[span] = seq.token_ids[start:end]
             inputs.positions[span] = pos
             inputs.kv_dest[span] = np.asarray(seq.pages)[pos // page_size] * page_size + pos % page_size
-        inputs.page_table[slot, : len(seq.pages)] = seq.pages[: bucket.pages]
+        inputs.token_row[offset : offset + row.length] = slot
+        inputs.page_table[slot, : len(seq.pages)] = seq.pages
         inputs.kv_lens[slot], inputs.q_start[slot], inputs.q_lens[slot] = end, offset, row.length
         inputs.sample_index[slot] = offset + row.length - 1
         if end <= seq.num_known_tokens:
@@ -290,14 +281,16 @@ class StepPlanner:
         return PromptLogprobInputs(np.asarray(index + [0] * pad, np.int32), np.asarray(targets + [0] * pad, np.int32)), owners
 
 
-def empty_step_plan(bucket: Bucket, page_size: int, step_id: int,
+def empty_step_plan(bucket: Bucket, buckets: ShapeBuckets, step_id: int,
                     switches: SamplerSwitches = SamplerSwitches()) -> StepPlan:
     """A step of padding only (every write goes to the scratch page): warm-up compiles with it
     exactly the arrays `StepPlanner.build` makes."""
     n = bucket.rows
     sampling = SamplingInputs(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
                               np.zeros(n, np.float32), np.zeros(n, np.uint32), np.zeros(n, np.int32))
-    return StepPlan(step_id, bucket, _empty_inputs(bucket, page_size), sampling, switches)
+    inputs = _empty_inputs(bucket, buckets.max_pages_per_seq, buckets.page_size)
+    inputs.token_row[:] = n - 1
+    return StepPlan(step_id, bucket, inputs, sampling, switches)
 
 
 def _needs_dense(row: Row) -> bool:
@@ -305,14 +298,15 @@ def _needs_dense(row: Row) -> bool:
     return seq.params.needs_penalties or len(seq.output_ids) < seq.params.min_tokens
 
 
-def _empty_inputs(bucket: Bucket, page_size: int) -> StepInputs:
+def _empty_inputs(bucket: Bucket, max_pages: int, page_size: int) -> StepInputs:
     t, r = bucket.tokens, bucket.rows
     return StepInputs(
         tokens=np.zeros(t, np.int32),
         positions=np.zeros(t, np.int32),
         kv_dest=np.full(t, SCRATCH_PAGE * page_size, np.int32),
         prev_slot=np.full(t, -1, np.int32),
-        page_table=np.zeros((r, bucket.pages), np.int32),
+        token_row=np.zeros(t, np.int32),
+        page_table=np.zeros((r, max_pages), np.int32),
         kv_lens=np.zeros(r, np.int32),
         q_start=np.zeros(r, np.int32),
         q_lens=np.zeros(r, np.int32),

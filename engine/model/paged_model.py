@@ -28,7 +28,6 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 from engine.attention.base import KV_AXES, Q_AXES, AttentionBackend
-from engine.core.buckets import Bucket
 from engine.core.step_plan import StepInputs
 
 
@@ -55,8 +54,7 @@ class ServingModel(eqx.Module):
         return self.layers[0] if isinstance(self.layers, tuple) else self.layers.stacked
 
 
-def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepInputs,
-            bucket: Bucket) -> tuple[NamedArray, object]:
+def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepInputs) -> tuple[NamedArray, object]:
     """Run every layer over the step's tokens. Returns the final hidden states (position, embed)
     and the updated cache."""
     Pos = hax.Axis("position", inputs.tokens.shape[0])
@@ -65,7 +63,7 @@ def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepI
     pos_ids = hax.named(inputs.positions, Pos)
     rot_embs = getattr(getattr(model.first_layer, "self_attn", None), "rot_embs", None)
     rope = rotary_tables(rot_embs, pos_ids) if rot_embs is not None else None
-    step = backend.begin_step(inputs, bucket)
+    step = backend.begin_step(inputs)
     if isinstance(model.layers, tuple):
         for index, layer in enumerate(model.layers):
             x, cache = _decoder_layer(layer, x, cache, index, rope, backend, step)

@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from engine.attention.base import AttentionBackend, CacheShape
 from engine.attention.select import select_backend
-from engine.core.buckets import Bucket, ShapeBuckets
+from engine.core.buckets import ShapeBuckets
 from engine.core.config import EngineConfig
 from engine.core.grammar import mask_words
 from engine.core.step_plan import WARM_SAMPLER_SWITCHES, SamplerSwitches, StepOutput, StepPlan, empty_step_plan
@@ -75,12 +75,12 @@ class _Steps:
         replicated = sharding.replicated(mesh)
         constrain = jax.lax.with_sharding_constraint
 
-        @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("bucket",))
-        def forward_step(weights, cache, inputs, prev_tokens, bucket: Bucket):
+        @functools.partial(jax.jit, donate_argnums=(1,))
+        def forward_step(weights, cache, inputs, prev_tokens):
             model = unflatten(weights)
             # tokens the previous step is sampling (placeholders on the host) come from its output
             tokens = jnp.where(inputs.prev_slot >= 0, prev_tokens[jnp.maximum(inputs.prev_slot, 0)], inputs.tokens)
-            hidden, cache = forward(model, backend, cache, inputs._replace(tokens=tokens), bucket)
+            hidden, cache = forward(model, backend, cache, inputs._replace(tokens=tokens))
             logits = logits_at(model, hidden, inputs.sample_index).array
             # hidden leaves as a plain array: a NamedArray output is unflattened in Python per call
             return constrain(logits, replicated), constrain(hidden.array, replicated), constrain(cache, cache_sharding)
@@ -101,10 +101,10 @@ class _Steps:
 
         self._forward, self.sample, self._prompt_logprobs = forward_step, sample_step, prompt_logprobs_step
 
-    def forward(self, cache, inputs, prev_tokens, bucket: Bucket):
+    def forward(self, cache, inputs, prev_tokens):
         """(logits of the sampled rows, final hidden states f[position, embed], updated cache);
         donates `cache`."""
-        return self._forward(self.weights, cache, inputs, prev_tokens, bucket=bucket)
+        return self._forward(self.weights, cache, inputs, prev_tokens)
 
     def prompt_logprobs(self, hidden, index, targets):
         return self._prompt_logprobs(self.weights, hidden, index, targets)
@@ -131,10 +131,9 @@ class ModelRunner:
                              f"{info.max_position_embeddings}; lower max_model_len")
         self.page_size = config.page_size
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
-        self.buckets = ShapeBuckets(ragged=self.backend.ragged, max_num_seqs=config.max_num_seqs,
+        self.buckets = ShapeBuckets(max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
-                                    prefill_chunk=config.prefill_chunk, max_pages_per_seq=self.max_pages_per_seq,
-                                    page_size=self.page_size)
+                                    max_pages_per_seq=self.max_pages_per_seq, page_size=self.page_size)
         with self._device_context(self._load_mapping()):
             model, self.info = load_model(config.model, self.dtype)
             if self.layout.kv_repeats > 1:
@@ -168,7 +167,7 @@ class ModelRunner:
         prev_tokens = self._last_tokens if plan.reads_step is not None else self._no_tokens
         inputs, sampling, prompt_inputs = self._global((plan.inputs, plan.sampling, plan.prompt_logprobs))
         with self._device_context():
-            logits, hidden, self.cache = self.steps.forward(self.cache, inputs, prev_tokens, plan.bucket)
+            logits, hidden, self.cache = self.steps.forward(self.cache, inputs, prev_tokens)
             out = self.steps.sample(logits, sampling, switches=plan.switches) if sample else None
             prompt = None
             if prompt_inputs is not None:
@@ -203,12 +202,12 @@ class ModelRunner:
         start = time.perf_counter()
         buckets = self.buckets.all()
         for bucket in buckets:
-            plan = empty_step_plan(bucket, self.page_size, step_id=-1)
+            plan = empty_step_plan(bucket, self.buckets, step_id=-1)
             every_token = np.full((bucket.rows, mask_words(self.vocab_size)), -1, np.int32)
             inputs, sampling, masked = self._global((plan.inputs, plan.sampling,
                                                      plan.sampling._replace(allowed=every_token)))
             with self._device_context():
-                logits, _, self.cache = self.steps.forward(self.cache, inputs, self._no_tokens, bucket)
+                logits, _, self.cache = self.steps.forward(self.cache, inputs, self._no_tokens)
                 for switches in WARM_SAMPLER_SWITCHES:
                     jax.block_until_ready(self.steps.sample(logits, masked if switches.constrain else sampling,
                                                             switches=switches))

@@ -46,8 +46,8 @@ def test_a_host_given_another_bucket_than_its_peers_refuses_the_step(two_hosts):
     would compile another program fails loudly instead of computing garbage with the others."""
     engine, _ = two_hosts
     first, other = engine.runner.buckets.all()[:2]
-    plans = [empty_step_plan(first, engine.runner.buckets.page_size, step_id=10**6),
-             empty_step_plan(other, engine.runner.buckets.page_size, step_id=10**6)]
+    plans = [empty_step_plan(first, engine.runner.buckets, step_id=10**6),
+             empty_step_plan(other, engine.runner.buckets, step_id=10**6)]
     calls = [worker.launch.remote(plan) for worker, plan in zip(engine.runner.workers, plans)]
     for call in calls:
         with pytest.raises(ray.exceptions.RayTaskError, match="must run identical steps in identical order"):
