@@ -118,7 +118,7 @@ def replay_step_ms(engine: LLMEngine, batch: int, steps: int = 50) -> float:
     dispatch and the device take, without scheduling or reading each step's tokens."""
     from engine.core.step_plan import empty_step_plan
 
-    runner = engine.runner
+    runner = engine.executor.runner
     plan = empty_step_plan(runner.buckets.for_step(batch, batch), runner.buckets, step_id=-1)
     runner.fetch(runner.launch(plan))
     start = time.perf_counter()
@@ -152,6 +152,8 @@ def main(argv=None) -> None:
                         help="run the model on this many EngineWorker processes (a local Ray instance)")
     parser.add_argument("--devices-per-host", type=int, default=0,
                         help="host CPU devices per process (XLA_FLAGS), for --tensor-parallel-size > 1 on a CPU")
+    parser.add_argument("--scan-layers", default="auto", choices=["auto", "true", "false"],
+                        help="the layer loop: scanned, unrolled, or the backend's choice")
     parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "kernel", "xla"],
                         help="cpu backend: per-shape choice (auto) or one matmul for every product")
     parser.add_argument("--num-pages", type=int, default=0,
@@ -194,7 +196,9 @@ def main(argv=None) -> None:
                 max_num_batched_tokens=max(seqs, args.max_num_batched_tokens), prefill_chunk=args.prefill_chunk,
                 max_model_len=args.prompt_len + args.new_tokens, attention_backend=args.attention_backend,
                 tensor_parallel_size=args.tensor_parallel_size, cpu_matmul=args.cpu_matmul,
+                scan_layers={"auto": None, "true": True, "false": False}[args.scan_layers],
                 num_hosts=args.num_hosts, num_pages=args.num_pages))
+            engine.wait_until_compiled()  # steady state: every step program compiled
         if batch == batches[0]:
             d = engine.describe()
             print(f"| batch | grammar | output tok/s | decode step ms | run s | steps |"
@@ -209,7 +213,7 @@ def main(argv=None) -> None:
             for g in grammars:
                 runs[g].append(run_once(engine, batch, args.prompt_len, args.new_tokens, seed, args.requests, g))
         if args.num_hosts > 1 and not args.one_engine:
-            engine.runner.shutdown()  # the next batch size starts its own workers
+            engine.shutdown()  # the next batch size starts its own workers
         replayed = f" {replay_step_ms(engine, batch):.2f} |" if args.replay and args.num_hosts == 1 else ""
         for g in grammars:
             med = {k: statistics.median(r[k] for r in runs[g]) for k in runs[g][0]}
@@ -217,7 +221,7 @@ def main(argv=None) -> None:
             print(f"| {batch} | {g} | {med['tok_s']:.0f} | {med['step_ms']:.2f} | {med['seconds']:.2f} | "
                   f"{med['steps']:.0f} |{replayed}", flush=True)
     if args.num_hosts > 1 and args.one_engine:
-        engine.runner.shutdown()
+        engine.shutdown()
     if bandwidth:
         weight_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         bound_ms = 1000 * weight_bytes / bandwidth

@@ -2,7 +2,7 @@
 
 One request's path: `add_request` validates it and queues a `Sequence`; each `step()` asks the
 scheduler for a plan (which sequences run, how many tokens each), turns it into a step plan (plain
-arrays, engine.core.step_plan), has the runner launch it, and returns one `TokenDelta` per
+arrays, engine.core.step_plan), has the executor launch it, and returns one `TokenDelta` per
 sequence that produced a token (plus one per aborted request). A finished or aborted sequence
 returns all its pages at once.
 
@@ -18,7 +18,6 @@ samples under depends on every token before it, including the one step N is stil
 step N+1 is launched in two parts: its forward pass first (as any step, reading N's tokens on the
 device), then, once N is fetched and the grammars have taken its tokens, the masks are computed
 and N+1's sampling is launched. The masks overlap N+1's forward pass; what waits is the sampling.
-A runner that cannot defer sampling (several hosts) fetches each step before planning the next.
 
 Single-threaded by design: `AsyncEngine` drives it from one background thread.
 """
@@ -44,8 +43,7 @@ from engine.core.request import (
 )
 from engine.core.scheduler import PENDING_TOKEN, Plan, Row, Scheduler, SchedulerConfig, Sequence, Status
 from engine.core.step_plan import RowSlots, StepOutput, StepPlanner
-from engine.executor.multihost import MultiHostExecutor
-from engine.runner.model_runner import ModelRunner
+from engine.executor.base import make_executor
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +74,9 @@ class RowResult:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.runner = ModelRunner(config) if config.num_hosts == 1 else MultiHostExecutor(config)
-        self.max_model_len = self.runner.max_model_len
-        self.allocator = PageAllocator(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
+        self.executor = make_executor(config)
+        self.max_model_len = self.executor.max_model_len
+        self.allocator = PageAllocator(self.executor.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -88,10 +86,10 @@ class LLMEngine:
             ),
             self.allocator,
         )
-        self.eos_token_ids = frozenset(self.runner.info.eos_token_ids)
-        self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = frozenset(self.executor.info.eos_token_ids)
+        self.vocab_size = self.executor.vocab_size
         self.grammars, self._no_grammars = _grammar_compiler(config.model, self.vocab_size, self.eos_token_ids)
-        self.planner = StepPlanner(self.runner.buckets, self.vocab_size, self.runner.info.eos_token_ids,
+        self.planner = StepPlanner(self.executor.buckets, self.vocab_size, self.executor.info.eos_token_ids,
                                    self.grammars)
         self._sequences: dict[str, Sequence] = {}
         self._aborted: list[str] = []
@@ -100,7 +98,8 @@ class LLMEngine:
         self._num_steps = 0
         self._last_batch = 0
         self._max_batch = 0
-        self.warmup_seconds: Optional[float] = self.runner.warmup() if config.warmup else None
+        self.warmup_seconds: Optional[float] = self.executor.warmup() if config.warmup else None
+        """Seconds until the first step program was ready (the rest compile in the background)."""
 
     # ---- the surface ----
 
@@ -158,13 +157,22 @@ class LLMEngine:
 
     def heartbeat(self) -> None:
         """Raise if a host of the replica is gone (a step would fail the same way, later)."""
-        self.runner.check_alive()
+        self.executor.check_alive()
 
     def describe(self) -> dict[str, str]:
         """How this engine runs its model: attention backend, dtypes, devices, mesh, KV pool."""
-        return {**self.runner.describe(), "max_model_len": str(self.max_model_len)}
+        return {**self.executor.describe(), "max_model_len": str(self.max_model_len)}
+
+    def wait_until_compiled(self, timeout: Optional[float] = None) -> bool:
+        """Block until every step program is compiled (benchmarks that measure steady state); True if all are."""
+        return self.executor.wait_compiled(timeout)
+
+    def shutdown(self) -> None:
+        """Release the executor's workers (several hosts); the engine cannot step after."""
+        self.executor.shutdown()
 
     def stats(self) -> EngineStats:
+        compiled, programs = self.executor.compile_progress() if self.config.warmup else (0, 0)
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -177,28 +185,28 @@ class LLMEngine:
             last_batch_size=self._last_batch,
             max_batch_size=self._max_batch,
             max_model_len=self.max_model_len,
+            compiled_programs=compiled,
+            step_programs=programs,
         )
 
     # ---- internals ----
 
     def _needs_host_tokens(self) -> bool:
         """Whether planning the next step needs every token sampled so far on the host."""
-        defer = self.runner.defers_sampling
-        return any(seq.params.needs_penalties or (seq.grammar is not None and not defer)
-                   for seq in self.scheduler.running)
+        return any(seq.params.needs_penalties for seq in self.scheduler.running)
 
     def _launch(self, previous: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
         """Plan and dispatch the next step (None if nothing can run); advance its rows."""
         if not self.scheduler.has_work():
             return None
-        plan = self.scheduler.schedule()
+        ready = self.executor.ready_buckets()  # while programs compile, steps fit the ready ones
+        plan = self.scheduler.schedule(max_tokens=ready[-1].tokens)
         if not plan.rows:
             return None
-        defer = previous is not None and self.runner.defers_sampling
         step, slots = self.planner.build(plan, self._num_steps, previous.slots if previous is not None else None,
-                                         defer_masks=defer)
+                                         defer_masks=previous is not None, ready=ready)
         masks_pending = step.switches.constrain and step.sampling.allowed is None
-        handle = self.runner.launch(step, sample=False) if masks_pending else self.runner.launch(step)
+        handle = self.executor.launch(step, sample=not masks_pending)
         launched = LaunchedStep(plan, slots, handle, masks_pending)
         for row in plan.rows:
             row.seq.num_computed += row.length
@@ -214,11 +222,11 @@ class LLMEngine:
         """Launch the sampling of a step whose forward pass is running, under the masks of its
         grammars (which have now seen every token before this step's)."""
         rows = list(zip(launched.slots.slots, launched.plan.rows))
-        self.runner.sample(launched.handle, self.planner.allowed_tokens(rows, launched.slots.num_slots))
+        self.executor.sample(launched.handle, self.planner.allowed_tokens(rows, launched.slots.num_slots))
 
     def _finish(self, launched: LaunchedStep) -> list[TokenDelta]:
         """Wait for a launched step and turn its results into deltas."""
-        results = _row_results(launched.plan, launched.slots, self.runner.fetch(launched.handle))
+        results = _row_results(launched.plan, launched.slots, self.executor.fetch(launched.handle))
         over = self._feed_grammars(launched.plan.rows, results)
         deltas = [self._advance(row, result, over.get(row.seq.request_id, False))
                   for row, result in zip(launched.plan.rows, results)]

@@ -79,7 +79,14 @@ ERROR_BODY = {"application/json": {"schema": {"$ref": REF_TEMPLATE.format(model=
 ERRORS = {"4XX": {"content": ERROR_BODY}, "5XX": {"content": ERROR_BODY}}
 """Every error has OpenAI's body (JSON, on /metrics too). Declaring 4XX also keeps FastAPI from
 listing a 422 it never sends."""
-HEALTHY = {"type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}
+HEALTHY = {"type": "object", "required": ["status", "models"], "properties": {
+    "status": {"const": "ok"},
+    "models": {"type": "object", "description": "Per model: its live replicas and, once it compiles step programs "
+               "ahead of use, the fewest any replica has compiled and how many there are (a replica serves "
+               "from the first; the rest compile in the background).",
+               "additionalProperties": {"type": "object", "required": ["replicas"], "properties": {
+                   "replicas": {"type": "integer"}, "compiled_programs": {"type": "integer"},
+                   "step_programs": {"type": "integer"}}}}}}
 
 
 class ModelBackend(Protocol):
@@ -266,11 +273,14 @@ def create_app(
 
     @app.get("/health", responses={200: {"content": {"application/json": {"schema": HEALTHY}}}, **ERRORS})
     async def health() -> Response:
+        models = {}
         for model_id, backend in backends.items():
-            problem = _readiness_problem(await backend.statuses())
+            statuses = await backend.statuses()
+            problem = _readiness_problem(statuses)
             if problem:
                 return error_response(Unavailable(f"model {model_id!r} is not ready: {problem}"))
-        return JSONResponse({"status": "ok"})
+            models[model_id] = _model_health(statuses)
+        return JSONResponse({"status": "ok", "models": models})
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=ERRORS)  # Prometheus' text format
     async def metrics() -> Response:
@@ -393,6 +403,17 @@ def _authorizer(api_key: Optional[str]):
 
 def _unknown_model(model_id: str, backends: dict[str, ModelBackend]) -> NotFound:
     return NotFound(f"the model {model_id!r} does not exist; served models: {sorted(backends)}", "model")
+
+
+def _model_health(statuses: list[Any]) -> dict[str, int]:
+    """/health's entry for a ready model: its live replicas and, while they still compile step
+    programs in the background, the fewest any has compiled and how many there are."""
+    alive = [s for s in statuses if isinstance(s, dict) and s["alive"]]
+    health = {"replicas": len(alive)}
+    total = max(s["step_programs"] for s in alive)
+    if total:
+        health.update(compiled_programs=min(s["compiled_programs"] for s in alive), step_programs=total)
+    return health
 
 
 def _readiness_problem(statuses: list[Any]) -> Optional[str]:

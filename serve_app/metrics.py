@@ -57,6 +57,8 @@ class ServerMetrics:
             [*self._labels, "finished_reason"],
             registry=self.registry,
         )
+        self.stats = stats
+        """The engine's latest `EngineStats` (cheap: a snapshot)."""
         self.registry.register(_EngineStatsCollector(self._labels, stats))
 
     def families(self) -> list[Metric]:
@@ -135,6 +137,10 @@ class _EngineStatsCollector:
             "vllm:kv_cache_usage_perc": ("Fraction of KV pages held by live requests (0-1).", stats.kv_cache_usage),
             "vllm:last_batch_size": ("Sequences in the engine's most recent step.", stats.last_batch_size),
             "vllm:max_batch_size": ("Most sequences ever run in one engine step.", stats.max_batch_size),
+            "jax_serve:compiled_step_programs": ("Step programs compiled so far (the replica serves from the first; "
+                                                 "the rest compile in the background).", stats.compiled_programs),
+            "jax_serve:step_programs": ("Step programs the replica compiles in all (0: none ahead of use).",
+                                        stats.step_programs),
         }
         counters = {
             "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),

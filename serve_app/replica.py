@@ -60,12 +60,15 @@ class Replica:
         raise NotImplementedError
 
     def status(self) -> dict[str, Any]:
-        """For the ingress's /health: the core's own check (a stuck step counts as dead)."""
+        """For the ingress's /health: the core's own check (a stuck step counts as dead), and how
+        many of its step programs are compiled (it serves from the first)."""
+        stats = self.metrics.stats()
+        programs = {"compiled_programs": stats.compiled_programs, "step_programs": stats.step_programs}
         try:
             self.core.check()
         except EngineDeadError:
-            return {"model": self.model_id, "alive": False, "error": repr(self.core.error)}
-        return {"model": self.model_id, "alive": True, "error": None}
+            return {"model": self.model_id, "alive": False, "error": repr(self.core.error), **programs}
+        return {"model": self.model_id, "alive": True, "error": None, **programs}
 
     def check_health(self) -> None:
         """Ray Serve's periodic probe: a replica whose core died, or whose step is stuck past the

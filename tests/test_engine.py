@@ -30,9 +30,9 @@ def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, famil
     model_dir = checkpoint_factory(family)
     engine = LLMEngine(EngineConfig(model=str(model_dir), scan_layers=scan_layers, attention_backend=backend,
                                     **TIGHT))
-    assert engine.runner.backend.name == backend
+    assert engine.executor.runner.backend.name == backend
     if backend == "cpu":  # q/k/v and gate/up run as one matmul each
-        layer = engine.runner.model.first_layer
+        layer = engine.executor.runner.model.first_layer
         assert isinstance(layer.self_attn.q_proj, FusedLinear) and layer.self_attn.k_proj is None
         assert isinstance(layer.mlp, PackedSwiGLU)
     assert_greedy_parity(engine, model_dir)
@@ -251,13 +251,13 @@ def test_step_plans_carry_everything_the_device_side_needs(llama_dir, llama_engi
     import pickle
 
     engine = LLMEngine(EngineConfig(model=str(llama_dir), **TIGHT))
-    launch, seen = engine.runner.launch, []
+    launch, seen = engine.executor.launch, []
 
-    def launch_a_copy(plan):
+    def launch_a_copy(plan, sample=True):
         seen.append(plan.step_id)
-        return launch(pickle.loads(pickle.dumps(plan)))
+        return launch(pickle.loads(pickle.dumps(plan)), sample)
 
-    monkeypatch.setattr(engine.runner, "launch", launch_a_copy)
+    monkeypatch.setattr(engine.executor, "launch", launch_a_copy)
     requests = {str(i): (p, SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1))
                 for i, p in enumerate(make_prompts([9, 30, 4], seed=14))}
     requests["s"] = (make_prompts([6], seed=15)[0], SamplingParams(max_tokens=10, temperature=1.0, seed=3))
@@ -271,7 +271,7 @@ def test_step_plans_carry_everything_the_device_side_needs(llama_dir, llama_engi
 def test_dtype_auto_serves_a_checkpoint_in_its_own_dtype(checkpoint_factory, llama_engine):
     bf16 = LLMEngine(EngineConfig(model=str(checkpoint_factory("llama", dtype="bfloat16")), **TIGHT))
     assert bf16.describe()["dtype"] == bf16.describe()["kv_cache_dtype"] == "bfloat16"
-    assert bf16.runner.model.first_layer.mlp.down_proj.weight.dtype == jnp.bfloat16
+    assert bf16.executor.runner.model.first_layer.mlp.down_proj.weight.dtype == jnp.bfloat16
     assert llama_engine.describe()["dtype"] == "float32"  # the float32 checkpoint
     tokens = tokens_of(run_to_completion(bf16, {"b": (make_prompts([9], seed=16)[0], SamplingParams(max_tokens=4))})["b"])
     assert len(tokens) == 4
@@ -297,7 +297,7 @@ def test_the_kv_pool_takes_its_share_of_the_memory_the_weights_leave(llama_dir, 
     config = {**TIGHT, "num_pages": 0, "kv_cache_memory_fraction": 0.5}
     with caplog.at_level(logging.INFO, logger="engine.runner.model_runner"):
         engine = LLMEngine(EngineConfig(model=str(llama_dir), **config))
-    assert engine.runner.num_pages == 2**19 // 2048 == 256
+    assert engine.executor.runner.num_pages == 2**19 // 2048 == 256
     assert engine.stats().num_pages == 255  # the scratch page is not for requests
     assert "KV pool: 256 pages of 4 tokens (1024 tokens, 0.00 GiB per device) from 50% of 0.00 GiB free" in caplog.text
     monkeypatch.setattr(sharding, "free_device_memory", lambda devices: 32 * 2048)
@@ -321,23 +321,26 @@ def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monke
     monkeypatch.setattr(matmul_choice, "time_product", timer)
     engine = LLMEngine(EngineConfig(model=str(llama_dir), attention_backend="cpu", cpu_matmul=cpu_matmul,
                                     compilation_cache_dir=None, **{**TIGHT, "warmup": True}))
-    layer_rows = {b.tokens for b in engine.runner.buckets.all()}
+    layer_rows = {b.tokens for b in engine.executor.buckets.all()}
     want = {"kernel": frozenset(), "xla": frozenset(layer_rows), "auto": frozenset({16, 24})}[cpu_matmul]
-    layer = engine.runner.model.first_layer
+    layer = engine.executor.runner.model.first_layer
     assert layer_rows == {1, 8, 16, 24}
     assert layer.self_attn.q_proj.xla_rows == layer.self_attn.o_proj.xla_rows == layer.mlp.gate_up.xla_rows == want
-    head = engine.runner.model.lm_head.xla_rows
-    assert head == (frozenset({b.rows for b in engine.runner.buckets.all()}) if cpu_matmul == "xla" else frozenset())
+    head = engine.executor.runner.model.lm_head.xla_rows
+    assert head == (frozenset({b.rows for b in engine.executor.buckets.all()}) if cpu_matmul == "xla" else frozenset())
     assert_greedy_parity(engine, llama_dir)
 
 
-def test_after_warm_up_serving_compiles_nothing(llama_dir):
-    """Warm-up compiles every bucket with the inputs a real step passes (the previous step's tokens
-    included), so the first requests after start-up wait for no compiler. A trace is a miss in jit's
-    own cache, whether or not the persistent compilation cache then has the executable."""
+def test_after_the_background_compiles_serving_compiles_nothing(llama_dir):
+    """Every bucket is compiled (the first before the engine returns, the rest in the background)
+    with the arguments' types a real step passes (the previous step's tokens included), so once the
+    last is in, requests wait for no compiler. A trace is a miss in jit's own cache, whether or not
+    the persistent compilation cache then has the executable."""
     import jax.monitoring
 
     engine = LLMEngine(EngineConfig(model=str(llama_dir), **{**TIGHT, "warmup": True}))
+    assert engine.wait_until_compiled(timeout=600)
+    assert engine.stats().compiled_programs == engine.stats().step_programs == 4
     compiles = []
 
     def on_event(event: str, seconds: float, **_) -> None:

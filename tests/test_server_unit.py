@@ -490,7 +490,7 @@ def test_metrics_count_requests_tokens_and_reasons(checkpoint):
 
 
 def test_models_and_health(client):
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json() == {"status": "ok", "models": {MODEL: {"replicas": 1}}}  # compiles nothing ahead
     models = client.get("/v1/models").json()
     assert [(m["id"], m["object"], m["owned_by"]) for m in models["data"]] == [(MODEL, "model", "jax-serve")]
     assert models["object"] == "list"
@@ -568,3 +568,13 @@ def test_a_request_to_a_stopping_replica_is_a_503_with_retry_after(checkpoint):
     assert (response.status_code, response.headers["retry-after"]) == (503, "1")
     assert response.json()["error"]["message"].startswith("engine loop died: RuntimeError('the engine was shut down')")
     assert response.json()["error"]["code"] == "service_unavailable"
+
+
+def test_health_reports_the_least_compiled_live_replica():
+    from serve_app.ingress import _model_health
+
+    statuses = [{"alive": True, "compiled_programs": 3, "step_programs": 8},
+                {"alive": True, "compiled_programs": 8, "step_programs": 8},
+                {"alive": False, "compiled_programs": 1, "step_programs": 8}, TimeoutError("no answer")]
+    assert _model_health(statuses) == {"replicas": 2, "compiled_programs": 3, "step_programs": 8}
+    assert _model_health([{"alive": True, "compiled_programs": 0, "step_programs": 0}]) == {"replicas": 1}

@@ -493,9 +493,17 @@ def test_concurrent_requests_share_engine_steps(http):
              and metric(http, "vllm:kv_cache_usage_perc", MODEL_SLOW) == 0, 30, "the closed streams' requests to end")
 
 
-def test_health_needs_no_key(serving):
+def test_health_needs_no_key_and_reports_the_step_programs_compiled(serving, http):
+    """The real replica serves from its first step program and compiles the other six of its
+    ladder (1, 8, ..., 256 tokens) in the background; /health and /metrics say how far it is."""
     response = httpx.get(f"{serving.url}/health")
-    assert (response.status_code, response.json()) == (200, {"status": "ok"})
+    assert response.status_code == 200
+    models = response.json()["models"]
+    assert models[MODEL]["replicas"] == 1 and models[MODEL]["step_programs"] == 7
+    assert models[MODEL_SLOW] == {"replicas": 1}  # a fake engine compiles nothing ahead
+    wait_for(lambda: httpx.get(f"{serving.url}/health").json()["models"][MODEL]["compiled_programs"] == 7, 300,
+             "every step program")
+    assert metric(http, "jax_serve:compiled_step_programs", MODEL) == metric(http, "jax_serve:step_programs", MODEL) == 7
 
 
 # ---- tensor parallelism ----

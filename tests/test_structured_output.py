@@ -74,8 +74,8 @@ def test_seeded_constrained_output_is_reproducible_and_async_scheduling_changes_
     launched afterwards); one step at a time they are made before: the same tokens either way."""
     prompt = make_prompts([13], seed=8)[0]
     deferred = []
-    sample = engine.runner.sample
-    monkeypatch.setattr(engine.runner, "sample", lambda handle, allowed: deferred.append(sample(handle, allowed)))
+    sample = engine.executor.sample
+    monkeypatch.setattr(engine.executor, "sample", lambda handle, allowed: deferred.append(sample(handle, allowed)))
     first = tokens_of(run_to_completion(engine, {"a": (prompt, constrained(seed=5))})["a"])
     assert len(deferred) >= len(first) - 2  # every decode step but the first sampled after its masks
     again = tokens_of(run_to_completion(engine, {"a": (prompt, constrained(seed=5))})["a"])

@@ -54,8 +54,9 @@ class AttentionBackend:
     name: ClassVar[str]
     shardable: ClassVar[bool] = True
     """Whether it runs with tensor parallelism (its ops partition over a mesh)."""
-    scannable: ClassVar[bool] = True
-    """Whether it runs a scanned layer loop (a traced layer index)."""
+    scan_layers: ClassVar[bool] = True
+    """The layer loop it runs unless `scan_layers` is configured: scanned (compile time independent
+    of depth) where that costs no speed (engine.model.paged_model)."""
 
     def prepare(self, model, buckets: ShapeBuckets, measure: bool):
         """The serving model with weights laid out for this backend (engine.model.paged_model),

@@ -227,22 +227,32 @@ void MatmulOf(ffi::ThreadPool& pool, const float* xp, const void* w, float* yp, 
   });
 }
 
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
+                  ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kNR || wd[1] != xd[1]) {
-    return ffi::Error::InvalidArgument("matmul: want x[M, K] and w[N / 16, K, 16]");
+  const size_t n = wd.size();  // w[N / 16, K, 16], or a stack of them w[layers, N / 16, K, 16] read at `layer`
+  if (xd.size() != 2 || (n != 3 && n != 4) || wd[n - 1] != kNR || wd[n - 2] != xd[1]) {
+    return ffi::Error::InvalidArgument("matmul: want x[M, K] and w[N / 16, K, 16] or w[layers, N / 16, K, 16]");
   }
-  const int64_t m = xd[0], k = xd[1], panels = wd[0];
+  const int64_t m = xd[0], k = xd[1], panels = wd[n - 3], layers = n == 4 ? wd[0] : 1;
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("matmul: layer index out of range");
   float* yp = y->typed_data();
   if (m == 0 || panels == 0) return ffi::Error::Success();
   if (k == 0) {
     std::fill(yp, yp + m * panels * kNR, 0.0f);
     return ffi::Error::Success();
   }
+  const int64_t offset = l * panels * k * kNR;  // elements before layer l's panels
   switch (w.element_type()) {
-    case ffi::F32: MatmulOf<float>(pool, x.typed_data(), w.untyped_data(), yp, m, k, panels); break;
-    case ffi::BF16: MatmulOf<uint16_t>(pool, x.typed_data(), w.untyped_data(), yp, m, k, panels); break;
+    case ffi::F32:
+      MatmulOf<float>(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()) + offset, yp, m, k, panels);
+      break;
+    case ffi::BF16:
+      MatmulOf<uint16_t>(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()) + offset, yp, m, k,
+                         panels);
+      break;
     default: return ffi::Error::InvalidArgument("matmul: weights must be float32 or bfloat16");
   }
   return ffi::Error::Success();
@@ -557,6 +567,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeMatmul, Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServePagedAttention, PagedAttention,

@@ -19,6 +19,7 @@ They are compiled once per source and jaxlib version with the system C++ compile
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -57,15 +58,18 @@ def pack(w: jax.Array, dtype) -> jax.Array:
     return jnp.swapaxes(w.astype(dtype).reshape(*lead, k, n // PANEL, PANEL), -3, -2)
 
 
-def matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
-    """f32[M, K] @ packed[N / 16, K, 16] -> f32[M, N]; packed is float32 or bfloat16."""
-    m, n = x.shape[0], packed.shape[0] * PANEL
+def matmul(x: jax.Array, packed: jax.Array, layer=None) -> jax.Array:
+    """f32[M, K] @ packed[N / 16, K, 16] -> f32[M, N]; packed is float32 or bfloat16. With `layer`
+    (an i32 scalar), packed is a stack [layers, N / 16, K, 16] read in place at that layer."""
+    m, n = x.shape[0], packed.shape[-3] * PANEL
     call = jax.ffi.ffi_call("jax_serve_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32))
-    return call(x.astype(jnp.float32), packed)
+    return call(x.astype(jnp.float32), packed, jnp.asarray(0 if layer is None else layer, jnp.int32))
 
 
-def xla_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
+def xla_matmul(x: jax.Array, packed: jax.Array, layer=None) -> jax.Array:
     """`matmul` on XLA's dot, reading the same packed weights (x in their dtype, float32 sums)."""
+    if layer is not None:
+        packed = packed[layer]
     y = jnp.einsum("mk,pkl->mpl", x.astype(packed.dtype), packed, preferred_element_type=jnp.float32)
     return y.reshape(x.shape[0], -1)
 
@@ -74,13 +78,19 @@ class PackedLinear(eqx.Module):
     """A drop-in for haliax's `Linear` that runs on the kernel: same axes, same math, float32
     output (inputs are cast to float32). The weight is named (..., panel, in, lane); a stacked
     layer's leading `layers` axis is scanned away like any other named weight. Products of a row
-    count in `xla_rows` run on XLA's dot instead (engine.attention.matmul_choice)."""
+    count in `xla_rows` run on XLA's dot instead (engine.attention.matmul_choice).
+
+    A scanned layer loop reads a stacked weight in place: `at_layer(i)` keeps the whole stack
+    (layers, panel, in, lane) and the layer index, which the kernel reads from, instead of a
+    sliced copy of the layer's weight."""
 
     weight: NamedArray  # dtype[..., panel = N / 16, in = K, lane = 16], N = prod(Out), K = prod(In)
     bias: NamedArray | None
     In: tuple[hax.Axis, ...] = eqx.field(static=True)
     Out: tuple[hax.Axis, ...] = eqx.field(static=True)
     xla_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
+    layer: jax.Array | None = None
+    """With a stacked weight: the layer this module computes (an i32 scalar)."""
 
     @staticmethod
     def packable(linear: hnn.Linear) -> bool:
@@ -100,9 +110,13 @@ class PackedLinear(eqx.Module):
         packed = hax.named(pack(w, dtype), (*lead, "panel", "in", "lane"))
         return PackedLinear(packed, None if bias is None else bias.astype(jnp.float32), In, Out)
 
+    def at_layer(self, Block: hax.Axis, index) -> "PackedLinear":
+        bias = None if self.bias is None else self.bias[Block, index]
+        return dataclasses.replace(self, bias=bias, layer=index)
+
     def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
         del key
-        batch, y = _packed_matmul(inputs, self.In, self.weight.array, self.xla_rows)
+        batch, y = _packed_matmul(inputs, self.In, self.weight.array, self.xla_rows, self.layer)
         out = unflatten_rows(y, batch, self.Out)
         return out if self.bias is None else out + self.bias
 
@@ -118,6 +132,8 @@ class FusedLinear(eqx.Module):
     Outs: tuple[tuple[hax.Axis, ...], ...] = eqx.field(static=True)
     xla_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
     """Row counts whose product runs on XLA's dot (as PackedLinear's)."""
+    layer: jax.Array | None = None
+    """With a stacked weight: the layer this module computes (as PackedLinear's)."""
 
     @staticmethod
     def fuse(parts) -> "FusedLinear":
@@ -126,6 +142,10 @@ class FusedLinear(eqx.Module):
             raise ValueError("FusedLinear.fuse: the parts must share input axes and weight dtype")
         weight = hax.concatenate("panel", [p.weight for p in parts])
         return FusedLinear(weight, tuple(p.bias for p in parts), parts[0].In, tuple(p.Out for p in parts))
+
+    def at_layer(self, Block: hax.Axis, index) -> "FusedLinear":
+        biases = tuple(None if b is None else b[Block, index] for b in self.biases)
+        return dataclasses.replace(self, biases=biases, layer=index)
 
     def __call__(self, inputs: NamedArray, *, key=None) -> tuple[NamedArray, ...]:
         del key
@@ -139,7 +159,7 @@ class FusedLinear(eqx.Module):
 
     def concatenated(self, inputs: NamedArray) -> tuple[list[hax.Axis], jax.Array]:
         """inputs' batch axes, and the parts' outputs side by side: f32[prod(batch), sum of sizes]."""
-        batch, y = _packed_matmul(inputs, self.In, self.weight.array, self.xla_rows)
+        batch, y = _packed_matmul(inputs, self.In, self.weight.array, self.xla_rows, self.layer)
         if any(bias is not None for bias in self.biases):
             y = y + jnp.concatenate([jnp.zeros(hax.axis_size(Out), jnp.float32) if bias is None
                                      else bias.rearrange(Out).array.reshape(-1)
@@ -152,13 +172,13 @@ def unflatten_rows(y: jax.Array, batch, Out) -> NamedArray:
     return hax.named(y.reshape(*(ax.size for ax in batch), *(ax.size for ax in Out)), (*batch, *Out))
 
 
-def _packed_matmul(inputs: NamedArray, In, packed: jax.Array,
-                   xla_rows: frozenset[int]) -> tuple[list[hax.Axis], jax.Array]:
-    """inputs' axes other than `In` (the batch), and f32[prod(batch), N] = inputs @ packed, on
-    XLA's dot when the row count is in `xla_rows`, else on the kernel."""
+def _packed_matmul(inputs: NamedArray, In, packed: jax.Array, xla_rows: frozenset[int],
+                   layer) -> tuple[list[hax.Axis], jax.Array]:
+    """inputs' axes other than `In` (the batch), and f32[prod(batch), N] = inputs @ packed (at
+    `layer` of a stacked weight), on XLA's dot when the row count is in `xla_rows`, else on the kernel."""
     batch = [ax for ax in inputs.axes if ax.name not in {a.name for a in In}]
     x = inputs.rearrange((*batch, *In)).array.reshape(-1, hax.axis_size(In))
-    return batch, (xla_matmul if x.shape[0] in xla_rows else matmul)(x, packed)
+    return batch, (xla_matmul if x.shape[0] in xla_rows else matmul)(x, packed, layer)
 
 
 def paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pages: jax.Array, rows: jax.Array,

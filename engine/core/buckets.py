@@ -68,6 +68,13 @@ class ShapeBuckets:
         """Every bucket a step can take, smallest first."""
         return [self.bucket(t) for t in self.token_ladder]
 
+    def compile_order(self) -> list[Bucket]:
+        """Every bucket, in the order a replica compiles them: first the one a full batch of
+        decodes fits (with it alone the replica serves everything, prompts in pieces of its size),
+        then the rest smallest first. A function of the config alone: every host agrees."""
+        first = self.for_step(min(self.max_num_seqs, self.max_num_batched_tokens), 1)
+        return [first] + [b for b in self.all() if b != first]
+
     def for_step(self, num_tokens: int, num_rows: int, ready: Optional[Iterable[Bucket]] = None) -> Bucket:
         """The smallest bucket (of `ready`, default all) holding `num_tokens` tokens in `num_rows` rows."""
         candidates = self.all() if ready is None else sorted(ready)

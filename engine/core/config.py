@@ -51,12 +51,11 @@ class EngineConfig:
     """Prompt + output tokens per sequence. None: the model's max_position_embeddings, capped at 4096."""
     enable_prefix_caching: bool = True
     """Reuse full KV pages across requests that share a prompt prefix."""
-    scan_layers: bool = False
-    """Run the layers as one `scan` instead of an unrolled loop: compile time stops growing with
-    depth (deep models warm up in about half the time), but on CPU each step copies every layer's
-    weights, which slows small-batch decoding (see engine/model/paged_model.py); on the cpu backend
-    a scanned step is ~15x slower (SmolLM2: 320 vs 21 ms at batch 1), so keep it off on CPU. The
-    tpu backend runs unrolled layers only (its cache is one buffer per layer)."""
+    scan_layers: Optional[bool] = None
+    """Run the layers as one loop over the stacked layers (True) or unrolled (False). A scanned
+    loop compiles one layer, so compile time does not grow with depth; unrolled, every layer is
+    compiled on its own. None: the attention backend's choice, scanned wherever that costs no
+    speed (engine/model/paged_model.py)."""
     attention_backend: AttentionBackendName = "auto"
     """How attention and the KV cache run (engine/attention): `cpu` the project's x86 kernels
     (AVX2 + FMA; packed bf16 weights, built on first use with the system C++ compiler; one device

@@ -202,6 +202,11 @@ class EngineStats:
     max_batch_size: int = 0
     """Most sequences ever run in one step."""
     max_model_len: int = 0
+    compiled_programs: int = 0
+    """Step programs compiled so far (the replica serves from the first; the rest compile in the
+    background, and a step takes only compiled ones)."""
+    step_programs: int = 0
+    """Step programs in all (0: the engine compiles none ahead, e.g. warmup off)."""
 
     @property
     def kv_cache_usage(self) -> float:

@@ -1,2 +1,2 @@
-"""Executors run step plans: `engine.runner.model_runner.ModelRunner` in this process (one host),
-or `multihost.MultiHostExecutor` over one `EngineWorker` per host of a replica."""
+"""Executors run step plans (engine.executor.base): `LocalExecutor` in this process (one host), or
+`MultiHostExecutor` over one `EngineWorker` per host of a replica."""

@@ -10,7 +10,12 @@ the same jitted program on the same global mesh. Before launching, the workers c
 fingerprint (its id and every static shape) in a small all-gather, so hosts that would run different
 programs fail loudly instead of computing garbage together. Steps stay overlapped as on one host:
 one call per worker launches step N+1 and then returns step N's results, so the device runs N+1
-while they travel back; tokens and logprobs come from worker 0 (every output is replicated).
+while they travel back; tokens and logprobs come from worker 0 (every output is replicated). A
+constrained step's sampling follows in a second call, once the leader has its grammars' masks.
+
+Every worker compiles the step programs in the same order (engine.runner.programs), the first
+before it serves and the rest in the background; each answer carries how many it has compiled, and
+the leader plans with the buckets that every worker has.
 
 Failure is a whole-group affair: a worker that dies, or a step that does not return within
 `step_timeout_s`, raises here; the engine loop dies with it, the replica's health check fails, and
@@ -30,6 +35,7 @@ import socket
 import time
 from typing import Any, Optional
 
+from engine.core.buckets import Bucket
 from engine.core.config import EngineConfig
 from engine.core.step_plan import StepOutput, StepPlan
 
@@ -44,7 +50,6 @@ class EngineWorker:
         self.process_id = process_id
         self.runner = None
         self._handles: dict[int, Any] = {}
-        self._last_step: Optional[int] = None
 
     def coordinator_address(self) -> str:
         """Worker 0 only: host:port of the `jax.distributed` coordinator it will start."""
@@ -76,23 +81,37 @@ class EngineWorker:
                 "vocab_size": r.vocab_size, "info": r.info, "describe": r.describe(), "phases": phases,
                 "pid": os.getpid(), "labels": _node_labels()}
 
-    def warmup(self) -> float:
-        return self.runner.warmup()
+    def warmup(self, background: bool = True) -> float:
+        return self.runner.warmup(background)
+
+    def wait_compiled(self, timeout: Optional[float]) -> bool:
+        return self.runner.compiler.wait(timeout)
+
+    def compiled(self) -> list[str]:
+        """The step programs compiled so far, in order (hosts must agree)."""
+        return list(self.runner.compiler.fingerprints)
 
     def ping(self) -> int:
         return self.process_id
 
-    def step(self, plan: Optional[StepPlan], fetch_step: Optional[int]) -> Optional[StepOutput]:
-        """Launch `plan` (if any), then wait for step `fetch_step` (if any): one call per step."""
+    def step(self, plan: Optional[StepPlan], fetch_step: Optional[int],
+             sample: bool = True) -> tuple[Optional[StepOutput], int]:
+        """Launch `plan` (if any; its sampling deferred with `sample=False`), then wait for step
+        `fetch_step` (if any): one call per step. Returns (worker 0's outputs of `fetch_step`,
+        step programs compiled here)."""
         if plan is not None:
-            self.launch(plan)
-        return None if fetch_step is None else self.fetch(fetch_step)
+            self.launch(plan, sample)
+        output = None if fetch_step is None else self.fetch(fetch_step)
+        return output, self.runner.compiler.progress()[0]
 
-    def launch(self, plan: StepPlan) -> None:
+    def launch(self, plan: StepPlan, sample: bool = True) -> None:
         """Check that every host runs this very step, then dispatch it (returns before it ends)."""
         self._agree(plan)
-        self._handles[plan.step_id] = self.runner.launch(plan)
-        self._last_step = plan.step_id
+        self._handles[plan.step_id] = self.runner.launch(plan, sample)
+
+    def sample(self, step_id: int, allowed) -> None:
+        """Dispatch the deferred sampling of step `step_id` under the token bitmask `allowed`."""
+        self.runner.sample(self._handles[step_id], allowed)
 
     def fetch(self, step_id: int) -> Optional[StepOutput]:
         """Wait for a launched step; worker 0 returns its outputs, the others None."""
@@ -119,11 +138,7 @@ class EngineWorker:
 
 
 class MultiHostExecutor:
-    """The leader's view of its workers: the surface of `ModelRunner` (launch / fetch / warmup)."""
-
-    defers_sampling = False
-    """Each step goes to the workers whole (one call per step): a grammar's masks are computed
-    before it is launched."""
+    """The leader's view of its workers: an `Executor` (engine.executor.base)."""
 
     def __init__(self, config: EngineConfig):
         import ray
@@ -133,6 +148,8 @@ class MultiHostExecutor:
         self._timeout = config.step_timeout_s
         self._unfetched: Optional[int] = None  # the last step launched, while no call has fetched it
         self._answers: dict[int, list] = {}  # step id -> the calls that return its results
+        self._compiled = 0  # step programs every worker has compiled
+        self._samplings: dict[int, list] = {}  # step id -> its deferred sampling calls, checked at fetch
         start = time.perf_counter()
         group, first = self._placement()
         ray.get(group.ready(), timeout=self._timeout)
@@ -187,26 +204,56 @@ class MultiHostExecutor:
 
         ray.get([w.ping.remote() for w in self.workers], timeout=self._timeout)
 
-    def warmup(self) -> float:
-        """Every worker compiles the same buckets in the same order (their steps' collectives keep
-        them in step), then all leave behind a barrier."""
+    def warmup(self, background: bool = True) -> float:
+        """Every worker compiles its first step program (the rest follow in the background, in the
+        same order everywhere), then all start serving together behind a barrier."""
         import ray
 
-        seconds = max(ray.get([w.warmup.remote() for w in self.workers]))
-        logger.info("%d engine workers warmed up in %.1f s", len(self.workers), seconds)
+        seconds = max(ray.get([w.warmup.remote(background) for w in self.workers]))
+        self._compiled = len(self.buckets.all()) if not background else 1
+        logger.info("%d engine workers ready to serve in %.1f s", len(self.workers), seconds)
         return seconds
 
-    def launch(self, plan: StepPlan) -> int:
+    def ready_buckets(self) -> list[Bucket]:
+        if self._compiled == 0:  # no warm-up: every bucket compiles on first use
+            return self.buckets.all()
+        return sorted(self.buckets.compile_order()[: self._compiled])
+
+    def compile_progress(self) -> tuple[int, int]:
+        return self._compiled, len(self.buckets.all())
+
+    def wait_compiled(self, timeout: Optional[float] = None) -> bool:
+        import ray
+
+        done = all(ray.get([w.wait_compiled.remote(timeout) for w in self.workers]))
+        if done:
+            self._compiled = len(self.buckets.all())
+        return done
+
+    def compiled_programs(self) -> list[list[str]]:
+        """Each worker's compiled step programs, in its order."""
+        import ray
+
+        return ray.get([w.compiled.remote() for w in self.workers], timeout=self._timeout)
+
+    def launch(self, plan: StepPlan, sample: bool = True) -> int:
         """Send the step to every worker; the step launched before it, not fetched yet, comes back
         with this call."""
         import ray
 
         ref, previous = ray.put(plan), self._unfetched
-        calls = [w.step.remote(ref, previous) for w in self.workers]
+        calls = [w.step.remote(ref, previous, sample) for w in self.workers]
         if previous is not None:
             self._answers[previous] = calls
         self._unfetched = plan.step_id
         return plan.step_id
+
+    def sample(self, step_id: int, allowed) -> None:
+        """Send a deferred sampling to every worker (Ray runs a caller's calls to an actor in order)."""
+        import ray
+
+        ref = ray.put(allowed)
+        self._samplings[step_id] = [w.sample.remote(step_id, ref) for w in self.workers]
 
     def fetch(self, step_id: int) -> StepOutput:
         """Worker 0's outputs; raises if any worker failed the step or it took over step_timeout_s."""
@@ -216,7 +263,10 @@ class MultiHostExecutor:
         if calls is None:  # nothing was launched after it: ask for it alone
             calls = [w.step.remote(None, step_id) for w in self.workers]
             self._unfetched = None
-        return ray.get(calls, timeout=self._timeout)[0]
+        answers = ray.get(self._samplings.pop(step_id, []) + calls, timeout=self._timeout)[-len(calls):]
+        if self._compiled:
+            self._compiled = max(self._compiled, min(compiled for _, compiled in answers))
+        return answers[0][0]
 
     def shutdown(self) -> None:
         import ray

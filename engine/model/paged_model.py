@@ -11,12 +11,13 @@ with them: left to itself, XLA fused levanter's cos and sin into each layer's ro
 evaluated them for every element of q and k.
 
 Two layer loops (`ServingModel.from_levanter(model, scan_layers)`):
-- unrolled (default): each layer keeps its own weight buffers. Fastest steps on CPU, but compile
-  time grows with depth.
-- scanned: one `haliax.scan` over levanter's stacked layers; compile time independent of depth,
-  but XLA on CPU copies every layer's weights out of the stack on every step (a dynamic-slice it
-  cannot fuse into the matmul), which about triples the weight traffic of a batch-1 step.
-The cache is donated and updated in place either way.
+- scanned: one loop over levanter's stacked layers; the program holds one layer, so compile time
+  does not grow with depth. The loop indexes the stack rather than slicing it: modules that read
+  a stacked weight in place (the cpu backend's packed projections) get the whole stack and the
+  layer index; other weights are sliced per layer (a dynamic slice, which XLA on CPU copies).
+- unrolled: each layer keeps its own weight buffers; compile time grows with depth.
+Each backend says which it runs by default (`AttentionBackend.scan_layers`). The cache is donated
+and updated in place either way.
 """
 
 from __future__ import annotations
@@ -68,13 +69,29 @@ def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepI
         for index, layer in enumerate(model.layers):
             x, cache = _decoder_layer(layer, x, cache, index, rope, backend, step)
     else:
-        def layer_step(carry, layer):
-            x, cache, index = carry
-            x, cache = _decoder_layer(layer, x, cache, index, rope, backend, step)
-            return (x, cache, index + 1), None
+        Block, stacked = model.layers.Block, model.layers.stacked
 
-        (x, cache, _), _ = hax.scan(layer_step, model.layers.Block)((x, cache, jnp.int32(0)), model.layers.stacked)
+        def layer_step(index, carry):
+            x, cache = carry
+            return _decoder_layer(layer_at(stacked, Block, index), x, cache, index, rope, backend, step)
+
+        x, cache = jax.lax.fori_loop(0, Block.size, layer_step, (x, cache))
     return model.norm(x), cache
+
+
+def layer_at(stacked, Block: hax.Axis, index):
+    """Layer `index` of a stack of layers (weights with a leading `Block` axis), for a layer loop
+    that does not slice the stack itself: modules that read a stacked weight in place
+    (`at_layer(Block, index)`, e.g. the cpu backend's packed projections) keep it whole; every
+    other weight is sliced out."""
+    def pick(leaf):
+        if hasattr(leaf, "at_layer"):
+            return leaf.at_layer(Block, index)
+        if isinstance(leaf, NamedArray) and leaf.has_axis(Block.name):
+            return leaf[Block.name, index]
+        return leaf
+
+    return jax.tree_util.tree_map(pick, stacked, is_leaf=lambda x: isinstance(x, NamedArray) or hasattr(x, "at_layer"))
 
 
 def logits_at(model: ServingModel, hidden: NamedArray, index: jax.Array) -> NamedArray:

@@ -14,9 +14,9 @@ cache are split over it, and the step's outputs (logits, sampled tokens, logprob
 replicated. The attention backend (engine.attention) owns the cache and attention; the runner
 never asks which one runs.
 
-Warm-up compiles every shape bucket (engine.core.buckets) with the common sampler variants, and
-logs the time; the rarer variants (penalties, top-k/p filtering) and prompt logprobs compile on
-first use.
+Warm-up compiles the first step program, then the others in the background (engine.runner.programs),
+each with the common sampler variants; `ready_buckets` says which a step may take. The rarer
+variants (penalties, top-k/p filtering) and prompt logprobs compile on first use.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import time
 from typing import Any, Optional
 
 import haliax as hax
@@ -35,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from engine.attention.base import AttentionBackend, CacheShape
 from engine.attention.select import select_backend
-from engine.core.buckets import ShapeBuckets
+from engine.core.buckets import Bucket, ShapeBuckets
 from engine.core.config import EngineConfig
 from engine.core.grammar import mask_words
 from engine.core.step_plan import WARM_SAMPLER_SWITCHES, SamplerSwitches, StepOutput, StepPlan, empty_step_plan
@@ -43,6 +42,7 @@ from engine.model.loading import load_model, model_info, resolve_dtype
 from engine.model.paged_model import ServingModel, forward, logits_at
 from engine.runner import sharding
 from engine.runner.compilation_cache import enable_compilation_cache
+from engine.runner.programs import StepCompiler
 from engine.runner.sampler import SampleOutput, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,10 @@ class _Steps:
         donates `cache`."""
         return self._forward(self.weights, cache, inputs, prev_tokens)
 
+    def lower_forward(self, cache, inputs, prev_tokens):
+        """`forward` lowered for these arguments' types (`cache` may be ShapeDtypeStructs)."""
+        return self._forward.lower(self.weights, cache, inputs, prev_tokens)
+
     def prompt_logprobs(self, hidden, index, targets):
         return self._prompt_logprobs(self.weights, hidden, index, targets)
 
@@ -121,9 +125,7 @@ class ModelRunner:
         self.layout = sharding.plan_layout(info, config.tensor_parallel_size)
         self.mesh = sharding.make_mesh(config.tensor_parallel_size)
         self.backend = select_backend(config, self.dtype)
-        if config.scan_layers and not self.backend.scannable:
-            raise ValueError(f"the {self.backend.name} attention backend runs unrolled layers only; "
-                             "set scan_layers: false")
+        self.scan_layers = self.backend.scan_layers if config.scan_layers is None else config.scan_layers
         self._check_speed_traps()
         self.max_model_len = config.max_model_len or min(info.max_position_embeddings, 4096)
         if self.max_model_len > info.max_position_embeddings:
@@ -139,16 +141,21 @@ class ModelRunner:
             if self.layout.kv_repeats > 1:
                 model = sharding.repeat_kv_heads(model, self.layout.kv_repeats)
             place = functools.partial(sharding.place, layout=self.layout, mesh=self.mesh)
-            serving = place(ServingModel.from_levanter(model, config.scan_layers, place))
+            serving = place(ServingModel.from_levanter(model, self.scan_layers, place))
             self.model = self.backend.prepare(serving, self.buckets, measure=config.warmup)
         self.vocab_size = model.Vocab.size
         self._cache_sharding = NamedSharding(self.mesh, self.backend.cache_partition(sharding.MODEL_AXIS))
         self.num_pages = self._pool_pages()
         self.cache = self._init_cache()
+        self._cache_type = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                                  self.cache)
+        """The cache's types, for compiling while steps donate and replace the cache itself."""
         self.steps = _Steps(self.model, self.backend, self.mesh, self._cache_sharding, self.buckets.max_rows)
         self._no_tokens = self._no_previous_tokens()
         self._last_step: Optional[int] = None
         self._last_tokens = self._no_tokens
+        self._sampler_rows: set[int] = set()
+        self.compiler = StepCompiler(self.buckets.compile_order(), self._compile_bucket)
         logger.info("%s", self._startup_line())
 
     # ---- public ----
@@ -197,27 +204,39 @@ class ModelRunner:
         prompt = None if handle.prompt is None else _to_host(handle.prompt)
         return StepOutput(tokens, logprobs, top_ids, top_logprobs, prompt)
 
-    def warmup(self) -> float:
-        """Compile every shape bucket with the common sampler variants; returns the seconds it took."""
-        start = time.perf_counter()
-        buckets = self.buckets.all()
-        for bucket in buckets:
-            plan = empty_step_plan(bucket, self.buckets, step_id=-1)
-            every_token = np.full((bucket.rows, mask_words(self.vocab_size)), -1, np.int32)
-            inputs, sampling, masked = self._global((plan.inputs, plan.sampling,
-                                                     plan.sampling._replace(allowed=every_token)))
-            with self._device_context():
-                logits, _, self.cache = self.steps.forward(self.cache, inputs, self._no_tokens)
-                for switches in WARM_SAMPLER_SWITCHES:
-                    jax.block_until_ready(self.steps.sample(logits, masked if switches.constrain else sampling,
-                                                            switches=switches))
-        if jax.process_count() > 1:  # every host leaves warm-up together
+    def warmup(self, background: bool = True) -> float:
+        """Compile the first step program now and the rest in the background (all now with
+        `background=False`); returns the seconds until the first was ready (engine.runner.programs)."""
+        seconds = self.compiler.start(background)
+        if jax.process_count() > 1:  # every host starts serving together
             from jax.experimental.multihost_utils import sync_global_devices
 
             sync_global_devices("jax-serve warm-up")
-        seconds = time.perf_counter() - start
-        logger.info("warm-up compiled %d buckets in %.1f s", len(buckets), seconds)
         return seconds
+
+    def ready_buckets(self) -> list[Bucket]:
+        """The buckets a step may take now: those compiled so far (every bucket before warm-up
+        started, or without it: each compiles on first use)."""
+        if self.compiler.progress()[0] == 0:
+            return self.buckets.all()
+        return self.compiler.ready()
+
+    def _compile_bucket(self, bucket: Bucket) -> None:
+        """Compile one bucket's forward program and its common sampler variants without running
+        them, with the arguments' types of a real step (so the step finds them in jit's cache)."""
+        plan = empty_step_plan(bucket, self.buckets, step_id=-1)
+        every_token = np.full((bucket.rows, mask_words(self.vocab_size)), -1, np.int32)
+        inputs, sampling, masked = self._global((plan.inputs, plan.sampling, plan.sampling._replace(allowed=every_token)))
+        with self._device_context():
+            lowered = self.steps.lower_forward(self._cache_type, inputs, self._no_tokens)
+            compiled = lowered.compile()
+            if bucket.rows in self._sampler_rows:
+                return
+            info = lowered.out_info[0]  # the logits, as the forward program hands them to the sampler
+            logits = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=compiled.output_shardings[0])
+            for switches in WARM_SAMPLER_SWITCHES:
+                self.steps.sample.lower(logits, masked if switches.constrain else sampling, switches=switches).compile()
+        self._sampler_rows.add(bucket.rows)
 
     def check_alive(self) -> None:
         """One process: alive as long as this process is."""
@@ -259,9 +278,6 @@ class ModelRunner:
 
     def _check_speed_traps(self) -> None:
         config = self.config
-        if self.backend.name == "cpu" and config.scan_layers:
-            logger.warning("scan_layers on the cpu backend makes every step ~15x slower than unrolled layers; "
-                           "set scan_layers: false")
         if self.backend.name != "cpu" and jax.default_backend() == "cpu" and self.dtype == "bfloat16":
             logger.warning("bfloat16 on CPU without the cpu attention backend takes XLA's bf16 path, ~20x slower "
                            "than float32: use attention_backend: cpu (x86 with a C++ compiler) or set dtype: float32")

@@ -4,12 +4,16 @@ Llama with 8 query / 2 KV heads split over all 4 devices."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import ray
-from parity import TIGHT, assert_greedy_parity
+from parity import TIGHT, assert_greedy_parity, make_prompts, run_to_completion, tokens_of
 from serving_helpers import engine_worker_processes
+from transformers import AutoTokenizer
 
 from engine.core.config import EngineConfig
+from engine.core.request import Grammar, SamplingParams
 from engine.core.step_plan import empty_step_plan
 from engine.llm_engine import LLMEngine
 
@@ -21,9 +25,9 @@ def two_hosts(checkpoint_factory):
     model_dir = checkpoint_factory("llama", hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
     ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": WORKER_ENV})
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_hosts=2, tensor_parallel_size=4,
-                                    compilation_cache_dir=None, **TIGHT))
+                                    compilation_cache_dir=None, **{**TIGHT, "warmup": True}))
     yield engine, model_dir
-    engine.runner.shutdown()
+    engine.shutdown()
     ray.shutdown()
 
 
@@ -35,9 +39,32 @@ def test_greedy_tokens_and_logprobs_equal_transformers_over_two_hosts(two_hosts)
     assert_greedy_parity(engine, model_dir)
 
 
+def test_both_hosts_compile_the_same_programs_in_the_same_order(two_hosts):
+    engine, _ = two_hosts
+    assert engine.wait_until_compiled(timeout=600)
+    order = [repr(bucket) for bucket in engine.executor.buckets.compile_order()]
+    assert engine.executor.compiled_programs() == [order, order]
+    assert engine.stats().compiled_programs == engine.stats().step_programs == len(order) == 4
+
+
+def test_a_constrained_request_samples_after_its_forward_pass_on_every_host(two_hosts):
+    """Async scheduling defers a constrained step's sampling until its grammar's mask is known:
+    a second call to every worker. The JSON is valid and equal to the one-process engine's."""
+    engine, model_dir = two_hosts
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=5, grammar=Grammar("json_schema", json.dumps(schema)))
+    prompt = make_prompts([11], seed=4)[0]
+    two = tokens_of(run_to_completion(engine, {"c": (prompt, params)})["c"])
+    one = LLMEngine(EngineConfig(model=str(model_dir), compilation_cache_dir=None, **TIGHT))
+    assert two == tokens_of(run_to_completion(one, {"c": (prompt, params)})["c"])
+    text = AutoTokenizer.from_pretrained(str(model_dir)).decode(two, skip_special_tokens=True)
+    assert set(json.loads(text)) == {"n", "ok"}
+
+
 def test_two_engine_worker_processes_hold_the_model(two_hosts):
     engine, _ = two_hosts
-    pids = set(engine.runner.worker_pids)  # other Ray instances on this machine may run workers too
+    pids = set(engine.executor.worker_pids)  # other Ray instances on this machine may run workers too
     assert len(pids) == 2 and pids <= {p.pid for p in engine_worker_processes()}
 
 
@@ -45,10 +72,10 @@ def test_a_host_given_another_bucket_than_its_peers_refuses_the_step(two_hosts):
     """Each host compares the plan's fingerprint with its peers' before running it: a host that
     would compile another program fails loudly instead of computing garbage with the others."""
     engine, _ = two_hosts
-    first, other = engine.runner.buckets.all()[:2]
-    plans = [empty_step_plan(first, engine.runner.buckets, step_id=10**6),
-             empty_step_plan(other, engine.runner.buckets, step_id=10**6)]
-    calls = [worker.launch.remote(plan) for worker, plan in zip(engine.runner.workers, plans)]
+    first, other = engine.executor.buckets.all()[:2]
+    plans = [empty_step_plan(first, engine.executor.buckets, step_id=10**6),
+             empty_step_plan(other, engine.executor.buckets, step_id=10**6)]
+    calls = [worker.launch.remote(plan) for worker, plan in zip(engine.executor.workers, plans)]
     for call in calls:
         with pytest.raises(ray.exceptions.RayTaskError, match="must run identical steps in identical order"):
             ray.get(call, timeout=60)

@@ -39,20 +39,21 @@ def test_every_device_holds_its_share(checkpoint_factory):
     """Qwen3 with 8 query heads and 2 KV heads at TP=4 (head_size 16, MLP 256, vocab 492)."""
     engine = LLMEngine(EngineConfig(model=str(checkpoint_factory("qwen3", **EIGHT_HEADS)), tensor_parallel_size=4,
                                     **TIGHT))
-    model = engine.runner.model
-    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    model = engine.executor.runner.model
+    layers = model.layers.stacked  # scanned: every weight has a leading axis of the 2 layers
+    attn, mlp = layers.self_attn, layers.mlp
     # weights are (in..., out...): q (embed, kv_head, q_heads_per_group, head_size), KV heads repeated 2 -> 4
-    assert shard_shapes(attn.q_proj.weight.array) == [(128, 1, 2, 16)] * 4
-    assert shard_shapes(attn.k_proj.weight.array) == [(128, 1, 16)] * 4
-    assert shard_shapes(attn.v_proj.weight.array) == [(128, 1, 16)] * 4
-    assert shard_shapes(attn.o_proj.weight.array) == [(2, 16, 128)] * 4  # (heads, head_size, embed)
-    assert shard_shapes(mlp.gate_proj.weight.array) == [(128, 64)] * 4
-    assert shard_shapes(mlp.up_proj.weight.array) == [(128, 64)] * 4
-    assert shard_shapes(mlp.down_proj.weight.array) == [(64, 128)] * 4
+    assert shard_shapes(attn.q_proj.weight.array) == [(2, 128, 1, 2, 16)] * 4
+    assert shard_shapes(attn.k_proj.weight.array) == [(2, 128, 1, 16)] * 4
+    assert shard_shapes(attn.v_proj.weight.array) == [(2, 128, 1, 16)] * 4
+    assert shard_shapes(attn.o_proj.weight.array) == [(2, 2, 16, 128)] * 4  # (heads, head_size, embed)
+    assert shard_shapes(mlp.gate_proj.weight.array) == [(2, 128, 64)] * 4
+    assert shard_shapes(mlp.up_proj.weight.array) == [(2, 128, 64)] * 4
+    assert shard_shapes(mlp.down_proj.weight.array) == [(2, 64, 128)] * 4
     assert shard_shapes(model.embeddings.token_embeddings.weight.array) == [(123, 128)] * 4
     assert shard_shapes(model.lm_head.weight.array) == [(128, 123)] * 4
     # the KV cache: keys [layer, page, kv_head, head_dim, slot], one (repeated) KV head per device
-    cache = engine.runner.cache
+    cache = engine.executor.runner.cache
     assert shard_shapes(cache.k) == [(2, 40, 1, 16, 4)] * 4
     assert shard_shapes(cache.v) == [(2, 40, 1, 4, 16)] * 4
 
@@ -60,5 +61,5 @@ def test_every_device_holds_its_share(checkpoint_factory):
 def test_the_tpu_backend_splits_its_cache_by_kv_head(checkpoint_factory):
     engine = LLMEngine(EngineConfig(model=str(checkpoint_factory("llama")), tensor_parallel_size=2,
                                     attention_backend="tpu", **TIGHT))
-    # one array per layer: [page, slot, 2 * kv_head, head_dim], keys and values interleaved
-    assert [shard_shapes(layer) for layer in engine.runner.cache.pages] == [[(40, 4, 2, 16)] * 2] * 2
+    # every layer's pages in one array: [layer * page, slot, 2 * kv_head, head_dim], keys and values interleaved
+    assert shard_shapes(engine.executor.runner.cache.pages) == [(2 * 40, 4, 2, 16)] * 2

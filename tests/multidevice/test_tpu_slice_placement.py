@@ -41,14 +41,14 @@ def test_the_workers_take_one_host_each_of_one_slice(tpu_cluster, llama_dir):
     engine = LLMEngine(EngineConfig(model=str(llama_dir), num_hosts=2, tensor_parallel_size=4, tpu_version="v4",
                                     tpu_topology=TOPOLOGY, max_model_len=64, warmup=False, compilation_cache_dir=None))
     try:
-        labels = engine.runner.worker_labels
+        labels = engine.executor.worker_labels
         assert len({label["ray.io/tpu-slice-name"] for label in labels}) == 1
         assert sorted(label["ray.io/tpu-worker-id"] for label in labels) == ["0", "1"]
         prompt = make_prompts([6], seed=1)[0]
         tokens = tokens_of(run_to_completion(engine, {"a": (prompt, SamplingParams(max_tokens=4, ignore_eos=True))})["a"])
         assert len(tokens) == 4
     finally:
-        engine.runner.shutdown()
+        engine.shutdown()
 
 
 def test_a_slice_of_another_size_is_refused_with_the_host_count(tpu_cluster, llama_dir):

@@ -1,0 +1,115 @@
+"""Compiling a runner's step programs ahead of use, so that a replica answers while it compiles.
+
+A step runs in one of a few buckets (engine.core.buckets); each bucket is one forward program and
+the common sampler variants for its rows. `StepCompiler.start` compiles the first bucket of a
+fixed order (`ShapeBuckets.compile_order`: the one a full batch of decodes fits) before it
+returns, then the others one by one on a background thread, smallest first. The engine plans every
+step with the buckets that are ready (`ready()`), so a step never waits for a compile it can avoid:
+until the larger programs are in, a long prompt is read in smaller pieces.
+
+Every host of a multi-host replica compiles the same programs in the same order (the order is a
+function of the engine config alone), and the leader plans with the buckets every host has.
+
+Compiling never runs a program: it lowers the jitted functions with the real arguments' types and
+compiles them, which fills jit's own cache, so the step that first runs a bucket finds its
+executable. The background thread runs at a lower priority than the engine's (Linux niceness is
+per thread), so serving keeps the cores it needs. A compile that fails is raised to the engine at
+its next step (it would fail the same way on first use).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Callable, Optional
+
+from engine.core.buckets import Bucket
+
+logger = logging.getLogger(__name__)
+
+BACKGROUND_NICENESS = 10
+"""Added to the compile thread's niceness: the engine's steps come first."""
+
+
+class StepCompiler:
+    """Compiles `order` with `compile_bucket`: the first now, the rest in the background."""
+
+    def __init__(self, order: list[Bucket], compile_bucket: Callable[[Bucket], None]):
+        self.order = list(order)
+        self._compile_bucket = compile_bucket
+        self._ready: list[Bucket] = []
+        self._error: Optional[BaseException] = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._started: Optional[float] = None
+        self.fingerprints: list[str] = []
+        """What was compiled, in order (each bucket's repr): equal on every host of a replica."""
+
+    def start(self, background: bool = True) -> float:
+        """Compile the first bucket (all of them with `background=False`); the rest go on in the
+        background. Returns the seconds until the first was ready."""
+        self._started = time.perf_counter()
+        self._compile(self.order[0])
+        seconds = time.perf_counter() - self._started
+        logger.info("step program 1/%d %s ready in %.1f s: serving; the rest compile in the background",
+                    len(self.order), _describe(self.order[0]), seconds)
+        if background and len(self.order) > 1:
+            threading.Thread(target=self._compile_rest, name="step-compiler", daemon=True).start()
+        else:
+            self._compile_rest(lower_priority=False)
+        return seconds
+
+    def ready(self) -> list[Bucket]:
+        """The buckets a step may take now, smallest first. Raises what a background compile raised."""
+        if self._error is not None:
+            raise RuntimeError(f"compiling a step program failed: {self._error!r}") from self._error
+        with self._lock:
+            return sorted(self._ready)
+
+    def progress(self) -> tuple[int, int]:
+        """(programs compiled, programs in all)."""
+        with self._lock:
+            return len(self._ready), len(self.order)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until every bucket is compiled (or a compile failed); True if all are."""
+        self._done.wait(timeout)
+        return self._done.is_set() and self._error is None
+
+    # ---- internals ----
+
+    def _compile(self, bucket: Bucket) -> None:
+        self._compile_bucket(bucket)
+        with self._lock:
+            self._ready.append(bucket)
+            self.fingerprints.append(repr(bucket))
+
+    def _compile_rest(self, lower_priority: bool = True) -> None:
+        if lower_priority:
+            _lower_priority()
+        try:
+            for i, bucket in enumerate(self.order[1:], start=2):
+                start = time.perf_counter()
+                self._compile(bucket)
+                logger.info("step program %d/%d %s compiled in %.1f s", i, len(self.order), _describe(bucket),
+                            time.perf_counter() - start)
+            logger.info("all %d step programs compiled in %.1f s", len(self.order), time.perf_counter() - self._started)
+        except BaseException as exc:  # noqa: BLE001 -- handed to the engine's next step
+            logger.exception("compiling a step program failed")
+            self._error = exc
+        finally:
+            self._done.set()
+
+
+def _describe(bucket: Bucket) -> str:
+    return f"({bucket.tokens} tokens, {bucket.rows} rows)"
+
+
+def _lower_priority() -> None:
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, current + BACKGROUND_NICENESS))
+    except (OSError, AttributeError):  # not Linux, or not permitted: compile at the same priority
+        pass
