@@ -4,8 +4,9 @@ Surface: `LLMEngine.add_request / abort / step` (engine.llm_engine, imports jax)
 (engine.async_engine, pure Python). Grouped by concern:
 
 - `core/`: request, config, pages, scheduler, step plan: pure Python, no jax;
-- `runner/`: the device side (model runner, sampler, sharding);
-- `attention/`: the attention backends (cpu, xla, tpu) and their KV cache layouts;
+- `executor/`: what runs step plans: in this process, or over one worker per host;
+- `runner/`: the device side (model runner, step programs, sampler, sharding);
+- `backends/`: the attention backends (cpu with its kernels, xla, tpu) and their KV cache layouts;
 - `model/`: the forward pass over levanter modules, checkpoint loading;
 - `formats/`: GGUF conversion and model sources.
 

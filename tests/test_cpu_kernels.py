@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.attention import cpu_kernels
-from engine.attention.cpu_kernels import (FusedLinear, PackedLinear, argmax, matmul, pack, paged_attention, silu_mul,
+from engine.backends.cpu import kernels as cpu_kernels
+from engine.backends.cpu.kernels import (FusedLinear, PackedLinear, argmax, matmul, pack, paged_attention, silu_mul,
                                           xla_matmul)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 + FMA and g++")
@@ -173,8 +173,8 @@ def test_the_kernel_and_the_xla_backend_attend_a_packed_step_alike():
     """A packed step: a decode row, a 4-token chunk continuing a cached prefix, a fresh 2-token
     prompt, then padding tokens (belonging to a padding row). Every real token attends causally to
     its own sequence; both backends match the reference."""
-    from engine.attention.base import visible_tokens
-    from engine.attention.xla import SplitKVCache, _paged_attention
+    from engine.backends.base import visible_tokens
+    from engine.backends.xla import SplitKVCache, _paged_attention
     from engine.core.step_plan import StepInputs
 
     rng = np.random.default_rng(7)
@@ -210,8 +210,8 @@ def test_a_failing_build_falls_back_with_a_warning(tmp_path):
     import subprocess
     import sys
 
-    code = "import logging; logging.basicConfig(); from engine.attention import cpu_kernels; print(cpu_kernels.available())"
+    code = "import logging; logging.basicConfig(); from engine.backends.cpu import kernels as cpu_kernels; print(cpu_kernels.available())"
     env = {**os.environ, "CXX": "false", "JAX_SERVE_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "False"
-    assert "CPU kernels unavailable" in proc.stderr and "false failed to build cpu_kernels.cc" in proc.stderr
+    assert "CPU kernels unavailable" in proc.stderr and "false failed to build kernels.cc" in proc.stderr

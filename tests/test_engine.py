@@ -13,8 +13,8 @@ import torch
 from parity import (TIGHT, assert_all_pages_free, assert_greedy_parity, hf_greedy, hf_model, make_prompts,
                     run_to_completion, tokens_of)
 
-from engine.attention.cpu import PackedSwiGLU
-from engine.attention.cpu_kernels import FusedLinear
+from engine.backends.cpu.backend import PackedSwiGLU
+from engine.backends.cpu.kernels import FusedLinear
 from engine.core.config import EngineConfig
 from engine.core.request import FinishReason, InvalidRequestError, SamplingParams
 from engine.llm_engine import LLMEngine
@@ -240,7 +240,7 @@ def test_a_relative_checkpoint_path_loads_offline(llama_dir, llama_engine, monke
 def test_bfloat16_without_the_cpu_kernels_warns_on_cpu(llama_dir, caplog):
     import logging
 
-    with caplog.at_level(logging.WARNING, logger="engine.runner.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="engine.backends.select"):
         LLMEngine(EngineConfig(model=str(llama_dir), dtype="bfloat16", attention_backend="xla", **TIGHT))
     assert any("set dtype: float32" in r.message for r in caplog.records)
 
@@ -312,7 +312,7 @@ def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monke
     faster from 16 rows on, mixes them: the layers of the 16- and 24-token buckets on XLA's dot, the
     1- and 8-token buckets and the LM head (at most 4 rows) on the kernel. (A vocabulary of 512
     ids, so that the LM head is packed too.)"""
-    from engine.attention import matmul_choice
+    from engine.backends.cpu import matmul_choice
 
     llama_dir = checkpoint_factory("llama", vocab_size=512)
     def timer(product, path):
@@ -329,6 +329,43 @@ def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monke
     head = engine.executor.runner.model.lm_head.xla_rows
     assert head == (frozenset({b.rows for b in engine.executor.buckets.all()}) if cpu_matmul == "xla" else frozenset())
     assert_greedy_parity(engine, llama_dir)
+
+
+def test_requests_sent_while_programs_compile_are_answered_from_the_ready_ones(llama_dir, monkeypatch):
+    """With the background compiler held after the first program (8 tokens: the full decode batch
+    of 4 fits), every step takes that bucket, so a 30-token prompt is read 8 tokens at a time, and
+    the answers equal transformers'. Released, the rest compile, and a later request's prompt is
+    read in one step of the 24-token bucket."""
+    import threading
+
+    from engine.core.buckets import Bucket
+    from engine.runner import programs
+
+    release, compile_rest = threading.Event(), programs.StepCompiler._compile_rest
+    monkeypatch.setattr(programs.StepCompiler, "_compile_rest",
+                        lambda self, lower_priority=True: release.wait(600) and compile_rest(self, lower_priority))
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), compilation_cache_dir=None, **{**TIGHT, "warmup": True}))
+    assert (engine.stats().compiled_programs, engine.stats().step_programs) == (1, 4)
+    build, buckets = engine.planner.build, []
+
+    def spy(*args, **kwargs):
+        step, slots = build(*args, **kwargs)
+        buckets.append(step.bucket)
+        return step, slots
+
+    monkeypatch.setattr(engine.planner, "build", spy)
+    prompts = make_prompts([30, 5], seed=21)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    got = run_to_completion(engine, {str(i): (p, greedy) for i, p in enumerate(prompts)})
+    assert set(buckets) == {Bucket(8, 4)} and len(buckets) >= 4 + 7  # 30 + 5 prompt tokens in pieces of 8
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(got[str(i)]) == hf_greedy(llama_dir, prompt, 8)[0]
+    release.set()
+    assert engine.wait_until_compiled(timeout=600) and engine.stats().compiled_programs == 4
+    buckets.clear()
+    run_to_completion(engine, {"late": (make_prompts([22], seed=22)[0], greedy)})
+    assert buckets[0] == Bucket(24, 4) and set(buckets[1:]) == {Bucket(1, 1)}
+    assert_all_pages_free(engine)
 
 
 def test_after_the_background_compiles_serving_compiles_nothing(llama_dir):

@@ -1,4 +1,4 @@
-"""engine.attention.matmul_choice: per shape, the faster of the CPU kernel and XLA's dot, with a
+"""engine.backends.cpu.matmul_choice: per shape, the faster of the CPU kernel and XLA's dot, with a
 fake timer (the choice logic, the override, the cache) and with the real one."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from engine.attention import cpu_kernels, matmul_choice
-from engine.attention.matmul_choice import KERNEL, XLA, MatmulChooser, Product
+from engine.backends.cpu import kernels as cpu_kernels, matmul_choice
+from engine.backends.cpu.matmul_choice import KERNEL, XLA, MatmulChooser, Product
 
 SHAPES = [Product(rows, 64, 192, "bfloat16") for rows in (1, 8, 128, 512)] + [Product(4, 64, 512, "float32")]
 

@@ -57,7 +57,7 @@ class EngineConfig:
     compiled on its own. None: the attention backend's choice, scanned wherever that costs no
     speed (engine/model/paged_model.py)."""
     attention_backend: AttentionBackendName = "auto"
-    """How attention and the KV cache run (engine/attention): `cpu` the project's x86 kernels
+    """How attention and the KV cache run (engine/backends): `cpu` the project's x86 kernels
     (AVX2 + FMA; packed bf16 weights, built on first use with the system C++ compiler; one device
     only), `xla` dense masked attention in plain JAX (any device, any mesh), `tpu` levanter's ragged
     paged attention (the Pallas kernel on TPU; its exact, slow reference elsewhere). auto: cpu on

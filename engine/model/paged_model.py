@@ -1,9 +1,9 @@
 """One forward pass of a levanter Llama-family model over a step's tokens, with a paged KV cache.
 
 The weights and per-layer modules (norms, projections, rotary embeddings, MLP) are levanter's; the
-attention backend (engine.attention) owns the cache write and attention itself, and may have
-replaced modules with its own (the cpu backend's packed and fused projections: a fused q/k/v
-projection returns all three, a packed SwiGLU MLP is called as any MLP).
+attention backend (engine.backends) owns the q/k/v projection, the cache write and attention
+itself, and may have replaced modules with its own (the cpu backend's packed and fused
+projections; a packed SwiGLU MLP is called as any MLP).
 
 The rotary embedding's cos and sin are computed once per step (`rotary_tables`, through the layers'
 own levanter module, so default, llama3 and yarn scaling all work) and every layer rotates q and k
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
-from engine.attention.base import KV_AXES, Q_AXES, AttentionBackend
+from engine.backends.base import KV_AXES, Q_AXES, AttentionBackend
 from engine.core.step_plan import StepInputs
 
 
@@ -140,7 +140,7 @@ def _decoder_layer(layer, x, cache, index, rope, backend: AttentionBackend, step
 
 
 def _attention(attn, h, cache, index, rope, backend: AttentionBackend, step):
-    q, k, v = _qkv(attn, h, rope)
+    q, k, v = _qkv(attn, h, rope, backend)
     scale = attn.config.scaling_factor or 1.0 / (q.resolve_axis("head_size").size ** 0.5)
     o, cache = backend.attend(cache, index, q.rearrange(Q_AXES), k.rearrange(KV_AXES), v.rearrange(KV_AXES),
                               scale, step)
@@ -148,12 +148,9 @@ def _attention(attn, h, cache, index, rope, backend: AttentionBackend, step):
     return attn.o_proj(o, key=None), cache
 
 
-def _qkv(attn, h, rope):
-    """levanter's `Attention._compute_qkv` with the step's rotary tables; a fused projection
-    returns q, k and v at once."""
-    projected = attn.q_proj(h, key=None)
-    q, k, v = projected if isinstance(projected, tuple) else (projected, attn.k_proj(h, key=None),
-                                                                 attn.v_proj(h, key=None))
+def _qkv(attn, h, rope, backend: AttentionBackend):
+    """levanter's `Attention._compute_qkv` with the step's rotary tables; the backend projects."""
+    q, k, v = backend.project_qkv(attn, h)
     if attn.config.qk_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     if rope is not None:

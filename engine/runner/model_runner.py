@@ -11,7 +11,7 @@ refuses it.
 
 Devices: `tensor_parallel_size` devices form the mesh (engine.runner.sharding); weights and the KV
 cache are split over it, and the step's outputs (logits, sampled tokens, logprobs) come back
-replicated. The attention backend (engine.attention) owns the cache and attention; the runner
+replicated. The attention backend (engine.backends) owns the cache and attention; the runner
 never asks which one runs.
 
 Warm-up compiles the first step program, then the others in the background (engine.runner.programs),
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from engine.attention.base import AttentionBackend, CacheShape
-from engine.attention.select import select_backend
+from engine.backends.base import AttentionBackend, CacheShape
+from engine.backends.select import select_backend
 from engine.core.buckets import Bucket, ShapeBuckets
 from engine.core.config import EngineConfig
 from engine.core.grammar import mask_words
@@ -126,7 +126,6 @@ class ModelRunner:
         self.mesh = sharding.make_mesh(config.tensor_parallel_size)
         self.backend = select_backend(config, self.dtype)
         self.scan_layers = self.backend.scan_layers if config.scan_layers is None else config.scan_layers
-        self._check_speed_traps()
         self.max_model_len = config.max_model_len or min(info.max_position_embeddings, 4096)
         if self.max_model_len > info.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
@@ -275,12 +274,6 @@ class ModelRunner:
         if self.layout.kv_repeats > 1:
             mapping.pop("kv_head", None)
         return mapping
-
-    def _check_speed_traps(self) -> None:
-        config = self.config
-        if self.backend.name != "cpu" and jax.default_backend() == "cpu" and self.dtype == "bfloat16":
-            logger.warning("bfloat16 on CPU without the cpu attention backend takes XLA's bf16 path, ~20x slower "
-                           "than float32: use attention_backend: cpu (x86 with a C++ compiler) or set dtype: float32")
 
     def _cache_shape(self, num_pages: int) -> CacheShape:
         return CacheShape(self.info.num_layers, num_pages, self.page_size,

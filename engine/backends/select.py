@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 
-from engine.attention.base import AttentionBackend
+from engine.backends.base import AttentionBackend
 from engine.core.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -24,10 +24,10 @@ BACKENDS = ("auto", "cpu", "xla", "tpu")
 
 def select_backend(config: EngineConfig, weight_dtype) -> AttentionBackend:
     """The backend `config.attention_backend` names (or auto picks), for weights of `weight_dtype`."""
-    from engine.attention.cpu import CpuBackend
-    from engine.attention.matmul_choice import MatmulChooser
-    from engine.attention.tpu import TpuBackend
-    from engine.attention.xla import XlaBackend
+    from engine.backends.cpu.backend import CpuBackend
+    from engine.backends.cpu.matmul_choice import MatmulChooser
+    from engine.backends.tpu import TpuBackend
+    from engine.backends.xla import XlaBackend
 
     name, tensor_parallel_size = config.attention_backend, config.tensor_parallel_size
     device = jax.default_backend()
@@ -44,6 +44,9 @@ def select_backend(config: EngineConfig, weight_dtype) -> AttentionBackend:
         name = "xla"
     if name == "tpu" and device != "tpu":
         logger.info("the tpu backend on %s runs levanter's reference ragged paged attention (exact, slow)", device)
+    if name != "cpu" and device == "cpu" and str(weight_dtype) == "bfloat16":
+        logger.warning("bfloat16 on CPU without the cpu attention backend takes XLA's bf16 path, ~20x slower "
+                       "than float32: use attention_backend: cpu (x86 with a C++ compiler) or set dtype: float32")
     if name == "cpu":
         local = config.compilation_cache_dir and "://" not in config.compilation_cache_dir  # a URL: time again
         cache = Path(config.compilation_cache_dir).expanduser() / "cpu_matmul.json" if local else None

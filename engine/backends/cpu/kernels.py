@@ -1,4 +1,4 @@
-"""The engine's CPU kernels (engine/attention/cpu_kernels.cc): build, load and call them from JAX.
+"""The engine's CPU kernels (engine/backends/cpu/kernels.cc): build, load and call them from JAX.
 
 - `matmul` / `PackedLinear`: XLA's CPU dot is slow on the few-row products of decoding and has no
   fast bfloat16 path; this kernel streams packed weights (bfloat16 or float32) and accumulates in
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 PANEL = 16
 """Output columns per packed panel; a packable weight has N % PANEL == 0."""
-_SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+_SOURCE = Path(__file__).with_name("kernels.cc")
 _SYMBOLS = {"jax_serve_matmul": "JaxServeMatmul", "jax_serve_paged_attention": "JaxServePagedAttention",
             "jax_serve_silu_mul": "JaxServeSiluMul", "jax_serve_argmax": "JaxServeArgmax"}
 
@@ -78,7 +78,7 @@ class PackedLinear(eqx.Module):
     """A drop-in for haliax's `Linear` that runs on the kernel: same axes, same math, float32
     output (inputs are cast to float32). The weight is named (..., panel, in, lane); a stacked
     layer's leading `layers` axis is scanned away like any other named weight. Products of a row
-    count in `xla_rows` run on XLA's dot instead (engine.attention.matmul_choice).
+    count in `xla_rows` run on XLA's dot instead (engine.backends.cpu.matmul_choice).
 
     A scanned layer loop reads a stacked weight in place: `at_layer(i)` keeps the whole stack
     (layers, panel, in, lane) and the layer index, which the kernel reads from, instead of a

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from levanter.layers.attention import ragged_paged_attention
 
-from engine.attention.base import KV_AXES, Q_AXES, AttentionBackend, AttentionStep, CacheShape
+from engine.backends.base import KV_AXES, Q_AXES, AttentionBackend, AttentionStep, CacheShape
 
 
 class RaggedKVCache(eqx.Module):

@@ -82,6 +82,11 @@ class AttentionBackend:
     def storage_dtype(self, dtype) -> jnp.dtype:
         return jnp.dtype(dtype)
 
+    def project_qkv(self, attn, h: NamedArray) -> tuple[NamedArray, NamedArray, NamedArray]:
+        """q, k and v of a levanter attention module over the hidden states `h` (before rotary
+        embeddings and norms); a backend that fused the projections in `prepare` runs them here."""
+        return attn.q_proj(h, key=None), attn.k_proj(h, key=None), attn.v_proj(h, key=None)
+
     def begin_step(self, inputs: StepInputs) -> AttentionStep:
         return AttentionStep(inputs)
 

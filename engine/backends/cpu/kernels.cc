@@ -1,4 +1,4 @@
-// The engine's CPU kernels, XLA FFI custom calls for x86 with AVX2 + FMA (see engine/cpu_kernels.py).
+// The engine's CPU kernels, XLA FFI custom calls for x86 with AVX2 + FMA (see engine/backends/cpu/kernels.py).
 //
 // 1. Matmul, y = x @ W. Why: XLA's CPU dot reaches ~30-45 GFLOP/s on the 1..32-row products of decoding and has no fast
 // bfloat16 path, so a batch-1 step reads every weight as float32. This kernel streams bfloat16 (or

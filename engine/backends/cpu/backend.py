@@ -1,11 +1,11 @@
-"""The `cpu` backend: the project's x86 kernels (engine/attention/cpu_kernels.cc) where XLA is slow
+"""The `cpu` backend: the project's x86 kernels (engine/backends/cpu/kernels.cc) where XLA is slow
 on CPU. One device only: the FFI calls have no partitioning rule.
 
 - Weights: every linear layer whose output size is a multiple of 16, and the LM head (tied or not),
   becomes a `PackedLinear` (16-column panels in the weights' dtype, streamed by a register-blocked
   matmul that widens bf16 in registers); q/k/v and a SwiGLU MLP's gate/up are fused into one
   `FusedLinear` each, so a layer makes four matmul calls instead of seven. Each product shape runs
-  on the kernel or on XLA's dot, whichever is faster on this machine (engine.attention.matmul_choice).
+  on the kernel or on XLA's dot, whichever is faster on this machine (engine.backends.cpu.matmul_choice).
 - Activations are float32 whatever the weights' dtype (XLA's bf16 converts are slow on CPU).
 - Attention: one kernel call per layer for the whole step, reading the pages in place. Every token
   is a query of its own (its row's page table, its own causal length), so causal prefill attention
@@ -30,11 +30,11 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from levanter.layers.attention import Attention
 
-from engine.attention import cpu_kernels
-from engine.attention.base import Q_AXES, AttentionStep, visible_tokens
-from engine.attention.cpu_kernels import PANEL, FusedLinear, PackedLinear, silu_mul, unflatten_rows
-from engine.attention.matmul_choice import XLA, MatmulChooser, Product
-from engine.attention.xla import SplitKVCache, XlaBackend
+from engine.backends.base import Q_AXES, AttentionStep, visible_tokens
+from engine.backends.cpu import kernels
+from engine.backends.cpu.kernels import PANEL, FusedLinear, PackedLinear, silu_mul, unflatten_rows
+from engine.backends.cpu.matmul_choice import XLA, MatmulChooser, Product
+from engine.backends.xla import SplitKVCache, XlaBackend
 from engine.core.buckets import ShapeBuckets
 
 
@@ -52,7 +52,7 @@ class CpuBackend(XlaBackend):
 
     @staticmethod
     def available() -> bool:
-        return cpu_kernels.available()
+        return kernels.available()
 
     def prepare(self, model, buckets: ShapeBuckets, measure: bool):
         """Pack the linear layers and the LM head, fuse q/k/v and gate/up (see the module
@@ -94,6 +94,15 @@ class CpuBackend(XlaBackend):
     def activation_dtype(self, weight_dtype) -> jnp.dtype:
         return jnp.dtype(jnp.float32)
 
+    def init_cache(self, shape) -> SplitKVCache:
+        storage = self.storage_dtype(shape.dtype)
+        return (Bf16BitsKVCache if storage == jnp.uint16 else SplitKVCache).zeros(shape, storage)
+
+    def project_qkv(self, attn, h: NamedArray) -> tuple[NamedArray, NamedArray, NamedArray]:
+        if isinstance(attn.q_proj, FusedLinear):  # q/k/v fused by `prepare`
+            return attn.q_proj(h)
+        return super().project_qkv(attn, h)
+
     def storage_dtype(self, dtype) -> jnp.dtype:
         dtype = jnp.dtype(dtype)
         return jnp.dtype(jnp.uint16) if dtype == jnp.bfloat16 else dtype
@@ -105,11 +114,11 @@ class CpuBackend(XlaBackend):
         cache = cache.write(layer, step.inputs.kv_dest, k, v)
         q_arr = q.rearrange(Q_AXES).array.astype(jnp.float32) * scale
         inputs = step.inputs
-        o = cpu_kernels.paged_attention(q_arr, cache.k, cache.v, layer, inputs.page_table, inputs.token_row,
+        o = kernels.paged_attention(q_arr, cache.k, cache.v, layer, inputs.page_table, inputs.token_row,
                                         step.tables)
         return hax.named(o, Q_AXES), cache
 
-    argmax = staticmethod(cpu_kernels.argmax)
+    argmax = staticmethod(kernels.argmax)
 
 
 class PackedSwiGLU(eqx.Module):
@@ -123,6 +132,15 @@ class PackedSwiGLU(eqx.Module):
         del key
         batch, gate_up = self.gate_up.concatenated(x)
         return self.down_proj(unflatten_rows(silu_mul(gate_up), batch, self.gate_up.Outs[0]))
+
+
+class Bf16BitsKVCache(SplitKVCache):
+    """A bfloat16 cache stored as its uint16 bits, which the attention kernel reads as bfloat16:
+    XLA's CPU backend widens a bfloat16 scatter to float32 (converting the whole cache twice per
+    layer and step), while an integer scatter writes in place."""
+
+    def stored(self, x: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
 
 
 def _is_packed(module) -> bool:

@@ -15,6 +15,8 @@ with its own heads, and only the output projection's all-reduce crosses devices.
 
 from __future__ import annotations
 
+import dataclasses
+
 import equinox as eqx
 import haliax as hax
 import jax
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from jax.sharding import PartitionSpec
 
-from engine.attention.base import Q_AXES, AttentionBackend, AttentionStep, CacheShape, visible_tokens
+from engine.backends.base import Q_AXES, AttentionBackend, AttentionStep, CacheShape, visible_tokens
 
 NEG_INF = -1e30
 
@@ -33,27 +35,25 @@ class SplitKVCache(eqx.Module):
     k: jax.Array
     v: jax.Array
 
-    @staticmethod
-    def zeros(shape: CacheShape, dtype) -> "SplitKVCache":
+    @classmethod
+    def zeros(cls, shape: CacheShape, dtype) -> "SplitKVCache":
         s = shape
         k = jnp.zeros((s.num_layers, s.num_pages, s.kv_heads, s.head_dim, s.page_size), dtype)
         v = jnp.zeros((s.num_layers, s.num_pages, s.kv_heads, s.page_size, s.head_dim), dtype)
-        return SplitKVCache(k, v)
+        return cls(k, v)
 
     def write(self, layer, kv_dest: jax.Array, k: NamedArray, v: NamedArray) -> "SplitKVCache":
         """Store each token's key and value at its flat slot `kv_dest` (page * page_size + slot)."""
         page_size = self.k.shape[-1]
         page, slot = kv_dest // page_size, kv_dest % page_size
-        k_arr = _stored(k.rearrange(("position", "kv_head", "head_size")).array, self.k.dtype)
-        v_arr = _stored(v.rearrange(("position", "kv_head", "head_size")).array, self.v.dtype)
-        return SplitKVCache(self.k.at[layer, page, :, :, slot].set(k_arr), self.v.at[layer, page, :, slot].set(v_arr))
+        k_arr = self.stored(k.rearrange(("position", "kv_head", "head_size")).array)
+        v_arr = self.stored(v.rearrange(("position", "kv_head", "head_size")).array)
+        return dataclasses.replace(self, k=self.k.at[layer, page, :, :, slot].set(k_arr),
+                                   v=self.v.at[layer, page, :, slot].set(v_arr))
 
-
-def _stored(x: jax.Array, dtype) -> jax.Array:
-    """x in the cache's storage dtype; a uint16 cache holds bfloat16 bits (the cpu backend's)."""
-    if dtype == jnp.uint16:
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-    return x.astype(dtype)
+    def stored(self, x: jax.Array) -> jax.Array:
+        """x as the cache stores it."""
+        return x.astype(self.k.dtype)
 
 
 class XlaBackend(AttentionBackend):

@@ -1,6 +1,6 @@
 """Per product shape, the faster of the CPU matmul kernel and XLA's dot, measured on this machine.
 
-The project's kernel (engine/attention/cpu_kernels.cc) streams packed weights and wins the few-row
+The project's kernel (engine/backends/cpu/kernels.cc) streams packed weights and wins the few-row
 products of decoding everywhere; XLA's dot is slow there, but on CPUs with AMX or AVX-512 bf16 it
 wins many-row products (prompt chunks, large decode batches), by up to ~10x with AMX. No list of
 CPU models decides: every product a step can run (the rows of each shape bucket times each packed
@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Optional
 import jax
 import jax.numpy as jnp
 
-from engine.attention import cpu_kernels
+from engine.backends.cpu import kernels
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ def time_product(product: Product, path: str, repeats: int = 5) -> float:
     """The fastest of `repeats` runs after one that compiles and warms up (the least disturbed by
     whatever else shares the cores; a median of 3 flipped choices near the crossover)."""
     x = jnp.ones((product.rows, product.depth), jnp.float32)
-    packed = jnp.full((product.width // cpu_kernels.PANEL, product.depth, cpu_kernels.PANEL), 0.01, product.dtype)
-    run = jax.jit(cpu_kernels.matmul if path == KERNEL else cpu_kernels.xla_matmul)
+    packed = jnp.full((product.width // kernels.PANEL, product.depth, kernels.PANEL), 0.01, product.dtype)
+    run = jax.jit(kernels.matmul if path == KERNEL else kernels.xla_matmul)
     run(x, packed).block_until_ready()
     times = []
     for _ in range(repeats):
@@ -130,7 +130,7 @@ def machine_key() -> str:
     except OSError:
         cpuinfo = []
     cpu = [line for line in cpuinfo if line.startswith(("model name", "flags"))][:2]
-    parts = [*cpu, str(os.cpu_count()), jax.__version__, cpu_kernels.source_digest()]
+    parts = [*cpu, str(os.cpu_count()), jax.__version__, kernels.source_digest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
