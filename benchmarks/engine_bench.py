@@ -112,6 +112,19 @@ def run_once(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, se
             "seconds": total, "steps": len(step_times), "tokens": produced, "requests": submitted}
 
 
+def time_to_first_token(engine: LLMEngine, prompt_len: int, seed: int) -> float:
+    """Seconds from adding one `prompt_len`-token request to an idle engine to its first token."""
+    prompt = np.random.default_rng(seed).integers(3, 500, size=prompt_len).tolist()
+    start = time.perf_counter()
+    engine.add_request(f"ttft-{seed}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    while not any(d.token_ids for d in engine.step()):
+        pass
+    seconds = time.perf_counter() - start
+    while engine.has_work():
+        engine.step()
+    return seconds
+
+
 def replay_step_ms(engine: LLMEngine, batch: int, steps: int = 50) -> float:
     """The device side alone: `steps` padding-only decode steps of `batch` rows (the bucket and
     the work of a real one) launched back to back and fetched once, per step. What the runner's
@@ -128,6 +141,16 @@ def replay_step_ms(engine: LLMEngine, batch: int, steps: int = 50) -> float:
     return 1000 * (time.perf_counter() - start) / steps
 
 
+def engine_config(args, model: Path, seqs: int, max_model_len: int) -> EngineConfig:
+    optional = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}
+    if args.scan_layers != "auto":
+        optional["scan_layers"] = args.scan_layers == "true"
+    return EngineConfig(model=str(model), dtype=args.dtype, page_size=args.page_size, max_num_seqs=seqs,
+                        max_num_batched_tokens=max(seqs, args.max_num_batched_tokens), max_model_len=max_model_len,
+                        attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
+                        cpu_matmul=args.cpu_matmul, num_hosts=args.num_hosts, num_pages=args.num_pages, **optional)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="bench-110m", choices=sorted(SHAPES))
@@ -140,6 +163,8 @@ def main(argv=None) -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per row per step (default: the budget)")
+    parser.add_argument("--ttft", type=int, default=None, metavar="PROMPT_LEN",
+                        help="instead: the median time to first token of one PROMPT_LEN-token prompt on an idle engine")
     parser.add_argument("--requests", type=int, default=None,
                         help="closed loop: keep `batch` requests running until this many have run")
     parser.add_argument("--repeats", type=int, default=3)
@@ -158,6 +183,7 @@ def main(argv=None) -> None:
                         help="cpu backend: per-shape choice (auto) or one matmul for every product")
     parser.add_argument("--num-pages", type=int, default=0,
                         help="KV pool pages (0: the engine's rule, most of an accelerator's free memory)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="with --ttft: the engine's (default 32)")
     parser.add_argument("--one-engine", action="store_true",
                         help="one engine sized for the largest batch serves every batch size")
     parser.add_argument("--replay", action="store_true",
@@ -181,6 +207,15 @@ def main(argv=None) -> None:
         if args.devices_per_host:
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices_per_host}"
         ray.init(address="local", include_dashboard=False, runtime_env={"env_vars": env})
+    if args.ttft:
+        engine = LLMEngine(engine_config(args, model, args.max_num_seqs or 32, args.ttft + 1))
+        if hasattr(engine, "wait_until_compiled"):
+            engine.wait_until_compiled()
+        times = [time_to_first_token(engine, args.ttft, seed) for seed in range(args.repeats)]
+        print(f"time to first token of a {args.ttft}-token prompt: median {statistics.median(times):.3f} s "
+              f"(runs: {', '.join(f'{t:.3f}' for t in times)}; budget {args.max_num_batched_tokens}, "
+              f"prefill_chunk {args.prefill_chunk or 'the budget'}, {engine.describe()['attention_backend']} backend)")
+        return
     bandwidth = copy_bandwidth() if args.bandwidth_bound else None  # before an engine takes the memory
     batches = [int(b) for b in args.batch.split(",")]
     grammars = args.grammar.split(",")
@@ -191,13 +226,7 @@ def main(argv=None) -> None:
     for batch in batches:
         if engine is None or not args.one_engine:
             seqs = max(batches) if args.one_engine else batch
-            engine = LLMEngine(EngineConfig(
-                model=str(model), dtype=args.dtype, page_size=args.page_size, max_num_seqs=seqs,
-                max_num_batched_tokens=max(seqs, args.max_num_batched_tokens), prefill_chunk=args.prefill_chunk,
-                max_model_len=args.prompt_len + args.new_tokens, attention_backend=args.attention_backend,
-                tensor_parallel_size=args.tensor_parallel_size, cpu_matmul=args.cpu_matmul,
-                scan_layers={"auto": None, "true": True, "false": False}[args.scan_layers],
-                num_hosts=args.num_hosts, num_pages=args.num_pages))
+            engine = LLMEngine(engine_config(args, model, seqs, args.prompt_len + args.new_tokens))
             engine.wait_until_compiled()  # steady state: every step program compiled
         if batch == batches[0]:
             d = engine.describe()
