@@ -47,6 +47,9 @@ class EmbeddingCore(Protocol):
     def embed(self, batch: list[list[int]]) -> np.ndarray:
         """float32 [len(batch), dimensions], row i the embedding of batch[i]."""
 
+    def compile_progress(self) -> tuple[int, int]:
+        """(programs compiled, programs in all) while it compiles ahead of use; (0, 0) if it does not. Thread-safe."""
+
     def describe(self) -> dict[str, str]: ...
 
 

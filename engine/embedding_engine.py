@@ -6,7 +6,9 @@ A BERT-family sentence-transformers checkpoint (engine.model.encoder) on one dev
 sorted by length and cut into groups, each padded into a shape bucket (`EmbedBuckets`: powers of
 two of rows and of positions) that compiles once, where the cuts waste the least padding; padding
 is masked, so a row's embedding does not depend on its batch. All groups of a call are dispatched
-before any result is read back.
+before any result is read back. With `warmup`, the one-row program of the longest length compiles
+before the engine returns and the rest in the background (engine.runner.programs); until they are
+in, a batch is laid over the ready buckets only.
 
 Of `EngineConfig` it reads `model`, `dtype`, `max_model_len` (None: sentence_bert_config.json's
 max_seq_length, else the model's max_position_embeddings), `max_num_seqs` (rows per program),
@@ -19,8 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-from typing import Optional
+from typing import Iterable, Optional
 
 import jax
 import numpy as np
@@ -29,6 +30,7 @@ from engine.core.config import EngineConfig
 from engine.core.request import InvalidRequestError
 from engine.model import encoder
 from engine.runner.compilation_cache import enable_compilation_cache
+from engine.runner.programs import StepCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -60,24 +62,35 @@ class EmbedBuckets:
         return max(1, min(self.max_rows, self.max_tokens // length))
 
     def all(self) -> list[tuple[int, int]]:
-        """Every (rows, length) bucket, the order warm-up compiles them in."""
+        """Every (rows, length) bucket."""
         return [(rows, length) for length in self.lengths() for rows in _powers_of_two_then(1, self.row_cap(length))]
 
-    def length_bucket(self, n: int) -> int:
-        return next(length for length in self.lengths() if length >= n)
+    def compile_order(self) -> list[tuple[int, int]]:
+        """Every bucket in the order a replica compiles them: first one row of the longest length
+        (with it alone any batch runs, an input per call), then the rest, cheapest first."""
+        first = (1, self.max_len)
+        return [first] + sorted((b for b in self.all() if b != first), key=lambda b: (b[0] * b[1], b))
 
-    def plan(self, lengths: list[int]) -> list[tuple[int, int, list[int]]]:
-        """Groups of input indices with their bucket (rows, length), the cheapest cover of the
-        inputs: sorted by length and cut into runs so that the padded tokens computed, plus
-        CALL_OVERHEAD_TOKENS per program, are fewest (dynamic programming over the cuts, at most
-        len(lengths) x max_rows steps). Every length is at most `max_len`."""
+    def length_bucket(self, n: int, lengths: Optional[Iterable[int]] = None) -> int:
+        """The shortest length bucket (of `lengths`, default all) that holds n tokens."""
+        return next(length for length in sorted(lengths or self.lengths()) if length >= n)
+
+    def plan(self, lengths: list[int], ready: Optional[Iterable[tuple[int, int]]] = None) -> list[tuple[int, int, list[int]]]:
+        """Groups of input indices with their bucket (rows, length) of `ready` (default: all), the
+        cheapest cover of the inputs: sorted by length and cut into runs so that the padded tokens
+        computed, plus CALL_OVERHEAD_TOKENS per program, are fewest (dynamic programming over the
+        cuts, at most len(lengths) x max_rows steps). Every length is at most `max_len`, and
+        `ready` holds (1, max_len)."""
+        rows_of: dict[int, list[int]] = {}  # length bucket -> its row buckets
+        for rows, length in self.all() if ready is None else ready:
+            rows_of.setdefault(length, []).append(rows)
         order = sorted(range(len(lengths)), key=lengths.__getitem__)
         fits: dict[int, list[int]] = {}  # length bucket -> rows bucket for each run size
         best, cut = [0.0] + [float("inf")] * len(order), [0] * (len(order) + 1)
         for end in range(1, len(order) + 1):
-            length = self.length_bucket(lengths[order[end - 1]])
+            length = self.length_bucket(lengths[order[end - 1]], rows_of)
             if length not in fits:
-                fits[length] = self._rows_fitting(length)
+                fits[length] = self._rows_fitting(sorted(rows_of[length]))
             fit = fits[length]
             for size in range(1, min(end, len(fit) - 1) + 1):
                 cost = best[end - size] + CALL_OVERHEAD_TOKENS + fit[size] * length
@@ -87,16 +100,16 @@ class EmbedBuckets:
         while end:
             groups.append(order[cut[end]:end])
             end = cut[end]
-        return [self._bucket_of(group, lengths) for group in reversed(groups)]
+        return [self._bucket_of(group, lengths, rows_of, fits) for group in reversed(groups)]
 
-    def _rows_fitting(self, length: int) -> list[int]:
-        """[_, rows bucket for 1 input, for 2 inputs, ..., for row_cap(length) inputs]."""
-        rows = _powers_of_two_then(1, self.row_cap(length))
+    @staticmethod
+    def _rows_fitting(rows: list[int]) -> list[int]:
+        """[_, rows bucket for 1 input, for 2 inputs, ..., for the most inputs], of the sorted `rows`."""
         return [0] + [next(r for r in rows if r >= size) for size in range(1, rows[-1] + 1)]
 
-    def _bucket_of(self, group: list[int], lengths: list[int]) -> tuple[int, int, list[int]]:
-        length = self.length_bucket(max(lengths[i] for i in group))
-        return self._rows_fitting(length)[len(group)], length, group
+    def _bucket_of(self, group: list[int], lengths: list[int], rows_of, fits) -> tuple[int, int, list[int]]:
+        length = self.length_bucket(max(lengths[i] for i in group), rows_of)
+        return fits[length][len(group)], length, group
 
 
 def _powers_of_two_then(start: int, last: int) -> list[int]:
@@ -139,7 +152,9 @@ class EmbeddingEngine:
             return encoder.embed(jax.tree_util.tree_unflatten(treedef, weights), tokens, mask, self.pooling)
 
         self._program = program
+        self.compiler = StepCompiler(self.buckets.compile_order(), self._compile, lambda b: f"({b[0]} rows x {b[1]})")
         self.warmup_seconds: Optional[float] = self.warmup() if config.warmup else None
+        """Seconds until the first program was ready (the rest compile in the background)."""
         logger.info("embedding engine: %s", self.describe())
 
     def validate(self, token_ids_batch: list[list[int]]) -> None:
@@ -163,7 +178,8 @@ class EmbeddingEngine:
         self.validate(batch)
         lengths = [len(ids) for ids in batch]
         launched = []
-        for rows, length, group in self.buckets.plan(lengths):
+        ready = self.compiler.ready() if self.config.warmup else None  # while compiling: the ready ones
+        for rows, length, group in self.buckets.plan(lengths, ready):
             tokens = np.zeros((rows, length), np.int32)
             mask = np.zeros((rows, length), bool)
             for row, index in enumerate(group):
@@ -176,15 +192,18 @@ class EmbeddingEngine:
         return out
 
     def warmup(self) -> float:
-        """Compile every bucket; returns the seconds it took."""
-        start = time.perf_counter()
-        buckets = self.buckets.all()
-        for rows, length in buckets:
-            jax.block_until_ready(self._program(self._weights, np.zeros((rows, length), np.int32),
-                                                np.ones((rows, length), bool)))
-        seconds = time.perf_counter() - start
-        logger.info("embedding warm-up compiled %d buckets in %.1f s", len(buckets), seconds)
-        return seconds
+        """Compile the first bucket now and the rest in the background (engine.runner.programs);
+        returns the seconds until the first was ready."""
+        return self.compiler.start()
+
+    def compile_progress(self) -> tuple[int, int]:
+        """(programs compiled, programs in all); (0, 0) without warm-up (each compiles on first use)."""
+        return self.compiler.progress() if self.config.warmup else (0, 0)
+
+    def _compile(self, bucket: tuple[int, int]) -> None:
+        """Compile one bucket's program without running it (fills jit's cache for `embed`)."""
+        rows, length = bucket
+        self._program.lower(self._weights, np.zeros((rows, length), np.int32), np.ones((rows, length), bool)).compile()
 
     def describe(self) -> dict[str, str]:
         """How the engine runs its model (fixed at start; logged, and an info metric's labels)."""

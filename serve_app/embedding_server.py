@@ -42,8 +42,11 @@ class EmbeddingServer(Replica):
         self._max_model_len: int = engine.max_model_len
         self.embedder = AsyncEmbedder(engine, watchdog_s=engine_config.step_timeout_s)
         self._truncatable = matryoshka_dimensions(model_dir)
-        stats = EngineStats(max_model_len=engine.max_model_len)
-        self.metrics = ServerMetrics(config.model_id, replica_name(), lambda: stats, self.embedder.describe())
+        def stats() -> EngineStats:
+            compiled, programs = engine.compile_progress()
+            return EngineStats(max_model_len=engine.max_model_len, compiled_programs=compiled, step_programs=programs)
+
+        self.metrics = ServerMetrics(config.model_id, replica_name(), stats, self.embedder.describe())
         logger.info("embedding model %s loaded from %s: %s", self.model_id, model_dir,
                     ", ".join(f"{k}={v}" for k, v in self.embedder.describe().items()))
 

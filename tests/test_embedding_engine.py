@@ -176,10 +176,33 @@ def test_buckets_cover_every_input_once():
     assert buckets.plan([3, 3, 60, 3, 3]) == [(4, 16, [0, 1, 3, 4]), (1, 64, [2])]
 
 
+def test_while_buckets_compile_a_batch_takes_the_ready_ones():
+    """The longest length's one-row program compiles first: with it alone every input runs on its own."""
+    buckets = EmbedBuckets(max_rows=8, max_len=100, max_tokens=128)
+    assert buckets.compile_order() == [(1, 100), (1, 16), (1, 32), (2, 16), (1, 64), (2, 32), (4, 16), (2, 64),
+                                       (4, 32), (8, 16)]
+    assert buckets.plan([3, 60, 3], ready=[(1, 100)]) == [(1, 100, [0]), (1, 100, [2]), (1, 100, [1])]
+    assert buckets.plan([3, 60, 3], ready=[(1, 100), (1, 16), (2, 16)]) == [(2, 16, [0, 2]), (1, 100, [1])]
+
+
 def test_warmup_compiles_every_bucket_and_describe(bert_factory):
+    """The first program before the engine returns, the rest in the background, in order; then an
+    embedding compiles nothing."""
+    import jax.monitoring
+
     engine = make_engine(bert_factory(pooling="cls", normalize=False), max_num_seqs=2, max_model_len=32,
                          warmup=True, compilation_cache_dir=EngineConfig.compilation_cache_dir)
     assert engine.warmup_seconds > 0
+    assert engine.compiler.wait(600) and engine.compile_progress() == (4, 4)
+    assert engine.compiler.fingerprints == [repr(b) for b in engine.buckets.compile_order()]
+    compiles = []
+    listener = lambda event, seconds, **_: compiles.append(event) if "compile" in event else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        engine.embed([[1, 5, 9], [2] * 20, [3] * 32])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
     assert engine.describe() == {"dtype": "float32", "pooling": "cls", "normalize": "false", "dimensions": "32",
                                  "max_model_len": "32", "max_batch_size": "2", "devices": "1 x cpu", "buckets": "4"}
 

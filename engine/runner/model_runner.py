@@ -154,7 +154,8 @@ class ModelRunner:
         self._last_step: Optional[int] = None
         self._last_tokens = self._no_tokens
         self._sampler_rows: set[int] = set()
-        self.compiler = StepCompiler(self.buckets.compile_order(), self._compile_bucket)
+        self.compiler = StepCompiler(self.buckets.compile_order(), self._compile_bucket,
+                                     lambda b: f"({b.tokens} tokens, {b.rows} rows)")
         logger.info("%s", self._startup_line())
 
     # ---- public ----

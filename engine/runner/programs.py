@@ -23,9 +23,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Optional
-
-from engine.core.buckets import Bucket
+from typing import Callable, Generic, Hashable, Optional, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +31,18 @@ BACKGROUND_NICENESS = 10
 """Added to the compile thread's niceness: the engine's steps come first."""
 
 
-class StepCompiler:
+B = TypeVar("B", bound=Hashable)
+"""A bucket: engine.core.buckets.Bucket for the LLM engine, (rows, length) for the embedding engine."""
+
+
+class StepCompiler(Generic[B]):
     """Compiles `order` with `compile_bucket`: the first now, the rest in the background."""
 
-    def __init__(self, order: list[Bucket], compile_bucket: Callable[[Bucket], None]):
+    def __init__(self, order: list[B], compile_bucket: Callable[[B], None], describe: Callable[[B], str] = repr):
         self.order = list(order)
         self._compile_bucket = compile_bucket
-        self._ready: list[Bucket] = []
+        self._describe = describe
+        self._ready: list[B] = []
         self._error: Optional[BaseException] = None
         self._done = threading.Event()
         self._lock = threading.Lock()
@@ -54,14 +57,14 @@ class StepCompiler:
         self._compile(self.order[0])
         seconds = time.perf_counter() - self._started
         logger.info("step program 1/%d %s ready in %.1f s: serving; the rest compile in the background",
-                    len(self.order), _describe(self.order[0]), seconds)
+                    len(self.order), self._describe(self.order[0]), seconds)
         if background and len(self.order) > 1:
             threading.Thread(target=self._compile_rest, name="step-compiler", daemon=True).start()
         else:
             self._compile_rest(lower_priority=False)
         return seconds
 
-    def ready(self) -> list[Bucket]:
+    def ready(self) -> list[B]:
         """The buckets a step may take now, smallest first. Raises what a background compile raised."""
         if self._error is not None:
             raise RuntimeError(f"compiling a step program failed: {self._error!r}") from self._error
@@ -80,7 +83,7 @@ class StepCompiler:
 
     # ---- internals ----
 
-    def _compile(self, bucket: Bucket) -> None:
+    def _compile(self, bucket: B) -> None:
         self._compile_bucket(bucket)
         with self._lock:
             self._ready.append(bucket)
@@ -93,7 +96,7 @@ class StepCompiler:
             for i, bucket in enumerate(self.order[1:], start=2):
                 start = time.perf_counter()
                 self._compile(bucket)
-                logger.info("step program %d/%d %s compiled in %.1f s", i, len(self.order), _describe(bucket),
+                logger.info("step program %d/%d %s compiled in %.1f s", i, len(self.order), self._describe(bucket),
                             time.perf_counter() - start)
             logger.info("all %d step programs compiled in %.1f s", len(self.order), time.perf_counter() - self._started)
         except BaseException as exc:  # noqa: BLE001 -- handed to the engine's next step
@@ -101,10 +104,6 @@ class StepCompiler:
             self._error = exc
         finally:
             self._done.set()
-
-
-def _describe(bucket: Bucket) -> str:
-    return f"({bucket.tokens} tokens, {bucket.rows} rows)"
 
 
 def _lower_priority() -> None:
