@@ -86,11 +86,11 @@ def prepare_checkpoint(path: Path) -> Path:
         return path
     sys.path.insert(0, str(ROOT / "tests"))
     import tiny_models
-    from benchmarks.engine_bench import BENCH_MODEL
+    from benchmarks.engine_bench import SHAPES
 
     logger.info("making the benchmark checkpoint in %s", path)
-    tiny_models.make_checkpoint(path, "llama", **BENCH_MODEL, tokenizer_vocab=BENCH_MODEL["vocab_size"],
-                                pad_tokenizer_vocab=True)
+    shape = SHAPES["bench-110m"]
+    tiny_models.make_checkpoint(path, "llama", **shape, tokenizer_vocab=shape["vocab_size"], pad_tokenizer_vocab=True)
     return path
 
 
@@ -217,6 +217,16 @@ class ServerSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
+def _all_compiled(body: bytes) -> bool:
+    import json
+
+    try:
+        models = json.loads(body).get("models", {})
+    except ValueError:  # not JSON: another system's health page
+        return True
+    return all(m.get("compiled_programs", 0) == m.get("step_programs", 0) for m in models.values())
+
+
 def free_port() -> int:
     import socket
 
@@ -234,15 +244,16 @@ def ours_spec(checkpoint: Path, port: int, args: argparse.Namespace, workdir: Pa
     app_args = {"model": str(checkpoint), "model_id": MODEL_NAME, "dtype": args.ours_dtype,
                 "max_num_seqs": max(args.concurrencies), "max_model_len": args.input_len + args.output_len}
     app_args.update(_key_values(args.ours_args, "--ours-args"))
-    config = yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text())
+    repo = args.ours_repo.resolve()
+    config = yaml.safe_load((repo / "deploy" / "config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": port}
     args = config["applications"][0]["args"]
     args["models"] = [{**args["models"][0], **app_args}]  # the text model only
     path = workdir / "ours-serve.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     serve = Path(sys.executable).parent / "serve"
-    env = {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    return ServerSpec("ours", [str(serve), "run", str(path)], port, env, ROOT)
+    env = {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(repo)}
+    return ServerSpec("ours", [str(serve), "run", str(path)], port, env, repo)
 
 
 def vllm_spec(vllm: Path, checkpoint: Path, port: int, args: argparse.Namespace) -> ServerSpec:
@@ -291,7 +302,9 @@ def running(spec: ServerSpec, log: Path) -> Iterator[str]:
 
 
 def wait_healthy(spec: ServerSpec, proc: subprocess.Popen, log: Path) -> None:
-    """Poll GET /health until it answers 200; fail early if the server exits."""
+    """Poll GET /health until it answers 200 and, where its body says how many step programs a
+    model compiles in the background (jax-serve), until all are in: the sweep measures steady
+    state. Fails early if the server exits."""
     start = time.monotonic()
     while time.monotonic() - start < spec.startup_timeout_s:
         if proc.poll() is not None:
@@ -299,7 +312,7 @@ def wait_healthy(spec: ServerSpec, proc: subprocess.Popen, log: Path) -> None:
                                f"see {log}:\n{log.read_text(errors='replace')[-3000:]}")
         try:
             with urllib.request.urlopen(spec.base_url + "/health", timeout=5) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and _all_compiled(resp.read()):
                     logger.info("%s healthy after %.0f s", spec.system, time.monotonic() - start)
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -478,6 +491,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server -t/-tb")
     p.add_argument("--ours-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--ours-args", default="", help="more serve_app builder args, 'key=value key=value'")
+    p.add_argument("--ours-repo", type=Path, default=ROOT,
+                   help="the jax-serve checkout whose code and deploy/config.yaml serve (another version, side by side)")
     p.add_argument("--vllm-dtype", default="bfloat16")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=4)
     p.add_argument("--vllm-args", default="", help="more `vllm serve` flags")

@@ -335,7 +335,7 @@ def test_requests_sent_while_programs_compile_are_answered_from_the_ready_ones(l
     """With the background compiler held after the first program (8 tokens: the full decode batch
     of 4 fits), every step takes that bucket, so a 30-token prompt is read 8 tokens at a time, and
     the answers equal transformers'. Released, the rest compile, and a later request's prompt is
-    read in one step of the 24-token bucket."""
+    read in one step of the 24-token program, its logits computed for one row."""
     import threading
 
     from engine.core.buckets import Bucket
@@ -364,7 +364,7 @@ def test_requests_sent_while_programs_compile_are_answered_from_the_ready_ones(l
     assert engine.wait_until_compiled(timeout=600) and engine.stats().compiled_programs == 4
     buckets.clear()
     run_to_completion(engine, {"late": (make_prompts([22], seed=22)[0], greedy)})
-    assert buckets[0] == Bucket(24, 4) and set(buckets[1:]) == {Bucket(1, 1)}
+    assert buckets[0] == Bucket(24, 1) and set(buckets[1:]) == {Bucket(1, 1)}  # one row of logits for the prompt
     assert_all_pages_free(engine)
 
 

@@ -2,15 +2,22 @@
 
 One token layout for every backend: rows packed one after another (decodes first), each row's
 tokens contiguous, padding only at the step's end. A step's arrays have fixed shapes so that each
-shape compiles once: a bucket is `T` token slots from a short ladder (1, then powers of two from 8
-up to the step's token budget, the budget itself last) and `R = min(T, max_num_seqs)` row slots
-(a row is one sequence's tokens; it samples at most one token). No page dimension: every row's
-page table spans `max_model_len`, and every backend reads only the pages a row's length covers.
+shape compiles once. A step's bucket is two sizes, each from a short ladder:
 
-The leader picks the bucket (every host of a replica must run the same shapes) and the step plan
-carries it. While programs still compile in the background, a step takes the smallest *ready*
-bucket that holds it (`for_step(..., ready=...)`), and the scheduler is given the largest ready
-bucket's tokens and rows as its limits (`Bucket.tokens`, `Bucket.rows`).
+- `T` token slots (1, then powers of two from 8 up to the step's token budget, the budget itself
+  last): the forward program's size. Its per-row arrays (page tables, lengths) always have
+  `max_num_seqs` rows, so the forward program depends on T alone. No page dimension either: every
+  row's page table spans `max_model_len`, and every backend reads only the pages a row's length
+  covers.
+- `R` rows that the LM head and the sampler run on (a row is one sequence's tokens and samples at
+  most one token; R covers the step's rows): the sizes min(T, max_num_seqs) of the token ladder,
+  so a long prompt's step computes one row of logits, not max_num_seqs.
+
+`all()` lists the compile units, Bucket(T, min(T, max_num_seqs)) for each T: a forward program
+and the sampler programs for its R. The leader picks each step's bucket (every host of a replica
+must run the same shapes) and the step plan carries it. While programs still compile in the
+background, a step takes the smallest T and R that are ready (`for_step(..., ready=...)`), and the
+scheduler gets the largest ready T as its token limit.
 """
 
 from __future__ import annotations
@@ -34,9 +41,9 @@ class Bucket:
     """The static shapes of one step."""
 
     tokens: int
-    """T: token slots of the step."""
+    """T: token slots of the step (the forward program's size)."""
     rows: int
-    """R: row slots of the step (R <= T: every row has at least one token)."""
+    """R: rows the LM head and the sampler run on (at least the step's rows)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +57,8 @@ class ShapeBuckets:
 
     @property
     def max_rows(self) -> int:
-        """Rows of a step at most (each running sequence has at most one row): the length of
-        every step's sampled-token array."""
+        """Rows of a step at most (each running sequence has at most one row): the length of every
+        step's per-row arrays and of its sampled-token array."""
         return self.max_num_seqs
 
     @property
@@ -65,21 +72,23 @@ class ShapeBuckets:
         return Bucket(tokens, min(tokens, self.max_rows))
 
     def all(self) -> list[Bucket]:
-        """Every bucket a step can take, smallest first."""
+        """The compile units, smallest first: each T of the ladder with R = min(T, max_num_seqs)."""
         return [self.bucket(t) for t in self.token_ladder]
 
     def compile_order(self) -> list[Bucket]:
         """Every bucket, in the order a replica compiles them: first the one a full batch of
         decodes fits (with it alone the replica serves everything, prompts in pieces of its size),
         then the rest smallest first. A function of the config alone: every host agrees."""
-        first = self.for_step(min(self.max_num_seqs, self.max_num_batched_tokens), 1)
+        first = self.bucket(self.for_step(min(self.max_num_seqs, self.max_num_batched_tokens), 1).tokens)
         return [first] + [b for b in self.all() if b != first]
 
     def for_step(self, num_tokens: int, num_rows: int, ready: Optional[Iterable[Bucket]] = None) -> Bucket:
-        """The smallest bucket (of `ready`, default all) holding `num_tokens` tokens in `num_rows` rows."""
-        candidates = self.all() if ready is None else sorted(ready)
-        for bucket in candidates:
-            if bucket.tokens >= num_tokens and bucket.rows >= num_rows:
-                return bucket
-        raise ValueError(f"no compiled bucket holds a step of {num_tokens} tokens in {num_rows} rows "
-                         f"(have {candidates}); the scheduler must keep steps within the largest (engine bug)")
+        """The bucket of a step of `num_tokens` tokens in `num_rows` rows: the smallest T and the
+        smallest R of the compile units `ready` (default all) that hold them."""
+        units = self.all() if ready is None else list(ready)
+        tokens = [b.tokens for b in units if b.tokens >= num_tokens]
+        rows = [b.rows for b in units if b.rows >= num_rows]
+        if not tokens or not rows:
+            raise ValueError(f"no compiled bucket holds a step of {num_tokens} tokens in {num_rows} rows "
+                             f"(have {sorted(units)}); the scheduler must keep steps within the largest (engine bug)")
+        return Bucket(min(tokens), min(rows))

@@ -43,11 +43,12 @@ class StepInputs(NamedTuple):
     kv_dest: np.ndarray  # i32[T] flat cache slot of each token's key/value; padding -> scratch page
     prev_slot: np.ndarray  # i32[T] slot of the previous step's sampled token that replaces it, or -1
     token_row: np.ndarray  # i32[T] the row each token belongs to (padding tokens: the last row)
-    page_table: np.ndarray  # i32[R, L] pages of each row's sequence over max_model_len (padding -> scratch page 0)
-    kv_lens: np.ndarray  # i32[R] tokens in the cache after this step (0 for padding rows)
-    q_start: np.ndarray  # i32[R] first token of the row
-    q_lens: np.ndarray  # i32[R] tokens of the row in this step (0 for padding rows)
-    sample_index: np.ndarray  # i32[R] token whose logits the row samples from
+    # per row, max_num_seqs rows whatever the bucket (the forward program depends on T alone):
+    page_table: np.ndarray  # i32[S, L] pages of each row's sequence over max_model_len (padding -> scratch page 0)
+    kv_lens: np.ndarray  # i32[S] tokens in the cache after this step (0 for padding rows)
+    q_start: np.ndarray  # i32[S] first token of the row
+    q_lens: np.ndarray  # i32[S] tokens of the row in this step (0 for padding rows)
+    sample_index: np.ndarray  # i32[S] token whose logits the row samples from (the head reads rows [0, R))
 
 
 class SamplingInputs(NamedTuple):
@@ -159,14 +160,14 @@ class StepPlanner:
         is constrained (`allowed_tokens` makes it once the grammars have seen `previous`'s tokens).
         `ready`: the buckets the step may take (default: any)."""
         bucket = self.buckets.for_step(plan.num_tokens, len(plan.rows), ready)
-        inputs = _empty_inputs(bucket, self.buckets.max_pages_per_seq, self.page_size)
+        inputs = _empty_inputs(bucket, self.buckets)
         starts = list(itertools.accumulate((row.length for row in plan.rows), initial=0))
         reads_previous = False
         for slot, (row, start) in enumerate(zip(plan.rows, starts)):
             reads_previous |= self._fill_row(row, start, slot, inputs, previous)
         end = starts[len(plan.rows)]
         inputs.q_start[len(plan.rows):] = end  # padding rows start where the tokens end: q_start stays sorted
-        inputs.token_row[end:] = bucket.rows - 1
+        inputs.token_row[end:] = self.buckets.max_rows - 1
         rows = list(enumerate(plan.rows))
         sampling, switches = self._sampling_inputs(rows, bucket.rows, defer_masks)
         prompt_lps, prompt_rows = self._prompt_logprob_inputs(plan, starts)
@@ -288,8 +289,8 @@ def empty_step_plan(bucket: Bucket, buckets: ShapeBuckets, step_id: int,
     n = bucket.rows
     sampling = SamplingInputs(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
                               np.zeros(n, np.float32), np.zeros(n, np.uint32), np.zeros(n, np.int32))
-    inputs = _empty_inputs(bucket, buckets.max_pages_per_seq, buckets.page_size)
-    inputs.token_row[:] = n - 1
+    inputs = _empty_inputs(bucket, buckets)
+    inputs.token_row[:] = buckets.max_rows - 1
     return StepPlan(step_id, bucket, inputs, sampling, switches)
 
 
@@ -298,8 +299,8 @@ def _needs_dense(row: Row) -> bool:
     return seq.params.needs_penalties or len(seq.output_ids) < seq.params.min_tokens
 
 
-def _empty_inputs(bucket: Bucket, max_pages: int, page_size: int) -> StepInputs:
-    t, r = bucket.tokens, bucket.rows
+def _empty_inputs(bucket: Bucket, buckets: ShapeBuckets) -> StepInputs:
+    t, r, max_pages, page_size = bucket.tokens, buckets.max_rows, buckets.max_pages_per_seq, buckets.page_size
     return StepInputs(
         tokens=np.zeros(t, np.int32),
         positions=np.zeros(t, np.int32),

@@ -96,7 +96,11 @@ def layer_at(stacked, Block: hax.Axis, index):
 
 def logits_at(model: ServingModel, hidden: NamedArray, index: jax.Array) -> NamedArray:
     """Logits (row, vocab) of the tokens at `index` (a gather before the vocabulary matmul)."""
-    rows = hidden["position", hax.named(index, "row")]
+    return unembed(model, hidden["position", hax.named(index, "row")])
+
+
+def unembed(model: ServingModel, rows: NamedArray) -> NamedArray:
+    """Logits (row, vocab) of final hidden states (row, embed): the LM head, or the tied embedding."""
     if model.lm_head is not None:
         return model.lm_head(rows, key=None)
     return model.embeddings.unembed(rows)

@@ -39,7 +39,7 @@ from engine.core.config import EngineConfig
 from engine.core.grammar import mask_words
 from engine.core.step_plan import WARM_SAMPLER_SWITCHES, SamplerSwitches, StepOutput, StepPlan, empty_step_plan
 from engine.model.loading import load_model, model_info, resolve_dtype
-from engine.model.paged_model import ServingModel, forward, logits_at
+from engine.model.paged_model import ServingModel, forward, logits_at, unembed
 from engine.runner import sharding
 from engine.runner.compilation_cache import enable_compilation_cache
 from engine.runner.programs import StepCompiler
@@ -60,35 +60,45 @@ class StepHandle:
     prompt: Optional[tuple]
     """Device arrays of the prompt logprobs the step computes, if any."""
     unsampled: Optional[tuple] = None
-    """(logits, sampling inputs, switches) of a step launched with its sampling deferred."""
+    """(sampled rows' hidden states, sampling inputs, switches) of a step launched with its
+    sampling deferred."""
 
 
 class _Steps:
-    """The jitted functions. The model travels as its flat list of weight arrays (the treedef is
-    closed over): flattening equinox modules in Python on every call costs ~1 ms a step, a list of
-    arrays is flattened in C++. Logits, hidden states and sampled tokens leave replicated; the cache
-    keeps its split by KV head."""
+    """The jitted functions: the forward program (its size: the bucket's tokens) and the sampling
+    program (its size: the bucket's rows), which runs the LM head on the rows that sample, so a
+    long prompt's step computes one row of logits. The model travels as its flat list of weight
+    arrays (the treedef is closed over): flattening equinox modules in Python on every call costs
+    ~1 ms a step, a list of arrays is flattened in C++. Hidden states and sampled tokens leave
+    replicated; the cache keeps its split by KV head."""
 
     def __init__(self, model: ServingModel, backend: AttentionBackend, mesh: Mesh, cache_sharding, max_rows: int):
         self.weights, treedef = jax.tree_util.tree_flatten(model)
         unflatten = functools.partial(jax.tree_util.tree_unflatten, treedef)
+        self.head_weights, head_treedef = jax.tree_util.tree_flatten(dataclasses.replace(model, layers=()))
+        unflatten_head = functools.partial(jax.tree_util.tree_unflatten, head_treedef)
         replicated = sharding.replicated(mesh)
         constrain = jax.lax.with_sharding_constraint
 
         @functools.partial(jax.jit, donate_argnums=(1,))
         def forward_step(weights, cache, inputs, prev_tokens):
+            """(hidden states f[max_rows, embed] of each row's sampled token, all final hidden
+            states f[position, embed], updated cache)."""
             model = unflatten(weights)
             # tokens the previous step is sampling (placeholders on the host) come from its output
             tokens = jnp.where(inputs.prev_slot >= 0, prev_tokens[jnp.maximum(inputs.prev_slot, 0)], inputs.tokens)
             hidden, cache = forward(model, backend, cache, inputs._replace(tokens=tokens))
-            logits = logits_at(model, hidden, inputs.sample_index).array
-            # hidden leaves as a plain array: a NamedArray output is unflattened in Python per call
-            return constrain(logits, replicated), constrain(hidden.array, replicated), constrain(cache, cache_sharding)
+            # plain arrays leave: a NamedArray output is unflattened in Python per call
+            rows = hidden.array[inputs.sample_index]
+            return constrain(rows, replicated), constrain(hidden.array, replicated), constrain(cache, cache_sharding)
 
         @functools.partial(jax.jit, static_argnames=("switches",))
-        def sample_step(logits, sampling, switches: SamplerSwitches) -> SampleOutput:
-            """Tokens are padded to `max_rows` (every bucket's rows at most), so that the next
-            step's forward takes them in one shape."""
+        def sample_step(head_weights, rows, sampling, switches: SamplerSwitches) -> SampleOutput:
+            """The logits of the first R rows (R: the sampling inputs' rows), sampled. Tokens are
+            padded to `max_rows`, so that the next step's forward takes them in one shape."""
+            head = unflatten_head(head_weights)
+            picked = hax.named(rows[: sampling.temperature.shape[0]], ("row", head.embeddings.Embed))
+            logits = constrain(unembed(head, picked).array, replicated)
             out = sample(logits, sampling, switches, backend.argmax)
             return out._replace(tokens=jnp.pad(out.tokens, (0, max_rows - out.tokens.shape[0])))
 
@@ -99,12 +109,19 @@ class _Steps:
             logits = constrain(logits_at(model, hidden, index).array, replicated)
             return token_logprobs(logits, targets)
 
-        self._forward, self.sample, self._prompt_logprobs = forward_step, sample_step, prompt_logprobs_step
+        self._forward, self._sample, self._prompt_logprobs = forward_step, sample_step, prompt_logprobs_step
 
     def forward(self, cache, inputs, prev_tokens):
-        """(logits of the sampled rows, final hidden states f[position, embed], updated cache);
-        donates `cache`."""
+        """(the sampled tokens' hidden states f[max_rows, embed], final hidden states
+        f[position, embed], updated cache); donates `cache`."""
         return self._forward(self.weights, cache, inputs, prev_tokens)
+
+    def sample(self, rows, sampling, switches: SamplerSwitches) -> SampleOutput:
+        return self._sample(self.head_weights, rows, sampling, switches=switches)
+
+    def lower_sample(self, rows, sampling, switches: SamplerSwitches):
+        """`sample` lowered for these arguments' types (`rows` may be a ShapeDtypeStruct)."""
+        return self._sample.lower(self.head_weights, rows, sampling, switches=switches)
 
     def lower_forward(self, cache, inputs, prev_tokens):
         """`forward` lowered for these arguments' types (`cache` may be ShapeDtypeStructs)."""
@@ -174,13 +191,13 @@ class ModelRunner:
         prev_tokens = self._last_tokens if plan.reads_step is not None else self._no_tokens
         inputs, sampling, prompt_inputs = self._global((plan.inputs, plan.sampling, plan.prompt_logprobs))
         with self._device_context():
-            logits, hidden, self.cache = self.steps.forward(self.cache, inputs, prev_tokens)
-            out = self.steps.sample(logits, sampling, switches=plan.switches) if sample else None
+            rows, hidden, self.cache = self.steps.forward(self.cache, inputs, prev_tokens)
+            out = self.steps.sample(rows, sampling, plan.switches) if sample else None
             prompt = None
             if prompt_inputs is not None:
                 prompt = self.steps.prompt_logprobs(hidden, *prompt_inputs)
         self._last_step, self._last_tokens = plan.step_id, out.tokens if sample else None
-        unsampled = None if sample else (logits, sampling, plan.switches)
+        unsampled = None if sample else (rows, sampling, plan.switches)
         return StepHandle(plan.step_id, out, plan.switches.logprobs, prompt, unsampled)
 
     def sample(self, handle: StepHandle, allowed) -> None:
@@ -188,9 +205,9 @@ class ModelRunner:
         `allowed` (i32[R, ceil(V / 32)])."""
         if handle.unsampled is None or handle.step_id != self._last_step:
             raise RuntimeError(f"step {handle.step_id} has no deferred sampling to run (engine bug)")
-        logits, sampling, switches = handle.unsampled
+        rows, sampling, switches = handle.unsampled
         with self._device_context():
-            handle.out = self.steps.sample(logits, sampling._replace(allowed=self._global(allowed)), switches=switches)
+            handle.out = self.steps.sample(rows, sampling._replace(allowed=self._global(allowed)), switches)
         handle.unsampled = None
         self._last_tokens = handle.out.tokens
 
@@ -232,10 +249,10 @@ class ModelRunner:
             compiled = lowered.compile()
             if bucket.rows in self._sampler_rows:
                 return
-            info = lowered.out_info[0]  # the logits, as the forward program hands them to the sampler
-            logits = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=compiled.output_shardings[0])
+            info = lowered.out_info[0]  # the sampled rows' hidden states, as the forward program hands them over
+            rows = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=compiled.output_shardings[0])
             for switches in WARM_SAMPLER_SWITCHES:
-                self.steps.sample.lower(logits, masked if switches.constrain else sampling, switches=switches).compile()
+                self.steps.lower_sample(rows, masked if switches.constrain else sampling, switches).compile()
         self._sampler_rows.add(bucket.rows)
 
     def check_alive(self) -> None:

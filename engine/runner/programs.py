@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Callable, Generic, Hashable, Optional, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class StepCompiler(Generic[B]):
         self._ready: list[B] = []
         self._error: Optional[BaseException] = None
         self._done = threading.Event()
+        self._stop = threading.Event()
         self._lock = threading.Lock()
         self._started: Optional[float] = None
         self.fingerprints: list[str] = []
@@ -59,7 +61,10 @@ class StepCompiler(Generic[B]):
         logger.info("step program 1/%d %s ready in %.1f s: serving; the rest compile in the background",
                     len(self.order), self._describe(self.order[0]), seconds)
         if background and len(self.order) > 1:
-            threading.Thread(target=self._compile_rest, name="step-compiler", daemon=True).start()
+            thread = threading.Thread(target=self._compile_rest, name="step-compiler", daemon=True)
+            thread.start()
+            # At exit, let the compile in progress finish: a thread killed inside XLA aborts the process.
+            weakref.finalize(self, _stop_and_join, self._stop, thread)
         else:
             self._compile_rest(lower_priority=False)
         return seconds
@@ -94,6 +99,8 @@ class StepCompiler(Generic[B]):
             _lower_priority()
         try:
             for i, bucket in enumerate(self.order[1:], start=2):
+                if self._stop.is_set():
+                    return
                 start = time.perf_counter()
                 self._compile(bucket)
                 logger.info("step program %d/%d %s compiled in %.1f s", i, len(self.order), self._describe(bucket),
@@ -104,6 +111,11 @@ class StepCompiler(Generic[B]):
             self._error = exc
         finally:
             self._done.set()
+
+
+def _stop_and_join(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    thread.join()
 
 
 def _lower_priority() -> None:
