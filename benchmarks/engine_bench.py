@@ -227,7 +227,8 @@ def main(argv=None) -> None:
         if engine is None or not args.one_engine:
             seqs = max(batches) if args.one_engine else batch
             engine = LLMEngine(engine_config(args, model, seqs, args.prompt_len + args.new_tokens))
-            engine.wait_until_compiled()  # steady state: every step program compiled
+            if hasattr(engine, "wait_until_compiled"):  # older checkouts compiled everything up front
+                engine.wait_until_compiled()  # steady state: every step program compiled
         if batch == batches[0]:
             d = engine.describe()
             print(f"| batch | grammar | output tok/s | decode step ms | run s | steps |"

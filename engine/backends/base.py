@@ -54,7 +54,7 @@ class AttentionBackend:
     name: ClassVar[str]
     shardable: ClassVar[bool] = True
     """Whether it runs with tensor parallelism (its ops partition over a mesh)."""
-    scan_layers: ClassVar[bool] = True
+    scan_layers: bool = True
     """The layer loop it runs unless `scan_layers` is configured: scanned (compile time independent
     of depth) where that costs no speed (engine.model.paged_model)."""
 

@@ -59,6 +59,13 @@ class SplitKVCache(eqx.Module):
 class XlaBackend(AttentionBackend):
     name = "xla"
 
+    @property
+    def scan_layers(self) -> bool:
+        """Scanned on accelerators (compile time independent of depth); unrolled on a CPU, where
+        XLA copies each layer's weights out of the stack every step (the bench model in float32:
+        a decode step of one sequence 27.0 ms scanned against 19.9 ms unrolled)."""
+        return jax.default_backend() != "cpu"
+
     def init_cache(self, shape: CacheShape) -> SplitKVCache:
         return SplitKVCache.zeros(shape, self.storage_dtype(shape.dtype))
 

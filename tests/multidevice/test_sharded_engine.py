@@ -14,15 +14,17 @@ EIGHT_HEADS = dict(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_si
 """8 query heads over 2 KV heads: at TP=4 each KV head is repeated on two devices."""
 
 
-@pytest.mark.parametrize("family,sizes,tp,backend", [
-    ("llama", {}, 2, "auto"), ("llama", {}, 4, "auto"), ("qwen3", {}, 2, "auto"), ("qwen3", EIGHT_HEADS, 4, "auto"),
-    ("llama", {}, 2, "tpu")], ids=["llama-tp2", "llama-tp4", "qwen3-tp2", "qwen3-8q2kv-tp4", "llama-tp2-tpu"])
-def test_sharded_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, sizes, tp, backend):
+@pytest.mark.parametrize("family,sizes,tp,backend,scan", [
+    ("llama", {}, 2, "auto", None), ("llama", {}, 4, "auto", None), ("qwen3", {}, 2, "auto", None),
+    ("qwen3", EIGHT_HEADS, 4, "auto", None), ("llama", EIGHT_HEADS, 4, "auto", True), ("llama", {}, 2, "tpu", None)],
+    ids=["llama-tp2", "llama-tp4", "qwen3-tp2", "qwen3-8q2kv-tp4", "llama-8q2kv-tp4-scanned", "llama-tp2-tpu"])
+def test_sharded_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, sizes, tp, backend, scan):
     """Queueing, chunking and preemption as in the single-device parity tests. auto gives way to
-    xla: the cpu backend's kernels cannot shard."""
+    xla: the cpu backend's kernels cannot shard. The xla backend unrolls on a CPU unless asked to
+    scan (as it does on accelerators); the tpu backend scans."""
     model_dir = checkpoint_factory(family, **sizes)
     engine = LLMEngine(EngineConfig(model=str(model_dir), tensor_parallel_size=tp, attention_backend=backend,
-                                    **TIGHT))
+                                    scan_layers=scan, **TIGHT))
     described = engine.describe()
     assert (described["tensor_parallel_size"], described["num_devices"]) == (str(tp), str(tp))
     assert described["attention_backend"] == ("xla" if backend == "auto" else backend)
@@ -40,16 +42,15 @@ def test_every_device_holds_its_share(checkpoint_factory):
     engine = LLMEngine(EngineConfig(model=str(checkpoint_factory("qwen3", **EIGHT_HEADS)), tensor_parallel_size=4,
                                     **TIGHT))
     model = engine.executor.runner.model
-    layers = model.layers.stacked  # scanned: every weight has a leading axis of the 2 layers
-    attn, mlp = layers.self_attn, layers.mlp
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp  # the xla backend unrolls on a CPU
     # weights are (in..., out...): q (embed, kv_head, q_heads_per_group, head_size), KV heads repeated 2 -> 4
-    assert shard_shapes(attn.q_proj.weight.array) == [(2, 128, 1, 2, 16)] * 4
-    assert shard_shapes(attn.k_proj.weight.array) == [(2, 128, 1, 16)] * 4
-    assert shard_shapes(attn.v_proj.weight.array) == [(2, 128, 1, 16)] * 4
-    assert shard_shapes(attn.o_proj.weight.array) == [(2, 2, 16, 128)] * 4  # (heads, head_size, embed)
-    assert shard_shapes(mlp.gate_proj.weight.array) == [(2, 128, 64)] * 4
-    assert shard_shapes(mlp.up_proj.weight.array) == [(2, 128, 64)] * 4
-    assert shard_shapes(mlp.down_proj.weight.array) == [(2, 64, 128)] * 4
+    assert shard_shapes(attn.q_proj.weight.array) == [(128, 1, 2, 16)] * 4
+    assert shard_shapes(attn.k_proj.weight.array) == [(128, 1, 16)] * 4
+    assert shard_shapes(attn.v_proj.weight.array) == [(128, 1, 16)] * 4
+    assert shard_shapes(attn.o_proj.weight.array) == [(2, 16, 128)] * 4  # (heads, head_size, embed)
+    assert shard_shapes(mlp.gate_proj.weight.array) == [(128, 64)] * 4
+    assert shard_shapes(mlp.up_proj.weight.array) == [(128, 64)] * 4
+    assert shard_shapes(mlp.down_proj.weight.array) == [(64, 128)] * 4
     assert shard_shapes(model.embeddings.token_embeddings.weight.array) == [(123, 128)] * 4
     assert shard_shapes(model.lm_head.weight.array) == [(128, 123)] * 4
     # the KV cache: keys [layer, page, kv_head, head_dim, slot], one (repeated) KV head per device
