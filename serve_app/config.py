@@ -165,13 +165,17 @@ ENCODER_MODEL_TYPES = frozenset({"bert"})
 
 def detect_task(spec: str) -> str:
     """embed for a local sentence-transformers / BERT-family checkpoint or an embedding alias,
-    generate for anything else (including a path this machine cannot read)."""
+    generate for anything else, including a path this machine cannot read or a config.json that
+    does not parse: that model's replicas then fail to start with the reason, and the app's other
+    models still serve."""
     path = Path(spec).expanduser()
     if path.is_dir():
         if (path / "modules.json").is_file():
             return "embed"
-        config = path / "config.json"
-        model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+        try:
+            model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = None
         return "embed" if model_type in ENCODER_MODEL_TYPES else "generate"
     return builtin_task(spec) or "generate"
 

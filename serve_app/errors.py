@@ -15,7 +15,7 @@ import math
 from typing import Any, Optional
 
 from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from engine.core.request import EngineDeadError, InvalidRequestError
 
@@ -123,6 +123,8 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, RayActorError):  # the replica went (shut down past its grace time, scaled down, lost)
         return Unavailable("the model server stopped while serving this request (it was shut down, scaled down "
                            "or lost); retry")
+    if isinstance(exc, DeploymentUnavailableError):  # Serve gave up starting its replicas (a race with ModelStates)
+        return Unavailable(f"the model's replicas failed to start ({exc}); see /health for why")
     if isinstance(exc, BackPressureError):
         retry_after_s = exc.retry_after_s if exc.retry_after_s is not None else 1.0
         return Overloaded(f"the server is at capacity ({exc.message}); retry later", retry_after_s)

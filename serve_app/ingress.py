@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import time
@@ -48,7 +49,9 @@ from serve_app.errors import (
     to_api_error,
 )
 from serve_app.limits import BodySizeLimit, check_limits
+from serve_app.logs import route_logs_to_replica_log
 from serve_app.metrics import render
+from serve_app.model_states import READY, ModelState, ModelStates, serve_status
 from serve_app.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -81,10 +84,12 @@ ERRORS = {"4XX": {"content": ERROR_BODY}, "5XX": {"content": ERROR_BODY}}
 listing a 422 it never sends."""
 HEALTHY = {"type": "object", "required": ["status", "models"], "properties": {
     "status": {"const": "ok"},
-    "models": {"type": "object", "description": "Per model: its live replicas and, once it compiles step programs "
-               "ahead of use, the fewest any replica has compiled and how many there are (a replica serves "
-               "from the first; the rest compile in the background).",
-               "additionalProperties": {"type": "object", "required": ["replicas"], "properties": {
+    "models": {"type": "object", "description": "Per model: its state, its live replicas and, once it compiles step "
+               "programs ahead of use, the fewest any replica has compiled and how many there are (a replica "
+               "serves from the first; the rest compile in the background). A 503 lists every model's state "
+               "(ready, starting or failed, with the error) beside the error.",
+               "additionalProperties": {"type": "object", "required": ["state"], "properties": {
+                   "state": {"enum": ["ready", "starting", "failed"]}, "error": {"type": ["string", "null"]},
                    "replicas": {"type": "integer"}, "compiled_programs": {"type": "integer"},
                    "step_programs": {"type": "integer"}}}}}}
 
@@ -102,6 +107,9 @@ class ModelBackend(Protocol):
     async def call(self, method: str, *args: Any) -> str:
         """The JSON answer of the servers' `method` (embed, tokenize, detokenize)."""
 
+    async def state(self) -> ModelState:
+        """Whether the model can take a request now: ready, starting or failed to start (and why)."""
+
     async def statuses(self) -> list[Any]:
         """One `ModelServer.status()` per live replica (an exception for one that did not answer)."""
 
@@ -114,8 +122,10 @@ class HandleBackend:
     not even its keepalive (an empty batch, dropped here), for `silence_timeout_s` fails with a 503:
     a frozen or lost replica never leaves a client waiting."""
 
-    def __init__(self, handle: DeploymentHandle, silence_timeout_s: Optional[float] = None, task: str = "generate"):
+    def __init__(self, handle: DeploymentHandle, states: ModelStates, model_id: str,
+                 silence_timeout_s: Optional[float] = None, task: str = "generate"):
         self.task = task
+        self._states, self._model_id = states, model_id
         self._handle = handle
         self._streaming = handle.options(stream=True)
         self._silence_timeout_s = silence_timeout_s
@@ -156,6 +166,9 @@ class HandleBackend:
             response.cancel()
             raise
 
+    async def state(self) -> ModelState:
+        return await self._states.get(self._model_id)
+
     async def statuses(self) -> list[Any]:
         return await self._broadcast("status")
 
@@ -187,6 +200,9 @@ class LocalBackend:
     async def call(self, method: str, *args: Any) -> str:
         answer = getattr(self.server, method)(*args)
         return await answer if asyncio.iscoroutine(answer) else answer
+
+    async def state(self) -> ModelState:
+        return READY  # the server exists, so it started
 
     async def statuses(self) -> list[Any]:
         return [self.server.status()]
@@ -224,6 +240,9 @@ def create_app(
             request = parse_request(request_cls, await raw.body())
             check_limits(request, limits)
             backend = _backend(backends, request.model, request_cls)
+            problem = (await backend.state()).problem(request.model)
+            if problem:  # starting or failed: say so now, rather than queue it behind replicas that are not there
+                raise Unavailable(problem)
             if isinstance(request, EmbeddingRequest):
                 return _json(await backend.call("embed", request, time.time()))
             if isinstance(request, TokenizeRequest):
@@ -252,13 +271,13 @@ def create_app(
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_id, task=b.task) for model_id, b in backends.items()])
+        return ModelList(data=[await _card(model_id, b) for model_id, b in backends.items()])
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
         if model_id not in backends:
             raise _unknown_model(model_id, backends)
-        return ModelCard(id=model_id, task=backends[model_id].task)
+        return await _card(model_id, backends[model_id])
 
     # vLLM's token utilities, next to /v1 (behind the same key)
     utilities = APIRouter(dependencies=[Depends(_authorizer(api_key)), *security], responses=ERRORS)
@@ -273,13 +292,23 @@ def create_app(
 
     @app.get("/health", responses={200: {"content": {"application/json": {"schema": HEALTHY}}}, **ERRORS})
     async def health() -> Response:
-        models = {}
+        models, problems = {}, []
         for model_id, backend in backends.items():
+            state = await backend.state()
+            if state.state != "ready":
+                problems.append(state.problem(model_id))
+                models[model_id] = {"state": state.state, "error": state.reason}
+                continue
             statuses = await backend.statuses()
             problem = _readiness_problem(statuses)
             if problem:
-                return error_response(Unavailable(f"model {model_id!r} is not ready: {problem}"))
-            models[model_id] = _model_health(statuses)
+                problems.append(f"model {model_id!r} is not ready: {problem}")
+                models[model_id] = {"state": "starting", "error": problem}
+                continue
+            models[model_id] = {"state": "ready", **_model_health(statuses)}
+        if problems:
+            error = Unavailable("; ".join(problems))
+            return JSONResponse({**error.body(), "models": models}, status_code=error.status, headers=error.headers())
         return JSONResponse({"status": "ok", "models": models})
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=ERRORS)  # Prometheus' text format
@@ -293,6 +322,11 @@ def create_app(
 
 
 ROUTE_TASKS = {CompletionRequest: "generate", ChatCompletionRequest: "generate", EmbeddingRequest: "embed"}
+
+
+async def _card(model_id: str, backend: ModelBackend) -> ModelCard:
+    state = await backend.state()
+    return ModelCard(id=model_id, task=backend.task, state=state.state, error=state.reason)
 
 
 def _backend(backends: dict[str, ModelBackend], model_id: str, request_cls: type[BaseModel]) -> ModelBackend:
@@ -448,11 +482,27 @@ class Ingress:
         silence_timeouts_s: Optional[dict[str, float]] = None,
         tasks: Optional[dict[str, str]] = None,
     ):
+        route_logs_to_replica_log()  # a model that fails to start is logged here, once
         key = api_key.get_secret_value() if api_key is not None else None
         silence, tasks = silence_timeouts_s or {}, tasks or {}
-        backends = {model_id: HandleBackend(h, silence.get(model_id), tasks.get(model_id, "generate"))
+        app_name = serve.get_replica_context().app_name
+        states = ModelStates({model_id: h.deployment_name for model_id, h in servers.items()},
+                             functools.partial(serve_status, app_name))
+        backends = {model_id: HandleBackend(h, states, model_id, silence.get(model_id), tasks.get(model_id, "generate"))
                     for model_id, h in servers.items()}
         self._app = create_app(backends, key, limits, cors)
+
+        watcher: list[asyncio.Task] = []  # held: a task nobody references may be collected
+
+        async def watch() -> None:  # on the app's loop, from its start to its shutdown
+            watcher.append(asyncio.create_task(states.watch()))
+
+        async def stop_watching() -> None:
+            for task in watcher:
+                task.cancel()
+
+        self._app.router.on_startup.append(watch)
+        self._app.router.on_shutdown.append(stop_watching)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app

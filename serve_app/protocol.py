@@ -762,6 +762,11 @@ class ModelCard(BaseModel):
     owned_by: str = "jax-serve"
     task: Task = "generate"
     """This server's extension: which routes serve the model."""
+    state: Literal["ready", "starting", "failed"] = "ready"
+    """This server's extension: whether the model takes requests now (starting: its replicas are
+    loading or compiling, or retrying a failed start; failed: Serve gave up starting them)."""
+    error: Optional[str] = None
+    """This server's extension: why the model failed to start (or the last failed start while retrying)."""
 
 
 class ModelList(BaseModel):

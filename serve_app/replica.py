@@ -18,6 +18,7 @@ from engine.core.config import EngineConfig
 from engine.core.request import EngineDeadError
 from serve_app.config import ModelConfig
 from serve_app.errors import to_api_error
+from serve_app.logs import route_logs_to_replica_log
 from serve_app.metrics import ServerMetrics
 from serve_app.protocol import DetokenizeRequest, TokenizeRequest
 from serve_app.tokenizer import PromptTokenizer
@@ -99,19 +100,6 @@ class Replica:
         except AttributeError:  # construction failed before the core existed
             return
         core.shutdown()
-
-
-def route_logs_to_replica_log() -> None:
-    """Send the engine's and this package's INFO lines (warm-up time, one line per request) to the
-    replica's Ray Serve log; otherwise Ray's root logger drops them."""
-    serve_logger = logging.getLogger("ray.serve")
-    for name in ("engine", "serve_app"):
-        package_logger = logging.getLogger(name)
-        package_logger.setLevel(logging.INFO)
-        for handler in serve_logger.handlers:
-            if handler not in package_logger.handlers:
-                package_logger.addHandler(handler)
-        package_logger.propagate = not serve_logger.handlers
 
 
 def set_thread_niceness(value: int) -> None:

@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import json
 import math
+import os
 import random
 import threading
 import time
@@ -182,6 +183,18 @@ class FixedOutputEngine(FakeEngine):
 
     def _next_token(self, seq: _Seq) -> int:
         return self.output[len(seq.output) % len(self.output)]
+
+
+class GatedFakeEngine(FakeEngine):
+    """A FakeEngine whose start waits until the file $JAX_SERVE_TEST_GATE exists: a replica that
+    stays "starting" for as long as a test needs."""
+
+    def __init__(self, config: EngineConfig):
+        gate = Path(os.environ["JAX_SERVE_TEST_GATE"])
+        deadline = time.monotonic() + 600
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        super().__init__(config)
 
 
 class SlowFakeEngine(FakeEngine):

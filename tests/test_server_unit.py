@@ -415,13 +415,11 @@ def test_engine_death_mid_stream_sends_an_error_event_and_health_turns_503(check
         )
         assert events[-2:] == [unavailable, "[DONE]"]
         health = client.get("/health")
+        problem = "model 'tiny' is not ready: RuntimeError('simulated device failure')"
         assert (health.status_code, health.json()) == (
             503,
-            openai_error(
-                "model 'tiny' is not ready: RuntimeError('simulated device failure')",
-                type="server_error",
-                code="service_unavailable",
-            ),
+            {**openai_error(problem, type="server_error", code="service_unavailable"),
+             "models": {"tiny": {"state": "starting", "error": "RuntimeError('simulated device failure')"}}},
         )
         response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
         assert response.status_code == 503
@@ -490,7 +488,7 @@ def test_metrics_count_requests_tokens_and_reasons(checkpoint):
 
 
 def test_models_and_health(client):
-    assert client.get("/health").json() == {"status": "ok", "models": {MODEL: {"replicas": 1}}}  # compiles nothing ahead
+    assert client.get("/health").json() == {"status": "ok", "models": {MODEL: {"state": "ready", "replicas": 1}}}
     models = client.get("/v1/models").json()
     assert [(m["id"], m["object"], m["owned_by"]) for m in models["data"]] == [(MODEL, "model", "jax-serve")]
     assert models["object"] == "list"

@@ -500,7 +500,7 @@ def test_health_needs_no_key_and_reports_the_step_programs_compiled(serving, htt
     assert response.status_code == 200
     models = response.json()["models"]
     assert models[MODEL]["replicas"] == 1 and models[MODEL]["step_programs"] == 7
-    assert models[MODEL_SLOW] == {"replicas": 1}  # a fake engine compiles nothing ahead
+    assert models[MODEL_SLOW] == {"state": "ready", "replicas": 1}  # a fake engine compiles nothing ahead
     wait_for(lambda: httpx.get(f"{serving.url}/health").json()["models"][MODEL]["compiled_programs"] == 7, 300,
              "every step program")
     assert metric(http, "jax_serve:compiled_step_programs", MODEL) == metric(http, "jax_serve:step_programs", MODEL) == 7
@@ -692,6 +692,86 @@ def test_a_soak_of_mixed_requests_loses_nothing_and_leaves_every_replica_idle(se
     assert set(finished) <= {"length", "abort"}
     assert sum(r.n for r in report.results if r.action == "normal") <= finished["length"]
     assert sum(finished.values()) <= sum(r.n for r in report.results)
+
+
+# ---- models that cannot start ----
+
+
+def test_models_that_cannot_start_get_a_503_that_says_why_and_the_others_keep_serving(serving, checkpoint_factory,
+                                                                                       tmp_path):
+    """An app of four models: a healthy one, one whose replica waits at start until the test opens
+    its gate, one whose tokenizer class the loader refuses (transformers 5 writes it) and one whose
+    config.json does not parse. Serve gives up on the last two after three tries each; requests for
+    them get a 503 in OpenAI's shape with Retry-After and the replica's own error, the starting one a
+    503 that says so (until its gate opens), the healthy one answers throughout; /health and
+    /v1/models show every state."""
+    import json
+    import shutil
+
+    import openai
+    from ray import serve
+
+    from serve_app import build_app
+
+    good = checkpoint_factory("llama")
+    bad_tokenizer = Path(shutil.copytree(good, tmp_path / "bad-tokenizer"))
+    config = json.loads((bad_tokenizer / "tokenizer_config.json").read_text())
+    (bad_tokenizer / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "TokenizersBackend"}))
+    bad_config = Path(shutil.copytree(good, tmp_path / "bad-config"))
+    (bad_config / "config.json").write_text('{"model_type": "llama", ')
+    gate = tmp_path / "gate"
+    env = {"PYTHONPATH": str(Path(__file__).parent), "JAX_SERVE_TEST_GATE": str(gate)}
+    fake = {"engine_cls": "fake_engine:FakeEngine", "env_vars": env, "num_cpus": 0.05, "max_model_len": 64}
+    models = [{"model": str(good), "model_id": "healthy", **fake},
+              {"model": str(good), "model_id": "gated", **fake, "engine_cls": "fake_engine:GatedFakeEngine"},
+              {"model": str(bad_tokenizer), "model_id": "bad-tokenizer", **fake},
+              {"model": str(bad_config), "model_id": "bad-config", **fake}]
+    base = f"{serving.url}/startup"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+    # serve.run waits for the app to run; with two models that never start it raises once Serve gives up
+    deploying = concurrent.futures.ThreadPoolExecutor(1).submit(
+        serve.run, build_app({"models": models, "ingress_num_cpus": 0.05}), name="startup", route_prefix="/startup")
+    try:
+        def states() -> dict:
+            try:
+                return {m.id: (m.model_extra["state"], m.model_extra["error"]) for m in client.models.list().data}
+            except openai.APIError:
+                return {}  # the ingress is not up yet
+
+        wait_for(lambda: {s for s, _ in states().values()} == {"ready", "starting", "failed"}
+                 and states()["bad-config"][0] == "failed" == states()["bad-tokenizer"][0], 300,
+                 "both broken models to fail and the healthy one to run")
+        tokenizer_error = "ValueError: Tokenizer class TokenizersBackend does not exist or is not currently imported."
+        assert states() == {"healthy": ("ready", None), "gated": ("starting", None),
+                            "bad-tokenizer": ("failed", tokenizer_error), "bad-config": ("failed", states()["bad-config"][1])}
+        assert states()["bad-config"][1].startswith("JSONDecodeError: ")
+
+        for model, message in (("bad-tokenizer", f"model 'bad-tokenizer' failed to start: {tokenizer_error}; fix its "
+                                                 "configuration and redeploy"),
+                               ("gated", "model 'gated' is starting (loading and compiling); retry shortly")):
+            response = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 2})
+            assert (response.status_code, response.headers["retry-after"]) == (503, "1")
+            assert response.json() == {"error": {"message": message, "type": "server_error", "param": None,
+                                                 "code": "service_unavailable"}}
+        with pytest.raises(openai.InternalServerError, match="JSONDecodeError"):
+            client.chat.completions.create(model="bad-config", messages=MESSAGES, max_tokens=2)
+        ok = client.completions.create(model="healthy", prompt=PROMPT, max_tokens=3, temperature=0)
+        assert ok.usage.completion_tokens == 3
+
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503
+        assert {m: h["state"] for m, h in health.json()["models"].items()} == {
+            "healthy": "ready", "gated": "starting", "bad-tokenizer": "failed", "bad-config": "failed"}
+        assert tokenizer_error in health.json()["error"]["message"]
+
+        gate.touch()  # the starting replica finishes its start
+        wait_for(lambda: states().get("gated", ("", None))[0] == "ready", 120, "the gated model to start")
+        assert client.completions.create(model="gated", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(RuntimeError):  # Serve reports the two it gave up on to the deployer, too
+            deploying.result(timeout=300)
+    finally:
+        gate.touch()
+        serve.delete("startup")
 
 
 # ---- a replica over two hosts ----
