@@ -124,7 +124,7 @@ def to_api_error(exc: BaseException) -> APIError:
         return Unavailable("the model server stopped while serving this request (it was shut down, scaled down "
                            "or lost); retry")
     if isinstance(exc, DeploymentUnavailableError):  # Serve gave up starting its replicas (a race with ModelStates)
-        return Unavailable(f"the model's replicas failed to start ({exc}); see /health for why")
+        return Unavailable("the model's replicas are not running (they failed to start); see /health for why")
     if isinstance(exc, BackPressureError):
         retry_after_s = exc.retry_after_s if exc.retry_after_s is not None else 1.0
         return Overloaded(f"the server is at capacity ({exc.message}); retry later", retry_after_s)

@@ -444,9 +444,9 @@ def _model_health(statuses: list[Any]) -> dict[str, int]:
     programs in the background, the fewest any has compiled and how many there are."""
     alive = [s for s in statuses if isinstance(s, dict) and s["alive"]]
     health = {"replicas": len(alive)}
-    total = max(s["step_programs"] for s in alive)
+    total = max(s.get("step_programs", 0) for s in alive)  # .get: a replica of an older version (rolling update)
     if total:
-        health.update(compiled_programs=min(s["compiled_programs"] for s in alive), step_programs=total)
+        health.update(compiled_programs=min(s.get("compiled_programs", 0) for s in alive), step_programs=total)
     return health
 
 

@@ -65,16 +65,16 @@ class DeploymentView:
 
 
 def state_of(view: Optional[DeploymentView]) -> ModelState:
-    """A deployment with a running replica is ready; one Serve gave up on (DEPLOY_FAILED), or
-    unhealthy with none running, has failed; anything else is starting."""
+    """A deployment with a running replica is ready; one Serve gave up on (DEPLOY_FAILED) has
+    failed; anything else is starting."""
     if view is None:
         return ModelState("starting")
     if view.running_replicas > 0:
         return READY
     reason = replica_error(view.message)
-    if view.status == "DEPLOY_FAILED" or (view.status == "UNHEALTHY" and reason):
+    if view.status == "DEPLOY_FAILED":
         return ModelState("failed", reason or "its replicas could not start (see the Serve controller's log)")
-    return ModelState("starting", reason)
+    return ModelState("starting", reason)  # also a deployment whose replicas are being replaced
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -108,44 +108,58 @@ def serve_status(app_name: str) -> dict[str, DeploymentView]:
 
 
 class ModelStates:
-    """Each model's state, from its deployment's (refreshed at most every `interval_s`)."""
+    """Each model's state, kept fresh by `watch` (every `interval_s`). Serve's controller is never
+    on a ready model's request path: only a model that is not ready is asked about again."""
 
-    def __init__(self, deployments: dict[str, str], fetch: Fetch, interval_s: float = 1.0):
+    def __init__(self, deployments: dict[str, str], fetch: Fetch, interval_s: float = 1.0, timeout_s: float = 5.0):
         """`deployments`: model id -> its deployment's name."""
         self._deployments = deployments
         self._fetch = fetch
         self._interval_s = interval_s
+        self._timeout_s = timeout_s
         self._states: dict[str, ModelState] = {}
         self._fetched_at = float("-inf")
+        """When the last answer was asked for (time.monotonic())."""
         self._lock = asyncio.Lock()
         self._reported: dict[str, Optional[str]] = {}
 
     async def get(self, model_id: str) -> ModelState:
-        """The model's state; one that was not ready is asked of Serve again as of this call (it may
-        have just started: a request is never refused on an old answer; concurrent calls share one)."""
-        state = (await self.all())[model_id]
-        if state.state != "ready":
-            state = (await self.all(since=time.monotonic()))[model_id]
-        return state
+        """The model's state. One that was not ready (or never asked about) is asked of Serve again
+        as of this call, since it may have just started: a request is never refused on an old
+        answer (concurrent calls share one question)."""
+        state = self._states.get(model_id)
+        if state is not None and state.state == "ready":
+            return state
+        return (await self.refresh(since=time.monotonic())).get(model_id, READY)
 
-    async def all(self, since: Optional[float] = None) -> dict[str, ModelState]:
-        """Every model's state, from an answer at most `interval_s` old, or asked after `since`."""
+    async def all(self) -> dict[str, ModelState]:
+        """Every model's state, as last asked (asked now if never)."""
+        if not self._states:
+            await self.refresh(since=time.monotonic())
+        return {m: self._states.get(m, READY) for m in self._deployments}
+
+    async def refresh(self, since: Optional[float] = None) -> dict[str, ModelState]:
+        """Ask Serve now, unless an answer asked for after `since` is in. Without an answer (the
+        controller restarting, or slow past `timeout_s`) the states stay as they were; a model never
+        answered for counts as ready, and Serve routes its requests as it would."""
         async with self._lock:
-            if time.monotonic() - self._fetched_at >= self._interval_s or (since is not None and self._fetched_at < since):
+            if since is None or self._fetched_at < since:
                 asked = time.monotonic()
-                views = await asyncio.get_running_loop().run_in_executor(None, self._fetch)
-                self._states = {m: state_of(views.get(d)) for m, d in self._deployments.items()}
-                self._fetched_at = asked
-                self._report()
+                try:
+                    fetch = asyncio.get_running_loop().run_in_executor(None, self._fetch)
+                    views = await asyncio.wait_for(fetch, self._timeout_s)
+                except Exception as exc:  # noqa: BLE001 -- keep serving on the last answer
+                    logger.warning("could not read the models' states from Serve (%r); keeping the last ones", exc)
+                else:
+                    self._states = {m: state_of(views.get(d)) for m, d in self._deployments.items()}
+                    self._fetched_at = asked
+                    self._report()
             return dict(self._states)
 
     async def watch(self) -> None:
         """Refresh the states every interval, for as long as the ingress runs (it logs failures)."""
         while True:
-            try:
-                await self.all()
-            except Exception:  # noqa: BLE001 -- the controller may be restarting; ask again next time
-                logger.warning("could not read the models' states from Serve", exc_info=True)
+            await self.refresh()
             await asyncio.sleep(self._interval_s)
 
     def _report(self) -> None:

@@ -87,7 +87,7 @@ def test_n4_siblings_share_their_prompt_pages(llama_dir):
     params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
     for i in range(4):
         engine.add_request(f"s{i}", prompt, params)
-    for _ in range(4):  # two prefill rows per step: all four run after two steps
+    for _ in range(4):  # 14-token prompts under a 64-token budget: all four run after the first step
         engine.step()
         if len(engine.scheduler.running) == 4:
             break

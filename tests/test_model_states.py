@@ -33,6 +33,7 @@ def test_states_from_serve():
     assert state_of(DeploymentView("HEALTHY", "", 1)) == ModelState("ready")
     assert state_of(DeploymentView("UPDATING", "", 1)) == ModelState("ready")  # one replica serves already
     assert state_of(DeploymentView("UPDATING", "", 0)) == ModelState("starting")
+    assert state_of(DeploymentView("UNHEALTHY", SERVE_MESSAGE, 0)).state == "starting"  # being replaced
     assert state_of(None) == ModelState("starting")  # not deployed yet
     failed = state_of(DeploymentView("DEPLOY_FAILED", SERVE_MESSAGE, 0))
     assert failed == ModelState("failed", replica_error(SERVE_MESSAGE))
@@ -45,7 +46,7 @@ def test_states_from_serve():
     assert ModelState("ready").problem("good") is None
 
 
-def test_serve_is_asked_at_most_once_an_interval_and_each_failure_is_logged_once(caplog):
+def test_each_failure_is_logged_once_and_a_ready_model_never_waits_for_serve(caplog):
     views = {"ModelServer-good": DeploymentView("HEALTHY", "", 1),
              "ModelServer-bad": DeploymentView("UPDATING", "", 0)}
     calls = []
@@ -54,29 +55,47 @@ def test_serve_is_asked_at_most_once_an_interval_and_each_failure_is_logged_once
         calls.append(1)
         return dict(views)
 
-    states = ModelStates({"good": "ModelServer-good", "bad": "ModelServer-bad"}, fetch, interval_s=0.0)
+    states = ModelStates({"good": "ModelServer-good", "bad": "ModelServer-bad"}, fetch)
 
-    async def look() -> dict[str, ModelState]:
-        return await states.all()
+    async def refreshed() -> dict[str, ModelState]:
+        return await states.refresh()  # what the watcher does every interval
 
     with caplog.at_level(logging.ERROR, logger="serve_app.model_states"):
-        assert asyncio.run(look())["bad"] == ModelState("starting")
+        assert asyncio.run(refreshed())["bad"] == ModelState("starting")
         views["ModelServer-bad"] = DeploymentView("DEPLOY_FAILED", SERVE_MESSAGE, 0)
         for _ in range(3):
-            assert asyncio.run(look())["bad"].state == "failed"
+            assert asyncio.run(refreshed())["bad"].state == "failed"
         views["ModelServer-bad"] = DeploymentView("UPDATING", SERVE_MESSAGE, 0)  # as if redeployed
-        asyncio.run(look())
+        asyncio.run(refreshed())
     assert len(calls) == 5
     reason = replica_error(SERVE_MESSAGE)
     assert [r.message for r in caplog.records] == [
         f"model 'bad' failed to start and Serve gave up: {reason}; fix its configuration and redeploy",
         f"model 'bad' failed to start: {reason}; Serve retries it (a checkpoint or config error fails again: fix "
         "the model's entry)"]
+    for _ in range(3):
+        assert asyncio.run(states.get("good")) == ModelState("ready")
+    assert len(calls) == 5  # a ready model's requests do not ask Serve
 
-    cached = ModelStates({"good": "ModelServer-good"}, fetch, interval_s=3600.0)
-    asyncio.run(cached.get("good"))
-    asyncio.run(cached.get("good"))
-    assert len(calls) == 6
+
+def test_without_an_answer_from_serve_the_last_states_hold():
+    answers = [{"ModelServer-m": DeploymentView("HEALTHY", "", 1)}]
+
+    def fetch():
+        if not answers:
+            raise ConnectionError("the controller is restarting")
+        return answers.pop()
+
+    states = ModelStates({"m": "ModelServer-m", "new": "ModelServer-new"}, fetch)
+
+    async def scenario() -> tuple[dict, dict]:
+        first = await states.refresh()
+        return first, await states.refresh()
+
+    first, second = asyncio.run(scenario())
+    assert first == second == {"m": ModelState("ready"), "new": ModelState("starting")}
+    never_asked = ModelStates({"m": "ModelServer-m"}, fetch)
+    assert asyncio.run(never_asked.get("m")) == ModelState("ready")  # Serve routes it as it would
 
 
 def test_a_model_not_ready_is_asked_again_before_a_request_is_refused():

@@ -140,7 +140,7 @@ class Sim:
         if skipped:
             assert len(plan.decode) == plan.num_tokens == min(cfg.max_num_batched_tokens,
                                                                 max_tokens or cfg.max_num_batched_tokens)
-        # A running sequence only goes without a row for lack of budget, prefill rows or pages.
+        # A running sequence only goes without a row for lack of budget or pages.
         if not plan.rows:
             assert plan.preempted or not sched.running
 

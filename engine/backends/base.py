@@ -1,11 +1,13 @@
 """The interface every attention backend implements.
 
-A backend owns four things, and nothing outside it asks which backend runs:
+A backend owns these, and nothing outside it asks which backend runs:
 - the KV cache: its layout, its storage dtype, its initialisation and its sharding by KV head;
 - the cache write and attention over one step's tokens (`attend`, once per layer), in the one
   token layout every backend reads (rows packed, see engine.core.buckets), and any per-step tables
   it precomputes (`begin_step`);
-- weight preparation (`prepare`) and the activation dtype, for backends with their own kernels.
+- weight preparation (`prepare`), the q/k/v projection (`project_qkv`), the activation dtype and
+  greedy argmax, for backends with their own kernels;
+- the layer loop it runs by default (`scan_layers`).
 
 Attention is over named arrays: q (position, kv_head, q_heads_per_group, head_size), k and v
 (position, kv_head, head_size); the result has q's axes. `scale` multiplies the scores.

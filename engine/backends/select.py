@@ -34,7 +34,7 @@ def select_backend(config: EngineConfig, weight_dtype) -> AttentionBackend:
     if name == "auto":
         x86 = platform.machine().lower() in ("x86_64", "amd64")
         name = "tpu" if device == "tpu" else "cpu" if device == "cpu" and x86 else "xla"
-    if name == "cpu" and tensor_parallel_size > 1:
+    if name == "cpu" and tensor_parallel_size > 1 and not CpuBackend.shardable:
         logger.warning("the cpu attention backend's kernels cannot shard over devices; tensor_parallel_size=%d "
                        "runs on the xla backend", tensor_parallel_size)
         name = "xla"

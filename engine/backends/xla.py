@@ -73,12 +73,13 @@ class XlaBackend(AttentionBackend):
         return PartitionSpec(None, None, model_axis, None, None)  # keys and values: [layer, page, kv_head, ...]
 
     def begin_step(self, inputs) -> AttentionStep:
-        return AttentionStep(inputs, visible_tokens(inputs))
+        """Each token's page table (its row's) and visible length, once for all layers."""
+        return AttentionStep(inputs, (inputs.page_table[inputs.token_row], visible_tokens(inputs)))
 
     def attend(self, cache: SplitKVCache, layer, q, k, v, scale, step: AttentionStep):
         cache = cache.write(layer, step.inputs.kv_dest, k, v)
         q_arr = q.rearrange(Q_AXES).array.astype(jnp.float32) * scale
-        o = _paged_attention(q_arr, cache, layer, step.inputs.page_table[step.inputs.token_row], step.tables)
+        o = _paged_attention(q_arr, cache, layer, *step.tables)
         return hax.named(o, Q_AXES), cache
 
 

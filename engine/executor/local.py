@@ -46,4 +46,5 @@ class LocalExecutor:
         return self.runner.describe()
 
     def shutdown(self) -> None:
-        """Nothing to release: the model lives as long as this process."""
+        """Stop compiling; the model itself lives as long as this process."""
+        self.runner.compiler.stop()

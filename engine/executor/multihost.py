@@ -92,7 +92,8 @@ class EngineWorker:
         return list(self.runner.compiler.fingerprints)
 
     def ping(self) -> int:
-        return self.process_id
+        """Step programs compiled here (raises what a background compile raised)."""
+        return len(self.runner.compiler.ready())
 
     def step(self, plan: Optional[StepPlan], fetch_step: Optional[int],
              sample: bool = True) -> tuple[Optional[StepOutput], int]:
@@ -102,7 +103,7 @@ class EngineWorker:
         if plan is not None:
             self.launch(plan, sample)
         output = None if fetch_step is None else self.fetch(fetch_step)
-        return output, self.runner.compiler.progress()[0]
+        return output, len(self.runner.compiler.ready())  # ready() raises what a background compile raised
 
     def launch(self, plan: StepPlan, sample: bool = True) -> None:
         """Check that every host runs this very step, then dispatch it (returns before it ends)."""
@@ -199,10 +200,13 @@ class MultiHostExecutor:
         return self._describe
 
     def check_alive(self) -> None:
-        """Raise if a worker is gone or does not answer (its host lost, its process killed)."""
+        """Raise if a worker is gone, does not answer (its host lost, its process killed) or failed to
+        compile a step program; an idle replica's compile progress moves on here."""
         import ray
 
-        ray.get([w.ping.remote() for w in self.workers], timeout=self._timeout)
+        compiled = ray.get([w.ping.remote() for w in self.workers], timeout=self._timeout)
+        if self._compiled:
+            self._compiled = max(self._compiled, min(compiled))
 
     def warmup(self, background: bool = True) -> float:
         """Every worker compiles its first step program (the rest follow in the background, in the

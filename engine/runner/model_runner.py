@@ -177,10 +177,6 @@ class ModelRunner:
 
     # ---- public ----
 
-    defers_sampling = True
-    """`launch(plan, sample=False)` then `sample(handle, allowed)` is supported (the engine
-    computes a step's grammar masks while its forward pass runs)."""
-
     def launch(self, plan: StepPlan, sample: bool = True) -> StepHandle:
         """Dispatch one step without waiting for it. With `sample=False` only the forward pass
         goes: `sample` must dispatch the sampling before the next step is launched."""
@@ -254,9 +250,6 @@ class ModelRunner:
             for switches in WARM_SAMPLER_SWITCHES:
                 self.steps.lower_sample(rows, masked if switches.constrain else sampling, switches).compile()
         self._sampler_rows.add(bucket.rows)
-
-    def check_alive(self) -> None:
-        """One process: alive as long as this process is."""
 
     def describe(self) -> dict[str, str]:
         """How this replica runs its model (logged at start; an info metric's labels)."""

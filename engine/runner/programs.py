@@ -67,7 +67,12 @@ class StepCompiler(Generic[B]):
             weakref.finalize(self, _stop_and_join, self._stop, thread)
         else:
             self._compile_rest(lower_priority=False)
+            self.ready()  # raises what failed
         return seconds
+
+    def stop(self) -> None:
+        """Compile nothing more after the program in progress (the engine is shutting down)."""
+        self._stop.set()
 
     def ready(self) -> list[B]:
         """The buckets a step may take now, smallest first. Raises what a background compile raised."""
@@ -82,9 +87,9 @@ class StepCompiler(Generic[B]):
             return len(self._ready), len(self.order)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until every bucket is compiled (or a compile failed); True if all are."""
+        """Block until the compiling ends (every bucket, a failure, or `stop`); True if all are compiled."""
         self._done.wait(timeout)
-        return self._done.is_set() and self._error is None
+        return self._done.is_set() and self.progress()[0] == len(self.order)
 
     # ---- internals ----
 

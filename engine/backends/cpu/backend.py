@@ -108,14 +108,14 @@ class CpuBackend(XlaBackend):
         return jnp.dtype(jnp.uint16) if dtype == jnp.bfloat16 else dtype
 
     def begin_step(self, inputs) -> AttentionStep:
+        """Each token's visible length (the kernel reads its row's page table itself)."""
         return AttentionStep(inputs, visible_tokens(inputs))
 
     def attend(self, cache: SplitKVCache, layer, q, k, v, scale, step: AttentionStep):
         cache = cache.write(layer, step.inputs.kv_dest, k, v)
         q_arr = q.rearrange(Q_AXES).array.astype(jnp.float32) * scale
         inputs = step.inputs
-        o = kernels.paged_attention(q_arr, cache.k, cache.v, layer, inputs.page_table, inputs.token_row,
-                                        step.tables)
+        o = kernels.paged_attention(q_arr, cache.k, cache.v, layer, inputs.page_table, inputs.token_row, step.tables)
         return hax.named(o, Q_AXES), cache
 
     argmax = staticmethod(kernels.argmax)

@@ -13,9 +13,8 @@
 // 2. Paged attention: one query token at a time against its sequence's cached keys and values,
 //    read in place from the page pool. A prompt token is such a query too (its row's page table,
 //    the tokens up to and including itself), so this is causal prefill attention as well as decode
-//    attention. Why: XLA
-//    gathers every row's pages into a padded copy and reduces over the padding too, which cost more
-//    than the matmuls at batch 32 and ~20% of a 512-token prefill step.
+//    attention. Why: XLA gathers every row's pages into a padded copy and reduces over the padding
+//    too, which cost more than the matmuls at batch 32 and ~20% of a 512-token prefill step.
 //
 // 3. SwiGLU's gating, out = silu(g) * u elementwise, read from the fused gate/up matmul's output.
 //    Why: XLA runs this fusion on one thread; it took ~1.3 ms of a batch-32 decode step and ~14 ms
@@ -259,8 +258,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Paged attention, one query per row (a decoding sequence or one prompt token).
-//   q:     f32[S, H, G, D]  one pre-scaled query per row (H kv heads, G query heads each)
+// Paged attention, one query per token (a decoding sequence's, or one prompt token).
+//   q:     f32[S, H, G, D]  one pre-scaled query per token (H kv heads, G query heads each)
 //   k:     T[layers, pages, H, D, PS]  (token slot minor; T float32, or bfloat16 / its uint16 bits)
 //   v:     T[layers, pages, H, PS, D]
 //   layer: i32[]   pages: i32[R, L] page tables   rows: i32[S] the page table of each query
