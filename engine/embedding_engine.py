@@ -178,8 +178,7 @@ class EmbeddingEngine:
         self.validate(batch)
         lengths = [len(ids) for ids in batch]
         launched = []
-        ready = self.compiler.ready() if self.config.warmup else None  # while compiling: the ready ones
-        for rows, length, group in self.buckets.plan(lengths, ready):
+        for rows, length, group in self.buckets.plan(lengths, self.compiler.ready()):  # while compiling: the ready ones
             tokens = np.zeros((rows, length), np.int32)
             mask = np.zeros((rows, length), bool)
             for row, index in enumerate(group):
@@ -198,7 +197,7 @@ class EmbeddingEngine:
 
     def compile_progress(self) -> tuple[int, int]:
         """(programs compiled, programs in all); (0, 0) without warm-up (each compiles on first use)."""
-        return self.compiler.progress() if self.config.warmup else (0, 0)
+        return self.compiler.progress()
 
     def _compile(self, bucket: tuple[int, int]) -> None:
         """Compile one bucket's program without running it (fills jit's cache for `embed`)."""

@@ -172,7 +172,7 @@ class LLMEngine:
         self.executor.shutdown()
 
     def stats(self) -> EngineStats:
-        compiled, programs = self.executor.compile_progress() if self.config.warmup else (0, 0)
+        compiled, programs = self.executor.compile_progress()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

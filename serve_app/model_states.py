@@ -2,8 +2,9 @@
 
 A model's replicas may still be starting (loading, compiling), retrying after a failed start, or
 given up on by Serve (a constructor that failed three times in a row: a bad checkpoint, a config
-error). The ingress asks Serve's controller (`serve.status()`, off the event loop, at most once per
-`interval_s`) and turns each model's deployment into a `ModelState`, so that a request for a model
+error). The ingress asks Serve's controller (`serve.status()`, off the event loop, every
+`interval_s` from its start, and again before refusing a request) and turns each model's
+deployment into a `ModelState`, so that a request for a model
 that cannot serve gets a 503 saying why at once, instead of waiting in Serve's queue or being
 dropped; /health and /v1/models report the same states. The ingress watches the states from its
 start (`watch`), so a model whose start fails is logged once, as one line with the replica's own

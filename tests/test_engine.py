@@ -368,6 +368,14 @@ def test_requests_sent_while_programs_compile_are_answered_from_the_ready_ones(l
     assert_all_pages_free(engine)
 
 
+def test_without_warm_up_nothing_is_compiled_ahead_and_nothing_is_waited_for(llama_engine):
+    """warmup off: every bucket may be taken (each compiles on first use), no progress is
+    reported, and waiting for the compiles returns at once."""
+    assert llama_engine.executor.ready_buckets() == llama_engine.executor.buckets.all()
+    assert (llama_engine.stats().compiled_programs, llama_engine.stats().step_programs) == (0, 0)
+    assert llama_engine.wait_until_compiled() is False
+
+
 def test_after_the_background_compiles_serving_compiles_nothing(llama_dir):
     """Every bucket is compiled (the first before the engine returns, the rest in the background)
     with the arguments' types a real step passes (the previous step's tokens included), so once the

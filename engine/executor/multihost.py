@@ -92,8 +92,7 @@ class EngineWorker:
         return list(self.runner.compiler.fingerprints)
 
     def ping(self) -> int:
-        """Step programs compiled here (raises what a background compile raised)."""
-        return len(self.runner.compiler.ready())
+        return self._programs()
 
     def step(self, plan: Optional[StepPlan], fetch_step: Optional[int],
              sample: bool = True) -> tuple[Optional[StepOutput], int]:
@@ -103,7 +102,12 @@ class EngineWorker:
         if plan is not None:
             self.launch(plan, sample)
         output = None if fetch_step is None else self.fetch(fetch_step)
-        return output, len(self.runner.compiler.ready())  # ready() raises what a background compile raised
+        return output, self._programs()
+
+    def _programs(self) -> int:
+        """Step programs compiled here; raises what a background compile raised."""
+        self.runner.compiler.ready()
+        return self.runner.compiler.progress()[0]
 
     def launch(self, plan: StepPlan, sample: bool = True) -> None:
         """Check that every host runs this very step, then dispatch it (returns before it ends)."""
@@ -204,9 +208,7 @@ class MultiHostExecutor:
         compile a step program; an idle replica's compile progress moves on here."""
         import ray
 
-        compiled = ray.get([w.ping.remote() for w in self.workers], timeout=self._timeout)
-        if self._compiled:
-            self._compiled = max(self._compiled, min(compiled))
+        self._note_compiled(ray.get([w.ping.remote() for w in self.workers], timeout=self._timeout))
 
     def warmup(self, background: bool = True) -> float:
         """Every worker compiles its first step program (the rest follow in the background, in the
@@ -224,7 +226,7 @@ class MultiHostExecutor:
         return sorted(self.buckets.compile_order()[: self._compiled])
 
     def compile_progress(self) -> tuple[int, int]:
-        return self._compiled, len(self.buckets.all())
+        return (self._compiled, len(self.buckets.all())) if self._compiled else (0, 0)
 
     def wait_compiled(self, timeout: Optional[float] = None) -> bool:
         import ray
@@ -268,9 +270,13 @@ class MultiHostExecutor:
             calls = [w.step.remote(None, step_id) for w in self.workers]
             self._unfetched = None
         answers = ray.get(self._samplings.pop(step_id, []) + calls, timeout=self._timeout)[-len(calls):]
-        if self._compiled:
-            self._compiled = max(self._compiled, min(compiled for _, compiled in answers))
+        self._note_compiled([compiled for _, compiled in answers])
         return answers[0][0]
+
+    def _note_compiled(self, counts: list[int]) -> None:
+        """The workers' step programs compiled: the leader plans with what every one has."""
+        if self._compiled:  # 0: no warm-up, every bucket compiles on first use
+            self._compiled = max(self._compiled, min(counts))
 
     def shutdown(self) -> None:
         import ray

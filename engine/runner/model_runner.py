@@ -228,10 +228,7 @@ class ModelRunner:
         return seconds
 
     def ready_buckets(self) -> list[Bucket]:
-        """The buckets a step may take now: those compiled so far (every bucket before warm-up
-        started, or without it: each compiles on first use)."""
-        if self.compiler.progress()[0] == 0:
-            return self.buckets.all()
+        """The buckets a step may take now (StepCompiler.ready)."""
         return self.compiler.ready()
 
     def _compile_bucket(self, bucket: Bucket) -> None:

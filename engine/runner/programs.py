@@ -75,19 +75,23 @@ class StepCompiler(Generic[B]):
         self._stop.set()
 
     def ready(self) -> list[B]:
-        """The buckets a step may take now, smallest first. Raises what a background compile raised."""
+        """The buckets a step may take now, smallest first: the compiled ones, or every one if
+        compiling never started (each compiles on first use). Raises what a background compile raised."""
         if self._error is not None:
             raise RuntimeError(f"compiling a step program failed: {self._error!r}") from self._error
         with self._lock:
-            return sorted(self._ready)
+            return sorted(self._ready if self._started is not None else self.order)
 
     def progress(self) -> tuple[int, int]:
-        """(programs compiled, programs in all)."""
+        """(programs compiled, programs in all); (0, 0) if compiling never started."""
         with self._lock:
-            return len(self._ready), len(self.order)
+            return (len(self._ready), len(self.order)) if self._started is not None else (0, 0)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until the compiling ends (every bucket, a failure, or `stop`); True if all are compiled."""
+        """Block until the compiling ends (every bucket, a failure, or `stop`); True if all are
+        compiled. At once False if compiling never started."""
+        if self._started is None:
+            return False
         self._done.wait(timeout)
         return self._done.is_set() and self.progress()[0] == len(self.order)
 
