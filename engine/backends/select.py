@@ -12,7 +12,7 @@ import logging
 import platform
 from pathlib import Path
 
-import jax
+from jax.sharding import Mesh
 
 from engine.backends.base import AttentionBackend
 from engine.core.config import EngineConfig
@@ -22,15 +22,16 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "cpu", "xla", "tpu")
 
 
-def select_backend(config: EngineConfig, weight_dtype) -> AttentionBackend:
-    """The backend `config.attention_backend` names (or auto picks), for weights of `weight_dtype`."""
+def select_backend(config: EngineConfig, weight_dtype, mesh: Mesh, model_axis: str) -> AttentionBackend:
+    """The backend `config.attention_backend` names (or auto picks), for weights of `weight_dtype`
+    on the devices of `mesh` (tensor parallel over `model_axis`)."""
     from engine.backends.cpu.backend import CpuBackend
     from engine.backends.cpu.matmul_choice import MatmulChooser
     from engine.backends.tpu import TpuBackend
     from engine.backends.xla import XlaBackend
 
     name, tensor_parallel_size = config.attention_backend, config.tensor_parallel_size
-    device = jax.default_backend()
+    device = mesh.devices.flat[0].platform
     if name == "auto":
         x86 = platform.machine().lower() in ("x86_64", "amd64")
         name = "tpu" if device == "tpu" else "cpu" if device == "cpu" and x86 else "xla"
@@ -52,7 +53,7 @@ def select_backend(config: EngineConfig, weight_dtype) -> AttentionBackend:
         cache = Path(config.compilation_cache_dir).expanduser() / "cpu_matmul.json" if local else None
         return CpuBackend(weight_dtype, MatmulChooser(cache, config.cpu_matmul))
     if name == "tpu":
-        return TpuBackend()
+        return TpuBackend(mesh, model_axis)
     if name == "xla":
         return XlaBackend()
     raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")

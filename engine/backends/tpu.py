@@ -1,9 +1,12 @@
-"""The `tpu` backend: levanter's ragged paged attention over levanter's paged cache layout.
+"""The `tpu` backend: ragged paged attention over levanter's paged cache layout.
 
-On a TPU (v4 and later) `levanter.layers.attention.ragged_paged_attention` runs the Pallas ragged
-paged attention kernel under `shard_map` (each device its own KV heads); elsewhere it runs
-levanter's reference implementation (loops over sequences, query tokens and page blocks: slow, but
-exact), which is how CI tests this backend on CPUs.
+On a mesh of TPUs (v4 and later) it runs JAX's Pallas ragged paged attention kernel under
+`shard_map`, each device over its own KV heads, for the generation of the mesh's devices
+(engine.backends.tpu_kernel): a replica on a TPU and an ahead-of-time compile for a TPU topology on
+a CPU host (engine.runner.aot) build the same program. A kernel that cannot compile fails the
+compile; it never falls back silently. On other devices it runs levanter's reference implementation
+(loops over sequences, query tokens and page blocks: slow, but exact), which is how CI tests this
+backend's numbers on CPUs.
 
 The packed token layout (engine.core.buckets) is the kernel's own: rows one after another,
 `cu_q_lens` their boundaries, `kv_lens` each row's tokens in the cache after the step,
@@ -15,19 +18,23 @@ The cache is one array for all layers, [layer * page, slot, 2 * kv_head, head_di
 value at 2h + 1. Layer l's page p is page l * num_pages + p of it, so the kernel reads any layer's
 pages as they are stored, from the whole array: a layer index that is traced (the scanned layer
 loop) costs no copy (a slice of a stacked array would be copied for the custom call, every layer
-of every step). Under tensor parallelism the combined head axis is split on the model axis:
+of every step). For the kernel, heads smaller than 128 lanes are stored zero-padded to 128
+(engine.backends.tpu_kernel). Under tensor parallelism the combined head axis is split on the model axis:
 device d holds heads [d * H / n, (d + 1) * H / n), keys and values interleaved, as the kernel
 expects.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
-from levanter.layers.attention import ragged_paged_attention
+from jax.sharding import Mesh, PartitionSpec
+from levanter.layers.attention import default_ragged_paged_attention
 
 from engine.backends.base import KV_AXES, Q_AXES, AttentionBackend, AttentionStep, CacheShape
 
@@ -42,10 +49,30 @@ class RaggedKVCache(eqx.Module):
 class TpuBackend(AttentionBackend):
     name = "tpu"
 
+    def __init__(self, mesh: Mesh, model_axis: str):
+        """Attention over `mesh` (KV heads split on `model_axis`): the Pallas kernel where its
+        devices are TPUs, else the reference implementation."""
+        self.mesh, self.model_axis = mesh, model_axis
+        device = mesh.devices.flat[0]
+        self.kernel_target: Optional[str] = device.device_kind if device.platform == "tpu" else None
+        """The TPU generation the kernel is built for (a device kind, e.g. "TPU v5 lite"); None: the
+        reference implementation."""
+
     def init_cache(self, shape: CacheShape) -> RaggedKVCache:
         s = shape
-        pages = jnp.zeros((s.num_layers * s.num_pages, s.page_size, 2 * s.kv_heads, s.head_dim), s.dtype)
+        pages = jnp.zeros((s.num_layers * s.num_pages, s.page_size, 2 * s.kv_heads, self._stored_head_dim(s.head_dim)),
+                          s.dtype)
         return RaggedKVCache(pages, s.num_layers)
+
+    def cache_bytes_per_page(self, shape: CacheShape) -> int:
+        padded = dataclasses.replace(shape, head_dim=self._stored_head_dim(shape.head_dim))
+        return super().cache_bytes_per_page(padded)
+
+    def _stored_head_dim(self, head_dim: int) -> int:
+        """The kernel reads heads padded to 128 lanes (a head_dim 64 model's cache is twice the size)."""
+        from engine.backends.tpu_kernel import lane_padded
+
+        return head_dim if self.kernel_target is None else lane_padded(head_dim)
 
     def cache_partition(self, model_axis: str) -> PartitionSpec:
         return PartitionSpec(None, None, model_axis, None)
@@ -57,15 +84,24 @@ class TpuBackend(AttentionBackend):
         first = layer * (pages.shape[0] // cache.num_layers)  # layer's page 0
         kv = jnp.stack([k.rearrange(KV_AXES).array, v.rearrange(KV_AXES).array], axis=2)  # [T, kv_head, 2, d]
         kv = kv.reshape(kv.shape[0], -1, kv.shape[-1]).astype(pages.dtype)  # key h at 2h, value at 2h + 1
+        kv = jnp.pad(kv, ((0, 0), (0, 0), (0, pages.shape[-1] - kv.shape[-1])))  # the kernel's lanes (if padded)
         pages = pages.at[first + inputs.kv_dest // page_size, inputs.kv_dest % page_size].set(kv)
         cu_q_lens = jnp.concatenate([inputs.q_start, inputs.q_start[-1:] + inputs.q_lens[-1:]])
-        o = ragged_paged_attention(
-            q.rearrange(Q_AXES),
-            hax.named(pages, ("page", "slot", "kv_head", "head_size")),
-            hax.named(inputs.kv_lens, "seq"),
-            hax.named(first + inputs.page_table, ("seq", "page")),
-            hax.named(cu_q_lens, "seq_boundary"),
-            jnp.sum(inputs.q_lens > 0, dtype=jnp.int32),
-            sm_scale=scale,
-        )
+        num_seqs = jnp.sum(inputs.q_lens > 0, dtype=jnp.int32)  # rows are packed: padding rows come last
+        page_table = first + inputs.page_table
+        q = q.rearrange(Q_AXES)
+        if self.kernel_target is None:
+            o = default_ragged_paged_attention(
+                q, hax.named(pages, ("page", "slot", "kv_head", "head_size")), hax.named(inputs.kv_lens, "seq"),
+                hax.named(page_table, ("seq", "page")), cu_q_lens, num_seqs, sm_scale=scale)
+            return o.rearrange(Q_AXES), RaggedKVCache(pages, cache.num_layers)
+        from engine.backends import tpu_kernel
+
+        flat = q.flatten_axes(("kv_head", "q_heads_per_group"), "q_head")  # query head h * G + g: KV head h
+        out = tpu_kernel.ragged_paged_attention(
+            flat.rearrange(("position", "q_head", "head_size")).array, pages, inputs.kv_lens, page_table, cu_q_lens,
+            num_seqs.reshape(1), scale=scale, mesh=self.mesh, model_axis=self.model_axis,
+            device_kind=self.kernel_target)
+        o = hax.named(out, ("position", "q_head", "head_size")).unflatten_axis(
+            "q_head", (q.resolve_axis("kv_head"), q.resolve_axis("q_heads_per_group")))
         return o.rearrange(Q_AXES), RaggedKVCache(pages, cache.num_layers)

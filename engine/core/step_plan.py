@@ -78,6 +78,11 @@ class SamplerSwitches(NamedTuple):
     filter: bool = False
     constrain: bool = False
 
+    @property
+    def name(self) -> str:
+        """The switches that are on, joined by '+' ('greedy' when none is)."""
+        return "+".join(field for field in self._fields if getattr(self, field)) or "greedy"
+
 
 WARM_SAMPLER_SWITCHES = (SamplerSwitches(), SamplerSwitches(random=True),
                          SamplerSwitches(random=True, logprobs=True), SamplerSwitches(constrain=True),

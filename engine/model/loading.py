@@ -137,6 +137,28 @@ def load_model(model_dir: str | Path, dtype: str):
     return model, info
 
 
+def abstract_model(model_dir: str | Path, dtype: str, transform=lambda model: model):
+    """(`transform` of the levanter model `load_model` would load, as shapes and dtypes only,
+    ModelInfo): built from config.json alone (no weights, no tokenizer, no memory), for planning
+    and ahead-of-time compiling. Its arrays are jax.ShapeDtypeStructs."""
+    import equinox as eqx
+    import jax
+    from transformers import AutoConfig
+
+    info = model_info(model_dir)
+    hf_config = read_hf_config(model_dir)
+    if info.family == "qwen2":
+        hf_config.setdefault("no_bias", False)
+    lev_config = _families()[info.family].from_hf_config(AutoConfig.for_model(**_hf_kwargs(hf_config)))
+    Vocab = hax.Axis("vocab", info.vocab_size)
+
+    def build():
+        model = lev_config.model_type.init(Vocab, lev_config, key=jax.random.PRNGKey(0))
+        return transform(inputs_first(cast_floating(model, jnp.dtype(dtype))))
+
+    return eqx.filter_eval_shape(build), info
+
+
 def _fill_missing_qwen2_biases(converter, hf_config: dict) -> None:
     """HF Qwen2 has biases on q/k/v only; levanter's Qwen2 puts one on every linear and norm. Zero
     biases for the others make the two the same function."""

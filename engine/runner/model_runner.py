@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from typing import Any, Optional
 
 import haliax as hax
@@ -40,7 +41,7 @@ from engine.core.grammar import mask_words
 from engine.core.step_plan import WARM_SAMPLER_SWITCHES, SamplerSwitches, StepOutput, StepPlan, empty_step_plan
 from engine.model.loading import load_model, model_info, resolve_dtype
 from engine.model.paged_model import ServingModel, forward, logits_at, unembed
-from engine.runner import sharding
+from engine.runner import capacity, sharding
 from engine.runner.compilation_cache import enable_compilation_cache
 from engine.runner.programs import StepCompiler
 from engine.runner.sampler import SampleOutput, sample, token_logprobs
@@ -62,6 +63,15 @@ class StepHandle:
     unsampled: Optional[tuple] = None
     """(sampled rows' hidden states, sampling inputs, switches) of a step launched with its
     sampling deferred."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledProgram:
+    """One compiled step program: its name, the executable and the seconds lowering and compiling took."""
+
+    name: str
+    executable: Any
+    seconds: float
 
 
 class _Steps:
@@ -130,6 +140,29 @@ class _Steps:
     def prompt_logprobs(self, hidden, index, targets):
         return self._prompt_logprobs(self.weights, hidden, index, targets)
 
+    def compile_bucket(self, bucket: Bucket, buckets: ShapeBuckets, cache, prev_tokens, vocab_size: int,
+                       place, samplers: bool = True) -> list[CompiledProgram]:
+        """Lower and compile (never run) one bucket's forward program and, with `samplers`, the
+        common sampler variants for its rows, with a padding step's arguments: `place` turns its
+        host arrays into the step's arguments (or their types); `cache` and `prev_tokens` may be
+        types. Call under the mesh."""
+        plan = empty_step_plan(bucket, buckets, step_id=-1)
+        every_token = np.full((bucket.rows, mask_words(vocab_size)), -1, np.int32)
+        inputs, sampling, masked = place((plan.inputs, plan.sampling, plan.sampling._replace(allowed=every_token)))
+        start = time.perf_counter()
+        lowered = self.lower_forward(cache, inputs, prev_tokens)
+        forward = lowered.compile()
+        programs = [CompiledProgram(f"forward T={bucket.tokens}", forward, time.perf_counter() - start)]
+        if samplers:
+            info = lowered.out_info[0]  # the sampled rows' hidden states, as the forward program hands them over
+            rows = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=forward.output_shardings[0])
+            for switches in WARM_SAMPLER_SWITCHES:
+                start = time.perf_counter()
+                compiled = self.lower_sample(rows, masked if switches.constrain else sampling, switches).compile()
+                programs.append(CompiledProgram(f"sample R={bucket.rows} {switches.name}", compiled,
+                                                time.perf_counter() - start))
+        return programs
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig):
@@ -141,9 +174,9 @@ class ModelRunner:
         self.kv_cache_dtype = config.kv_cache_dtype or self.dtype
         self.layout = sharding.plan_layout(info, config.tensor_parallel_size)
         self.mesh = sharding.make_mesh(config.tensor_parallel_size)
-        self.backend = select_backend(config, self.dtype)
+        self.backend = select_backend(config, self.dtype, self.mesh, sharding.MODEL_AXIS)
         self.scan_layers = self.backend.scan_layers if config.scan_layers is None else config.scan_layers
-        self.max_model_len = config.max_model_len or min(info.max_position_embeddings, 4096)
+        self.max_model_len = capacity.max_model_len(config, info)
         if self.max_model_len > info.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                              f"{info.max_position_embeddings}; lower max_model_len")
@@ -152,6 +185,9 @@ class ModelRunner:
         self.buckets = ShapeBuckets(max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                     max_pages_per_seq=self.max_pages_per_seq, page_size=self.page_size)
+        memory = sharding.free_device_memory(self.mesh.devices.flat)
+        if memory is not None:  # accelerators: refuse a config that cannot fit before loading a weight
+            capacity.check_fits(config, memory, len(jax.devices()), self.backend.cache_bytes_per_page)
         with self._device_context(self._load_mapping()):
             model, self.info = load_model(config.model, self.dtype)
             if self.layout.kv_repeats > 1:
@@ -234,18 +270,9 @@ class ModelRunner:
     def _compile_bucket(self, bucket: Bucket) -> None:
         """Compile one bucket's forward program and its common sampler variants without running
         them, with the arguments' types of a real step (so the step finds them in jit's cache)."""
-        plan = empty_step_plan(bucket, self.buckets, step_id=-1)
-        every_token = np.full((bucket.rows, mask_words(self.vocab_size)), -1, np.int32)
-        inputs, sampling, masked = self._global((plan.inputs, plan.sampling, plan.sampling._replace(allowed=every_token)))
         with self._device_context():
-            lowered = self.steps.lower_forward(self._cache_type, inputs, self._no_tokens)
-            compiled = lowered.compile()
-            if bucket.rows in self._sampler_rows:
-                return
-            info = lowered.out_info[0]  # the sampled rows' hidden states, as the forward program hands them over
-            rows = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=compiled.output_shardings[0])
-            for switches in WARM_SAMPLER_SWITCHES:
-                self.steps.lower_sample(rows, masked if switches.constrain else sampling, switches).compile()
+            self.steps.compile_bucket(bucket, self.buckets, self._cache_type, self._no_tokens, self.vocab_size,
+                                      self._global, samplers=bucket.rows not in self._sampler_rows)
         self._sampler_rows.add(bucket.rows)
 
     def describe(self) -> dict[str, str]:

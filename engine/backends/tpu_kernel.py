@@ -1,0 +1,86 @@
+"""JAX's Pallas ragged paged attention kernel, called for a TPU generation named by the caller.
+
+The kernel (jax.experimental.pallas.ops.tpu.ragged_paged_attention) picks its block sizes from a
+table keyed by the TPU generation, which it reads from the local default device: on a host that
+compiles for a TPU it does not have (engine.runner.aot) that device is a CPU and the kernel
+refuses. Here the generation comes from the mesh the step runs on (`device_kind`), and the block
+sizes from the same table, so a replica on a TPU and an ahead-of-time compile on a CPU host build
+the same program.
+
+Layout (the tpu backend's, engine.backends.tpu): q [token, q_head, head_dim] with query head
+h * G + g served by KV head h; pages [page, slot, 2 * kv_head, head_dim], keys at even, values at
+odd positions. Under tensor parallelism both split by head on the model axis and each device runs
+the kernel over its own heads (shard_map): no collective. The kernel wants head_dim a multiple of
+128 lanes: the pages store smaller heads zero-padded (`lane_padded`; padding them per step would
+copy the whole cache every layer), the queries are padded per step (zeros change no score) and
+the output is cut back.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tuned
+from jax.sharding import Mesh, PartitionSpec
+
+LANES = 128
+
+
+def lane_padded(head_dim: int) -> int:
+    """The head size the kernel reads: `head_dim` rounded up to a multiple of 128 lanes."""
+    return -(-head_dim // LANES) * LANES
+
+
+def tpu_generation(device_kind: str) -> int:
+    """4 for "TPU v4", 5 for "TPU v5 lite" and "TPU v5p", 6 for "TPU v6 lite"; ValueError otherwise."""
+    kind = device_kind.removesuffix(" lite")
+    if kind == "TPU7x":
+        return 7
+    if not kind.startswith("TPU v") or not kind[5:6].isdigit():
+        raise ValueError(f"{device_kind!r} is not a TPU the ragged paged attention kernel knows")
+    return int(kind[5])
+
+
+def block_sizes(device_kind: str, q_dtype, kv_dtype, num_q_heads: int, num_combined_kv_heads: int, head_dim: int,
+                page_size: int, num_tokens: int, pages_per_seq: int) -> tuple[int, int]:
+    """(KV pages, queries) per kernel block for `device_kind`: the kernel's own tuned table (its
+    `get_tuned_block_sizes`, with the generation given rather than read from the local device)."""
+    generation = tpu_generation(device_kind)
+    if generation < 4:
+        raise ValueError(f"the ragged paged attention kernel needs TPU v4 or later, not {device_kind!r}")
+    q_heads_per_block, combined_per_block = rpa.get_min_heads_per_blk(num_q_heads, num_combined_kv_heads,
+                                                                      q_dtype, kv_dtype)
+    key = tuned.simplify_key((q_dtype, kv_dtype, q_heads_per_block, combined_per_block // 2, head_dim, page_size,
+                              num_tokens, pages_per_seq))
+    pages, queries = (32, 32) if generation == 4 else (128, 32)  # the kernel's defaults
+    table = tuned.TUNED_BLOCK_SIZES.get(" ".join(device_kind.split()[:2]), {})
+    if generation > 4 and key in table:
+        pages, queries = table[key]
+    return min(pages_per_seq, pages), min(num_tokens, queries)
+
+
+def ragged_paged_attention(q: jax.Array, pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+                           cu_q_lens: jax.Array, num_seqs: jax.Array, *, scale: float, mesh: Mesh,
+                           model_axis: str, device_kind: str) -> jax.Array:
+    """The kernel over every device's own heads: q [T, H, D], pages [P, S, 2K, lane_padded(D)]
+    (both split by head on `model_axis`), kv_lens i32[N], page_indices i32[N, pages_per_seq], cu_q_lens i32[N + 1],
+    num_seqs i32[1]; returns [T, H, D]."""
+    head_dim, padded = q.shape[-1], pages.shape[-1]
+    if padded != lane_padded(head_dim):
+        raise ValueError(f"the KV pages' head_dim {padded} must be the queries' {head_dim} padded to {LANES} lanes")
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, padded - head_dim)))
+    shards = mesh.shape[model_axis]
+    kv_blocks, q_blocks = block_sizes(device_kind, q.dtype, pages.dtype, q.shape[1] // shards,
+                                      pages.shape[2] // shards, padded, pages.shape[1], q.shape[0],
+                                      page_indices.shape[1])
+    kernel = functools.partial(rpa.ragged_paged_attention, sm_scale=scale, num_kv_pages_per_block=kv_blocks,
+                               num_queries_per_block=q_blocks)
+    heads = PartitionSpec(None, model_axis, None)
+    out = jax.shard_map(kernel, mesh=mesh,
+                        in_specs=(heads, PartitionSpec(None, None, model_axis, None), PartitionSpec(),
+                                  PartitionSpec(), PartitionSpec(), PartitionSpec()),
+                        out_specs=heads, check_vma=False)(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    return out[..., :head_dim]

@@ -1,0 +1,265 @@
+"""Ahead-of-time compiling for a TPU topology on a host without TPUs: `jax-serve-aot`.
+
+Given a model's config.json (no weights), an engine config and a TPU topology (`v5e:2x4`,
+`v5p:2x2x2`, multi-host slices included), it builds every step program of the `tpu` backend
+exactly as a replica of that slice would: the same abstract model (engine.model.loading
+`abstract_model`) split over the same mesh, the same KV cache, the same step arguments, the same
+compile order and sampler variants (`_Steps.compile_bucket`), the real Pallas kernel for the
+topology's TPU generation. libtpu compiles them (`pip install -e .[tpu-aot]`, in its own
+environment: with libtpu installed every JAX process looks for TPUs); nothing runs.
+
+Reported per program: compile seconds, bytes per chip from the executable's `memory_analysis()`
+(arguments: weights, KV cache, step inputs; temporaries), and collectives per step; per config:
+the weights per chip (from the arrays' shardings), the KV pool the planner sizes
+(engine.runner.capacity) and whether it all fits in the chip's HBM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import re
+import time
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass
+class ProgramReport:
+    name: str
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    collectives: dict[str, int]
+    """Collective operations one run executes (a loop's body counted once per iteration)."""
+
+
+@dataclasses.dataclass
+class AotReport:
+    topology: str
+    device_kind: str
+    chips: int
+    hosts: int
+    tensor_parallel_size: int
+    weight_bytes: int
+    """Per chip, from the weights' shardings."""
+    kv_bytes: int
+    kv_pages: int
+    kv_tokens: int
+    hbm_bytes: int
+    planned_weight_bytes: int
+    """Per chip, the planner's figure (engine.runner.capacity): equal to `weight_bytes`."""
+    problem: Optional[str]
+    """Why the config does not fit (None: it fits)."""
+    programs: list[ProgramReport]
+
+    @property
+    def peak_bytes(self) -> int:
+        """Weights, KV pool, step inputs and the largest program's temporaries, per chip."""
+        return max((p.argument_bytes + p.output_bytes - p.alias_bytes + p.temp_bytes for p in self.programs),
+                   default=0)
+
+    @property
+    def fits(self) -> bool:
+        return self.problem is None and self.peak_bytes <= self.hbm_bytes
+
+
+def topology_devices(topology: str):
+    """The devices of a TPU topology ("v5e:2x4"), in the order `jax.devices()` lists them on it."""
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+    return sorted(devices, key=lambda d: d.id)
+
+
+def compile_for_topology(config, topology: str, hbm_bytes: Optional[int] = None) -> AotReport:
+    """Compile every step program of `config` (an EngineConfig; its model a directory with a
+    config.json) for the `tensor_parallel_size` first chips of `topology`."""
+    import haliax as hax
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+
+    from engine.backends.base import CacheShape
+    from engine.backends.tpu import TpuBackend
+    from engine.core.buckets import ShapeBuckets
+    from engine.model.loading import abstract_model, model_info, resolve_dtype
+    from engine.model.paged_model import ServingModel
+    from engine.runner import capacity, sharding
+    from engine.runner.model_runner import _Steps
+
+    devices = topology_devices(topology)
+    chip = capacity.TPU_CHIPS[topology.split(":")[0]]
+    hbm_bytes = hbm_bytes or chip.hbm_bytes
+    size = config.tensor_parallel_size
+    if size > len(devices):
+        raise ValueError(f"tensor_parallel_size={size} needs {size} chips; {topology} has {len(devices)}")
+    info = model_info(config.model)
+    dtype = resolve_dtype(config.dtype, info)
+    layout = sharding.plan_layout(info, size)
+    mesh = Mesh(np.array(devices[:size]).reshape(1, size), ("data", sharding.MODEL_AXIS))
+    backend = TpuBackend(mesh, sharding.MODEL_AXIS)
+    scan = backend.scan_layers if config.scan_layers is None else config.scan_layers
+
+    def serving(model):
+        if layout.kv_repeats > 1:
+            model = sharding.repeat_kv_heads(model, layout.kv_repeats)
+        return ServingModel.from_levanter(model, scan)
+
+    model, _ = abstract_model(config.model, dtype, serving)
+    shardings = hax.partitioning.infer_resource_partitions(model, layout.axis_mapping, mesh=mesh)
+    model = jax.tree_util.tree_map(lambda a, s: _with_sharding(a, s or sharding.replicated(mesh)), model, shardings,
+                                   is_leaf=lambda x: isinstance(x, hax.NamedArray))
+    weight_bytes = sum(_bytes_per_device(a) for a in jax.tree_util.tree_leaves(model))
+
+    plan = capacity.plan(config, size, hbm_bytes, backend.cache_bytes_per_page)
+    max_len = capacity.max_model_len(config, info)
+    pages_per_seq = -(-max_len // config.page_size)
+    pages = max(plan.pages, pages_per_seq + 1)  # a config that does not fit still compiles, with one sequence's pool
+    buckets = ShapeBuckets(config.max_num_seqs, config.max_num_batched_tokens, pages_per_seq, config.page_size)
+    cache_sharding = NamedSharding(mesh, backend.cache_partition(sharding.MODEL_AXIS))
+    kv_dtype = np.dtype(jax.numpy.dtype(config.kv_cache_dtype or dtype))
+    cache_shape = CacheShape(info.num_layers, pages, config.page_size, info.num_kv_heads * layout.kv_repeats,
+                             info.head_dim, kv_dtype)
+    cache = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cache_sharding),
+                                   jax.eval_shape(lambda: backend.init_cache(cache_shape)))
+    replicated = sharding.replicated(mesh)
+    place = lambda tree: jax.tree_util.tree_map(  # noqa: E731
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=replicated), tree)
+    prev_tokens = jax.ShapeDtypeStruct((buckets.max_rows,), np.int32, sharding=replicated)
+
+    steps = _Steps(model, backend, mesh, cache_sharding, buckets.max_rows)
+    programs, sampler_rows = [], set()
+    with hax.axis_mapping(layout.axis_mapping):
+        for bucket in buckets.compile_order():
+            for program in steps.compile_bucket(bucket, buckets, cache, prev_tokens, info.vocab_size, place,
+                                                samplers=bucket.rows not in sampler_rows):
+                programs.append(_program_report(program))
+                logger.info("%s compiled in %.1f s", program.name, program.seconds)
+            sampler_rows.add(bucket.rows)
+    return AotReport(topology, devices[0].device_kind, len(devices), len({d.process_index for d in devices}), size,
+                     weight_bytes, plan.kv_bytes, plan.pages, plan.kv_tokens, hbm_bytes, plan.weight_bytes,
+                     plan.problem(), programs)
+
+
+def _with_sharding(leaf, where):
+    """A shape-only array (named or not) placed as `where` says."""
+    import haliax as hax
+    import jax
+
+    if isinstance(leaf, hax.NamedArray):
+        return dataclasses.replace(leaf, array=_with_sharding(leaf.array, where))
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where)
+
+
+def _bytes_per_device(a) -> int:
+    import numpy as np
+
+    return int(np.prod(a.sharding.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
+
+
+def _program_report(program) -> ProgramReport:
+    memory = program.executable.memory_analysis()
+    return ProgramReport(program.name, program.seconds, memory.argument_size_in_bytes, memory.output_size_in_bytes,
+                         memory.alias_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
+                         count_collectives(program.executable.as_text()))
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
+_COLLECTIVE = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_CALLED = re.compile(r"(calls|to_apply|body|condition|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+_CONSTANT = re.compile(r"constant\((\d+)\)")
+
+
+def count_collectives(hlo: str) -> dict[str, int]:
+    """Collectives one run of an optimized HLO module executes: each computation's own, plus those
+    of the computations it calls, a while loop's body once per iteration (its trip count: the
+    bound its condition compares the counter with, as a fori_loop's is)."""
+    own: dict[str, dict[str, int]] = {}
+    calls: dict[str, list[tuple[str, Optional[str]]]] = {}  # (callee, the condition of a while's body)
+    constants: dict[str, list[int]] = {}
+    entry = current = None
+    for line in hlo.splitlines():
+        if match := _COMPUTATION.match(line):
+            current = match.group(1)
+            own[current], calls[current], constants[current] = {}, [], []
+            entry = current if line.startswith("ENTRY") else entry
+        elif current is not None:
+            if match := _COLLECTIVE.search(line):
+                own[current][match.group(1)] = own[current].get(match.group(1), 0) + 1
+            constants[current] += [int(c) for c in _CONSTANT.findall(line)]
+            found = {kind: [n.strip(" {}%") for n in names.split(",")] for kind, names in _CALLED.findall(line)}
+            condition = found.get("condition", [None])[0]
+            calls[current] += [(name, condition if kind == "body" else None)
+                               for kind, names in found.items() if kind != "condition" for name in names]
+
+    def trips(condition: Optional[str]) -> int:
+        bounds = constants.get(condition, []) if condition else []
+        return bounds[0] if len(bounds) == 1 else 1
+
+    def total(name: str) -> dict[str, int]:
+        counts = dict(own.get(name, {}))
+        for called, condition in calls.get(name, []):
+            for op, n in total(called).items():
+                counts[op] = counts.get(op, 0) + n * trips(condition)
+        return counts
+
+    return total(entry) if entry else {}
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the topology; never look for local TPUs
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a directory with the model's config.json")
+    parser.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x4, v5p:2x2x2, v4:2x2x4")
+    parser.add_argument("--tensor-parallel-size", type=int, default=0,
+                        help="chips the replica spans (default: every chip of the topology)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory-fraction", type=float, default=0.9)
+    parser.add_argument("--json", help="also write the report here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    from engine.core.config import EngineConfig
+
+    chips = len(topology_devices(args.topology))
+    config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=args.max_model_len, page_size=args.page_size, attention_backend="tpu",
+                          kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                          tensor_parallel_size=args.tensor_parallel_size or chips, compilation_cache_dir=None)
+    start = time.perf_counter()
+    report = compile_for_topology(config, args.topology)
+    print(format_report(report, time.perf_counter() - start))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dataclasses.asdict(report) | {"fits": report.fits, "peak_bytes": report.peak_bytes}, f, indent=2)
+
+
+def format_report(report: AotReport, seconds: float) -> str:
+    mib = lambda n: f"{n / 2**20:,.0f}"  # noqa: E731
+    lines = [f"{report.topology} ({report.chips} x {report.device_kind}, {report.hosts} host(s)), "
+             f"tensor_parallel_size={report.tensor_parallel_size}: {len(report.programs)} programs in {seconds:.1f} s",
+             f"{'program':<44} {'compile s':>9} {'args MiB':>10} {'temp MiB':>9}  collectives"]
+    for p in report.programs:
+        coll = ", ".join(f"{op} {n}" for op, n in sorted(p.collectives.items())) or "-"
+        lines.append(f"{p.name:<44} {p.compile_s:>9.1f} {mib(p.argument_bytes):>10} {mib(p.temp_bytes):>9}  {coll}")
+    lines.append(f"per chip: weights {mib(report.weight_bytes)} MiB (planner {mib(report.planned_weight_bytes)}), "
+                 f"KV pool {mib(report.kv_bytes)} MiB = {report.kv_pages} pages = {report.kv_tokens:,} tokens, "
+                 f"peak {mib(report.peak_bytes)} of {mib(report.hbm_bytes)} MiB HBM: "
+                 + ("fits" if report.fits else f"does not fit ({report.problem or 'temporaries exceed HBM'})"))
+    return "\n".join(lines)
