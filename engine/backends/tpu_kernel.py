@@ -59,7 +59,28 @@ def block_sizes(device_kind: str, q_dtype, kv_dtype, num_q_heads: int, num_combi
     table = tuned.TUNED_BLOCK_SIZES.get(" ".join(device_kind.split()[:2]), {})
     if generation > 4 and key in table:
         pages, queries = table[key]
-    return min(pages_per_seq, pages), min(num_tokens, queries)
+    pages, queries = min(pages_per_seq, pages), min(num_tokens, queries)
+    while pages > 1 and _vmem_bytes(pages, queries, page_size, combined_per_block, q_heads_per_block, head_dim,
+                                    num_q_heads // (num_combined_kv_heads // 2), q_dtype, kv_dtype) > VMEM_BUDGET:
+        pages //= 2  # the defaults overflow the scoped VMEM with many KV heads per block (v5p, 8 heads)
+    return pages, queries
+
+
+VMEM_BUDGET = 12 * 2**20
+"""Of the 16 MiB of VMEM a TPU kernel may use by default (Mosaic's scoped limit), what the block
+sizes may take: the rest is left to Mosaic's own temporaries."""
+
+
+def _vmem_bytes(pages: int, queries: int, page_size: int, combined_heads: int, q_heads: int, head_dim: int,
+                group: int, q_dtype, kv_dtype) -> int:
+    """The kernel's VMEM for these blocks: the double-buffered KV block, the float32 accumulator,
+    the softmax's running max and sum (128 lanes each), the query and output blocks (double-buffered)."""
+    kv_item, q_item = jnp.dtype(kv_dtype).itemsize, jnp.dtype(q_dtype).itemsize
+    kv = 2 * pages * page_size * combined_heads * head_dim * kv_item
+    acc = queries * q_heads * head_dim * 4
+    softmax = 2 * (combined_heads // 2) * queries * group * 128 * 4
+    q_and_out = 2 * 2 * queries * q_heads * head_dim * q_item
+    return kv + acc + softmax + q_and_out
 
 
 def ragged_paged_attention(q: jax.Array, pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,

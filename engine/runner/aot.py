@@ -69,21 +69,31 @@ class AotReport:
                    default=0)
 
     @property
+    def planner_error(self) -> Optional[float]:
+        """The planner's weights + KV pool over the compiled programs' peak, minus one."""
+        return (self.planned_weight_bytes + self.kv_bytes) / self.peak_bytes - 1 if self.programs else None
+
+    @property
     def fits(self) -> bool:
         return self.problem is None and self.peak_bytes <= self.hbm_bytes
 
 
-def topology_devices(topology: str):
-    """The devices of a TPU topology ("v5e:2x4"), in the order `jax.devices()` lists them on it."""
+def topology_devices(topology: str, chips_per_host: Optional[str] = None):
+    """The devices of a TPU topology ("v5e:2x4"), in the order `jax.devices()` lists them on it.
+    `chips_per_host` ("2x4"): the hosts' shape (default libtpu's for the generation, e.g. 2x2)."""
     from jax.experimental import topologies
 
-    devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+    bounds = {}
+    if chips_per_host:
+        shape = tuple(int(n) for n in chips_per_host.split("x"))
+        bounds["chips_per_host_bounds"] = shape + (1,) * (3 - len(shape))
+    devices = topologies.get_topology_desc(platform="tpu", topology_name=topology, **bounds).devices
     return sorted(devices, key=lambda d: d.id)
 
 
-def compile_for_topology(config, topology: str, hbm_bytes: Optional[int] = None) -> AotReport:
+def compile_for_topology(config, topology: str, chips_per_host: Optional[str] = None) -> AotReport:
     """Compile every step program of `config` (an EngineConfig; its model a directory with a
-    config.json) for the `tensor_parallel_size` first chips of `topology`."""
+    config.json) for the `tensor_parallel_size` first chips of `topology` (see `topology_devices`)."""
     import haliax as hax
     import jax
     import numpy as np
@@ -97,9 +107,8 @@ def compile_for_topology(config, topology: str, hbm_bytes: Optional[int] = None)
     from engine.runner import capacity, sharding
     from engine.runner.model_runner import _Steps
 
-    devices = topology_devices(topology)
-    chip = capacity.TPU_CHIPS[topology.split(":")[0]]
-    hbm_bytes = hbm_bytes or chip.hbm_bytes
+    devices = topology_devices(topology, chips_per_host)
+    hbm_bytes = capacity.TPU_CHIPS[topology.split(":")[0]].hbm_bytes
     size = config.tensor_parallel_size
     if size > len(devices):
         raise ValueError(f"tensor_parallel_size={size} needs {size} chips; {topology} has {len(devices)}")
@@ -138,17 +147,26 @@ def compile_for_topology(config, topology: str, hbm_bytes: Optional[int] = None)
     prev_tokens = jax.ShapeDtypeStruct((buckets.max_rows,), np.int32, sharding=replicated)
 
     steps = _Steps(model, backend, mesh, cache_sharding, buckets.max_rows)
-    programs, sampler_rows = [], set()
+    programs, sampler_rows, problem = [], set(), plan.problem()
+    # No mesh context (jax.set_mesh): levanter evaluates a few constants eagerly while tracing, and
+    # eagerly on a mesh of TPUs this host does not have cannot run. Shardings come with the arguments.
     with hax.axis_mapping(layout.axis_mapping):
         for bucket in buckets.compile_order():
-            for program in steps.compile_bucket(bucket, buckets, cache, prev_tokens, info.vocab_size, place,
-                                                samplers=bucket.rows not in sampler_rows):
+            try:
+                compiled = steps.compile_bucket(bucket, buckets, cache, prev_tokens, info.vocab_size, place,
+                                                samplers=bucket.rows not in sampler_rows)
+            except Exception as exc:  # the compiler's word that a program cannot fit is the report's finding
+                if "RESOURCE_EXHAUSTED" not in str(exc):
+                    raise
+                problem = problem or f"T={bucket.tokens} does not compile: {str(exc).splitlines()[0]}"
+                break
+            for program in compiled:
                 programs.append(_program_report(program))
                 logger.info("%s compiled in %.1f s", program.name, program.seconds)
             sampler_rows.add(bucket.rows)
     return AotReport(topology, devices[0].device_kind, len(devices), len({d.process_index for d in devices}), size,
                      weight_bytes, plan.kv_bytes, plan.pages, plan.kv_tokens, hbm_bytes, plan.weight_bytes,
-                     plan.problem(), programs)
+                     problem, programs)
 
 
 def _with_sharding(leaf, where):
@@ -218,9 +236,12 @@ def count_collectives(hlo: str) -> dict[str, int]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the topology; never look for local TPUs
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU is opened: compiles may run side by side
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a directory with the model's config.json")
     parser.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x4, v5p:2x2x2, v4:2x2x4")
+    parser.add_argument("--chips-per-host", help="the hosts' shape, e.g. 2x4 for a one-host v5e-8 "
+                        "(default: libtpu's for the generation)")
     parser.add_argument("--tensor-parallel-size", type=int, default=0,
                         help="chips the replica spans (default: every chip of the topology)")
     parser.add_argument("--dtype", default="bfloat16")
@@ -236,18 +257,19 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     from engine.core.config import EngineConfig
 
-    chips = len(topology_devices(args.topology))
+    chips = len(topology_devices(args.topology, args.chips_per_host))
     config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, page_size=args.page_size, attention_backend="tpu",
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           tensor_parallel_size=args.tensor_parallel_size or chips, compilation_cache_dir=None)
     start = time.perf_counter()
-    report = compile_for_topology(config, args.topology)
+    report = compile_for_topology(config, args.topology, args.chips_per_host)
     print(format_report(report, time.perf_counter() - start))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dataclasses.asdict(report) | {"fits": report.fits, "peak_bytes": report.peak_bytes}, f, indent=2)
+            json.dump(dataclasses.asdict(report) | {"fits": report.fits, "peak_bytes": report.peak_bytes,
+                                                    "planner_error": report.planner_error}, f, indent=2)
 
 
 def format_report(report: AotReport, seconds: float) -> str:
@@ -260,6 +282,11 @@ def format_report(report: AotReport, seconds: float) -> str:
         lines.append(f"{p.name:<44} {p.compile_s:>9.1f} {mib(p.argument_bytes):>10} {mib(p.temp_bytes):>9}  {coll}")
     lines.append(f"per chip: weights {mib(report.weight_bytes)} MiB (planner {mib(report.planned_weight_bytes)}), "
                  f"KV pool {mib(report.kv_bytes)} MiB = {report.kv_pages} pages = {report.kv_tokens:,} tokens, "
-                 f"peak {mib(report.peak_bytes)} of {mib(report.hbm_bytes)} MiB HBM: "
+                 f"peak {mib(report.peak_bytes)} of {mib(report.hbm_bytes)} MiB HBM "
+                 + (f"(planner {report.planner_error:+.1%}): " if report.programs else ": ")
                  + ("fits" if report.fits else f"does not fit ({report.problem or 'temporaries exceed HBM'})"))
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

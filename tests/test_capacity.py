@@ -1,0 +1,80 @@
+"""The capacity planner: hand-computed figures for a tiny Llama, and an engine config that cannot
+fit refused before a weight is loaded, with what to change."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.core.config import EngineConfig
+from engine.runner import capacity
+
+# A bf16 Llama of 2 layers, width 64, MLP 128, 4 heads of 16 over 2 KV heads, 256 tokens, untied head.
+TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+            rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=1)
+
+# Elements per device. Embedding and LM head 256 x 64 each (split by vocabulary); per layer q 64x64,
+# k and v 64x32 each (64x64 once KV heads are repeated for 4 devices), o 64x64, gate/up/down 64x128
+# each (all split), two norms of 64 (replicated); the final norm 64 (replicated). Two bytes each.
+WEIGHT_BYTES = {
+    1: 2 * (2 * 256 * 64 + 2 * (4096 + 2048 + 2048 + 4096 + 3 * 8192 + 128) + 64),
+    2: 2 * (2 * 256 * 64 // 2 + 2 * ((4096 + 2048 + 2048 + 4096 + 3 * 8192) // 2 + 128) + 64),
+    4: 2 * (2 * 256 * 64 // 4 + 2 * ((4 * 4096 + 3 * 8192) // 4 + 128) + 64),
+}
+# One page over both layers: 16 tokens x KV heads x 16 x (key, value) x 2 bytes, per device.
+PAGE_BYTES = {1: 2 * 16 * 2 * 16 * 2 * 2, 2: 2 * 16 * 2 * 16 * 2 * 2 // 2, 4: 2 * 16 * 4 * 16 * 2 * 2 // 4}
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    return tmp_path  # config.json only: planning never reads weights
+
+
+def test_weights_and_pages_per_device_are_the_hand_computed_ones(tiny_dir):
+    config = EngineConfig(model=str(tiny_dir))
+    for size in (1, 2, 4):
+        plan = capacity.plan(config, size, 2**20)
+        assert (plan.weight_bytes, plan.kv_bytes_per_page) == (WEIGHT_BYTES[size], PAGE_BYTES[size])
+    assert WEIGHT_BYTES == {1: 213632, 2: 107136, 4: 57984}
+
+
+def test_the_pool_is_what_the_memory_left_after_the_weights_holds(tiny_dir):
+    plan = capacity.plan(EngineConfig(model=str(tiny_dir)), 1, 2**20)
+    assert plan.pages == int((2**20 - 213632) * 0.9) // 4096 == 183
+    assert plan.kv_tokens == 182 * 16
+    assert plan.sequences_at(256) == 182 // 16 == 11
+    assert plan.problem() is None
+
+
+def test_the_smallest_tensor_parallel_size_that_fits(tiny_dir):
+    config = EngineConfig(model=str(tiny_dir))
+    assert capacity.smallest_tensor_parallel(config, 200_000, 4).tensor_parallel_size == 2
+    assert capacity.smallest_tensor_parallel(config, 2**20, 4).tensor_parallel_size == 1
+    assert capacity.smallest_tensor_parallel(config, 50_000, 4) is None
+
+
+def test_a_config_that_cannot_fit_is_refused_with_what_to_change(tiny_dir):
+    config = EngineConfig(model=str(tiny_dir))
+    with pytest.raises(ValueError) as refused:
+        capacity.check_fits(config, 200_000, 4)
+    pages = int((200_000 - 107136) * 0.9) // 2048
+    assert str(refused.value) == (
+        "the model does not fit: the weights take 0.00 GiB per device at tensor_parallel_size=1, more than the "
+        f"0.00 GiB a device has; set tensor_parallel_size: 2 (it fits {(pages - 1) * 16} KV tokens)")
+    with pytest.raises(ValueError, match=r"KV pool holds 3 pages of 16 tokens, fewer than one sequence of "
+                                         r"max_model_len=256 needs \(17\); lower max_model_len"):
+        capacity.check_fits(config, 213632 + 3 * 4096 * 10 // 9 + 1, 1)
+
+
+def test_the_engine_refuses_before_loading_a_weight(tiny_dir, monkeypatch):
+    """The directory holds no weights at all: an engine that tried to load them would fail otherwise."""
+    from engine.runner import sharding
+    from engine.runner.model_runner import ModelRunner
+
+    monkeypatch.setattr(sharding, "free_device_memory", lambda devices: 200_000)
+    with pytest.raises(ValueError, match="the model does not fit: the weights take 0.00 GiB per device at "
+                                         "tensor_parallel_size=1"):
+        ModelRunner(EngineConfig(model=str(tiny_dir), attention_backend="xla"))

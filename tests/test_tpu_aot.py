@@ -1,0 +1,88 @@
+"""Every step program of the tpu backend compiled for real TPU topologies on this CPU host, through
+libtpu (`jax-serve-aot`, run in .venv-tpu as a user runs it): the Pallas kernel for the topology's
+generation, the weights split over the slice (one host and two), and the figures it reports
+equal to the planner's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.core.config import EngineConfig
+from engine.runner import capacity
+
+TPU_PYTHON = Path(__file__).parents[1] / ".venv-tpu" / "bin" / "python"
+
+# A bf16 Llama of 2 layers, width 128, 8 heads of 16 over 2 KV heads (repeated 4x over 8 chips).
+TINY = dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+            rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=1)
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256)
+SAMPLERS = ("greedy", "random", "random+logprobs", "constrain", "random+constrain")
+
+
+def aot(model_dir: Path, topology: str, tp: int, out: Path, *extra: str) -> dict:
+    if not TPU_PYTHON.is_file():
+        pytest.fail(f"{TPU_PYTHON} is missing: run scripts/setup.sh (it installs libtpu there)")
+    command = [str(TPU_PYTHON), "-m", "engine.runner.aot", "--model", str(model_dir), "--topology", topology,
+               "--tensor-parallel-size", str(tp), "--json", str(out), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+               "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
+               "--max-model-len", str(ENGINE["max_model_len"]), *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1],
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-shapes")
+    (path / "config.json").write_text(json.dumps(TINY))
+    return path
+
+
+@pytest.mark.parametrize("topology, extra, tp, hosts, kind, memory", [
+    ("v5e:2x2", (), 4, 1, "TPU v5 lite", capacity.TPU_CHIPS["v5e"].hbm_bytes),
+    ("v5p:2x2x2", (), 8, 2, "TPU v5", capacity.TPU_CHIPS["v5p"].hbm_bytes),
+    ("v6e:2x4", ("--chips-per-host", "2x4"), 8, 1, "TPU v6 lite", capacity.TPU_CHIPS["v6e"].hbm_bytes)])
+def test_every_step_program_compiles_for_the_topology(tiny_dir, tmp_path, topology, extra, tp, hosts, kind, memory):
+    report = aot(tiny_dir, topology, tp, tmp_path / "report.json", *extra)
+    assert (report["device_kind"], report["hosts"], report["tensor_parallel_size"]) == (kind, hosts, tp)
+    # the compile order (a full batch of decodes first), each new row count with its sampler variants
+    names = [p["name"] for p in report["programs"]]
+    assert names == (["forward T=8"] + [f"sample R=8 {s}" for s in SAMPLERS] + ["forward T=1"]
+                     + [f"sample R=1 {s}" for s in SAMPLERS] + ["forward T=16", "forward T=32"])
+
+    # weights per chip from the arrays' shardings: the planner's figure
+    # a page per chip: 2 layers x 16 tokens x (key, value) x one KV head (repeated to one per chip) x
+    # 128 lanes (the kernel's, heads of 16 stored padded) x 2 bytes
+    page_bytes = 2 * 16 * 2 * 1 * 128 * 2
+    plan = capacity.plan(EngineConfig(model=str(tiny_dir), **ENGINE), tp, memory, lambda shape: page_bytes * tp)
+    assert report["weight_bytes"] == report["planned_weight_bytes"] == plan.weight_bytes
+    assert (report["kv_pages"], report["kv_bytes"]) == (plan.pages, plan.kv_bytes)
+    # memory_analysis: a forward program's arguments are the weights but the LM head (the sampling
+    # program's), the KV pool and the step's inputs (a few KiB)
+    lm_head = TINY["vocab_size"] * TINY["hidden_size"] * 2 // tp
+    for program in report["programs"]:
+        if program["name"].startswith("forward"):
+            assert 0 <= program["argument_bytes"] - (plan.weight_bytes - lm_head) - plan.kv_bytes < 64 * 1024
+    # an all-reduce after each layer's attention and MLP, one for the embedding split by vocabulary
+    assert [p["collectives"] for p in report["programs"] if p["name"].startswith("forward")] == [
+        {"all-reduce": 2 * TINY["num_hidden_layers"] + 1}] * 4
+    assert report["fits"] is True and report["problem"] is None
+    assert abs(report["planner_error"]) < 0.05
+
+
+def test_a_slice_too_small_for_the_model_is_reported_not_fitting(tiny_dir, tmp_path):
+    """Llama-3.1-70B's shapes on one v5e chip: the weights alone exceed its HBM. The planner says so
+    (70.55 billion bfloat16 weights), and libtpu's compiler refuses the first program."""
+    shapes = Path(__file__).parents[1] / "benchmarks" / "model_shapes" / "llama-3.1-70b"
+    report = aot(shapes, "v5e:2x2", 1, tmp_path / "report.json")
+    assert report["fits"] is False and report["programs"] == []
+    assert report["problem"] == ("the weights take 131.42 GiB per device at tensor_parallel_size=1, more than "
+                                 "the 15.75 GiB a device has")
