@@ -6,7 +6,8 @@ On a mesh of TPUs (v4 and later) it runs JAX's Pallas ragged paged attention ker
 a CPU host (engine.runner.aot) build the same program. A kernel that cannot compile fails the
 compile; it never falls back silently. On other devices it runs levanter's reference implementation
 (loops over sequences, query tokens and page blocks: slow, but exact), which is how CI tests this
-backend's numbers on CPUs.
+backend's numbers on CPUs; the kernel itself runs on CPUs in Pallas' TPU interpret mode
+(`interpret_as`, for tests).
 
 The packed token layout (engine.core.buckets) is the kernel's own: rows one after another,
 `cu_q_lens` their boundaries, `kv_lens` each row's tokens in the cache after the step,
@@ -49,14 +50,15 @@ class RaggedKVCache(eqx.Module):
 class TpuBackend(AttentionBackend):
     name = "tpu"
 
-    def __init__(self, mesh: Mesh, model_axis: str):
+    def __init__(self, mesh: Mesh, model_axis: str, interpret_as: Optional[str] = None):
         """Attention over `mesh` (KV heads split on `model_axis`): the Pallas kernel where its
-        devices are TPUs, else the reference implementation."""
-        self.mesh, self.model_axis = mesh, model_axis
+        devices are TPUs, else the reference implementation. `interpret_as` (a TPU device kind,
+        e.g. "TPU v5 lite"): the kernel as built for that generation, run on any device in Pallas'
+        TPU interpret mode (slow: for tests of the kernel's numbers on CPUs)."""
+        self.mesh, self.model_axis, self.interpret = mesh, model_axis, interpret_as is not None
         device = mesh.devices.flat[0]
-        self.kernel_target: Optional[str] = device.device_kind if device.platform == "tpu" else None
-        """The TPU generation the kernel is built for (a device kind, e.g. "TPU v5 lite"); None: the
-        reference implementation."""
+        self.kernel_target: Optional[str] = interpret_as or (device.device_kind if device.platform == "tpu" else None)
+        """The TPU generation the kernel is built for (a device kind); None: the reference implementation."""
 
     def init_cache(self, shape: CacheShape) -> RaggedKVCache:
         s = shape
@@ -101,7 +103,7 @@ class TpuBackend(AttentionBackend):
         out = tpu_kernel.ragged_paged_attention(
             flat.rearrange(("position", "q_head", "head_size")).array, pages, inputs.kv_lens, page_table, cu_q_lens,
             num_seqs.reshape(1), scale=scale, mesh=self.mesh, model_axis=self.model_axis,
-            device_kind=self.kernel_target)
+            device_kind=self.kernel_target, interpret=self.interpret)
         o = hax.named(out, ("position", "q_head", "head_size")).unflatten_axis(
             "q_head", (q.resolve_axis("kv_head"), q.resolve_axis("q_heads_per_group")))
         return o.rearrange(Q_AXES), RaggedKVCache(pages, cache.num_layers)

@@ -18,10 +18,12 @@ the output is cut back.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tuned
 from jax.sharding import Mesh, PartitionSpec
@@ -85,10 +87,10 @@ def _vmem_bytes(pages: int, queries: int, page_size: int, combined_heads: int, q
 
 def ragged_paged_attention(q: jax.Array, pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
                            cu_q_lens: jax.Array, num_seqs: jax.Array, *, scale: float, mesh: Mesh,
-                           model_axis: str, device_kind: str) -> jax.Array:
+                           model_axis: str, device_kind: str, interpret: bool = False) -> jax.Array:
     """The kernel over every device's own heads: q [T, H, D], pages [P, S, 2K, lane_padded(D)]
     (both split by head on `model_axis`), kv_lens i32[N], page_indices i32[N, pages_per_seq], cu_q_lens i32[N + 1],
-    num_seqs i32[1]; returns [T, H, D]."""
+    num_seqs i32[1]; returns [T, H, D]. `interpret`: run it in Pallas' TPU interpret mode (any device)."""
     head_dim, padded = q.shape[-1], pages.shape[-1]
     if padded != lane_padded(head_dim):
         raise ValueError(f"the KV pages' head_dim {padded} must be the queries' {head_dim} padded to {LANES} lanes")
@@ -100,8 +102,10 @@ def ragged_paged_attention(q: jax.Array, pages: jax.Array, kv_lens: jax.Array, p
     kernel = functools.partial(rpa.ragged_paged_attention, sm_scale=scale, num_kv_pages_per_block=kv_blocks,
                                num_queries_per_block=q_blocks)
     heads = PartitionSpec(None, model_axis, None)
-    out = jax.shard_map(kernel, mesh=mesh,
-                        in_specs=(heads, PartitionSpec(None, None, model_axis, None), PartitionSpec(),
-                                  PartitionSpec(), PartitionSpec(), PartitionSpec()),
-                        out_specs=heads, check_vma=False)(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    per_device = jax.shard_map(kernel, mesh=mesh,
+                               in_specs=(heads, PartitionSpec(None, None, model_axis, None), PartitionSpec(),
+                                         PartitionSpec(), PartitionSpec(), PartitionSpec()),
+                               out_specs=heads, check_vma=False)
+    with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
+        out = per_device(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     return out[..., :head_dim]

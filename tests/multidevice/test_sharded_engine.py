@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import pytest
+from pallas_interpret import interpreted_kernel, interpreter_fixes  # noqa: F401
 from parity import TIGHT, assert_greedy_parity
 
 from engine.core.config import EngineConfig
@@ -64,3 +65,12 @@ def test_the_tpu_backend_splits_its_cache_by_kv_head(checkpoint_factory):
                                     attention_backend="tpu", **TIGHT))
     # every layer's pages in one array: [layer * page, slot, 2 * kv_head, head_dim], keys and values interleaved
     assert shard_shapes(engine.executor.runner.cache.pages) == [(2 * 40, 4, 2, 16)] * 2
+
+
+def test_the_tpu_kernel_split_over_two_devices_answers_as_transformers_does(checkpoint_factory, interpreted_kernel):  # noqa: F811
+    """The Pallas kernel (TPU interpret mode) under shard_map, each device over its own KV head."""
+    model_dir = checkpoint_factory("llama")
+    engine = LLMEngine(EngineConfig(model=str(model_dir), tensor_parallel_size=2, attention_backend="tpu", **TIGHT))
+    assert engine.executor.runner.backend.interpret
+    assert shard_shapes(engine.executor.runner.cache.pages) == [(2 * 40, 4, 2, 128)] * 2  # one KV head each
+    assert_greedy_parity(engine, model_dir)
