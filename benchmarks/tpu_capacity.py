@@ -24,9 +24,9 @@ CHIPS_PER_HOST = {"v5e:2x4": "2x4", "v6e:2x4": "2x4"}
 
 
 def cell(model: str, topology: str) -> str:
+    from engine.backends.tpu import TpuBackend
     from engine.core.config import EngineConfig
     from engine.runner import aot, capacity
-    from engine.backends.tpu import TpuBackend
 
     devices = aot.topology_devices(topology, CHIPS_PER_HOST.get(topology))
     chip = capacity.TPU_CHIPS[topology.split(":")[0]]
@@ -44,16 +44,20 @@ def cell(model: str, topology: str) -> str:
         traceback.print_exc()
         return f"| {model} | {topology} | {len(devices)} | - | does not compile: {str(exc).splitlines()[0][:160]} |"
     seconds = time.perf_counter() - start
+    if not report.programs:
+        fits_from = smallest.tensor_parallel_size if smallest else "none"
+        return f"| {model} | {topology} | {len(devices)} (fits from {fits_from}) | - | - | - | - | no: {report.problem} |"
     forward = [p for p in report.programs if p.name.startswith("forward")]
     largest = max(forward, key=lambda p: int(p.name.split("=")[1]))
+    peak = max(report.programs, key=lambda p: p.argument_bytes + p.output_bytes - p.alias_bytes + p.temp_bytes)
     gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
-    temp = max(p.temp_bytes for p in report.programs)
     collectives = ", ".join(f"{n} {op}" for op, n in sorted(largest.collectives.items())) or "none"
-    return (f"| {model} | {topology} ({report.hosts} hosts) | {report.tensor_parallel_size} "
-            f"(fits from {smallest.tensor_parallel_size if smallest else 'none'}) | "
+    return (f"| {model} | {topology} ({report.hosts} host{'s' if report.hosts > 1 else ''}) | "
+            f"{report.tensor_parallel_size} (fits from {smallest.tensor_parallel_size if smallest else 'none'}) | "
             f"{largest.compile_s:.1f} / {seconds:.0f} ({len(report.programs)}) | "
-            f"{gib(report.weight_bytes)} / {gib(report.kv_bytes)} / {gib(temp)} of {gib(report.hbm_bytes)} | "
-            f"{report.kv_tokens:,} | {collectives} | {'yes' if report.fits else 'no: ' + (report.problem or 'temporaries')} |")
+            f"{gib(report.weight_bytes)} / {gib(report.kv_bytes)} / {gib(peak.temp_bytes)} = {gib(report.peak_bytes)} "
+            f"of {gib(report.hbm_bytes)} ({report.planner_error:+.1%}) | {report.kv_tokens:,} | {collectives} | "
+            f"{'yes' if report.fits else 'no: ' + (report.problem or 'temporaries')} |")
 
 
 def main() -> None:
@@ -63,8 +67,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--topologies", nargs="+", default=TOPOLOGIES)
     args = parser.parse_args()
-    print("| model | slice | TP | compile s: largest / all (programs) | GiB per device: weights / KV / temp of HBM "
-          "| KV tokens | collectives per step (largest program) | fits |")
+    print("| model | slice | TP | compile s: largest / all (programs) | GiB per device: weights / KV / temp = peak "
+          "of HBM (planner vs peak) | KV tokens | collectives per step (largest program) | fits |")
     print("|---|---|---|---|---|---|---|---|")
     for model in args.models:
         for topology in args.topologies:

@@ -94,16 +94,13 @@ def topology_devices(topology: str, chips_per_host: Optional[str] = None):
 def compile_for_topology(config, topology: str, chips_per_host: Optional[str] = None) -> AotReport:
     """Compile every step program of `config` (an EngineConfig; its model a directory with a
     config.json) for the `tensor_parallel_size` first chips of `topology` (see `topology_devices`)."""
-    import haliax as hax
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import Mesh
 
-    from engine.backends.base import CacheShape
     from engine.backends.tpu import TpuBackend
     from engine.core.buckets import ShapeBuckets
-    from engine.model.loading import abstract_model, model_info, resolve_dtype
-    from engine.model.paged_model import ServingModel
+    from engine.model.loading import model_info
     from engine.runner import capacity, sharding
     from engine.runner.model_runner import _Steps
 
@@ -113,10 +110,33 @@ def compile_for_topology(config, topology: str, chips_per_host: Optional[str] = 
     if size > len(devices):
         raise ValueError(f"tensor_parallel_size={size} needs {size} chips; {topology} has {len(devices)}")
     info = model_info(config.model)
-    dtype = resolve_dtype(config.dtype, info)
     layout = sharding.plan_layout(info, size)
     mesh = Mesh(np.array(devices[:size]).reshape(1, size), ("data", sharding.MODEL_AXIS))
     backend = TpuBackend(mesh, sharding.MODEL_AXIS)
+    model = _sharded_model(config, layout, mesh, backend)
+    weight_bytes = sum(_bytes_per_device(a) for a in jax.tree_util.tree_leaves(model))
+
+    plan = capacity.plan(config, size, hbm_bytes, backend.cache_bytes_per_page)
+    pages_per_seq = plan.pages_per_sequence
+    buckets = ShapeBuckets(config.max_num_seqs, config.max_num_batched_tokens, pages_per_seq, config.page_size)
+    # a config that does not fit still compiles, with one sequence's pool: the compiler has its say too
+    cache, cache_sharding = _cache(config, info, layout, mesh, backend, max(plan.pages, pages_per_seq + 1))
+    steps = _Steps(model, backend, mesh, cache_sharding, buckets.max_rows)
+    programs, problem = _compile_all(steps, buckets, cache, mesh, info.vocab_size, layout.axis_mapping)
+    return AotReport(topology, devices[0].device_kind, len(devices), len({d.process_index for d in devices}), size,
+                     weight_bytes, plan.kv_bytes, plan.pages, plan.kv_tokens, hbm_bytes, plan.weight_bytes,
+                     plan.problem() or problem, programs)
+
+
+def _sharded_model(config, layout, mesh, backend):
+    """The serving model a replica would build, as shapes placed on `mesh` (no weights)."""
+    import haliax as hax
+    import jax
+
+    from engine.model.loading import abstract_model, model_info, resolve_dtype
+    from engine.model.paged_model import ServingModel
+    from engine.runner import sharding
+
     scan = backend.scan_layers if config.scan_layers is None else config.scan_layers
 
     def serving(model):
@@ -124,49 +144,62 @@ def compile_for_topology(config, topology: str, chips_per_host: Optional[str] = 
             model = sharding.repeat_kv_heads(model, layout.kv_repeats)
         return ServingModel.from_levanter(model, scan)
 
-    model, _ = abstract_model(config.model, dtype, serving)
+    model, _ = abstract_model(config.model, resolve_dtype(config.dtype, model_info(config.model)), serving)
     shardings = hax.partitioning.infer_resource_partitions(model, layout.axis_mapping, mesh=mesh)
-    model = jax.tree_util.tree_map(lambda a, s: _with_sharding(a, s or sharding.replicated(mesh)), model, shardings,
-                                   is_leaf=lambda x: isinstance(x, hax.NamedArray))
-    weight_bytes = sum(_bytes_per_device(a) for a in jax.tree_util.tree_leaves(model))
+    return jax.tree_util.tree_map(lambda a, s: _with_sharding(a, s or sharding.replicated(mesh)), model, shardings,
+                                  is_leaf=lambda x: isinstance(x, hax.NamedArray))
 
-    plan = capacity.plan(config, size, hbm_bytes, backend.cache_bytes_per_page)
-    max_len = capacity.max_model_len(config, info)
-    pages_per_seq = -(-max_len // config.page_size)
-    pages = max(plan.pages, pages_per_seq + 1)  # a config that does not fit still compiles, with one sequence's pool
-    buckets = ShapeBuckets(config.max_num_seqs, config.max_num_batched_tokens, pages_per_seq, config.page_size)
+
+def _cache(config, info, layout, mesh, backend, pages: int):
+    """(the KV cache of `pages` pages as shapes placed on `mesh`, its sharding)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from engine.backends.base import CacheShape
+    from engine.model.loading import resolve_dtype
+    from engine.runner import sharding
+
     cache_sharding = NamedSharding(mesh, backend.cache_partition(sharding.MODEL_AXIS))
-    kv_dtype = np.dtype(jax.numpy.dtype(config.kv_cache_dtype or dtype))
-    cache_shape = CacheShape(info.num_layers, pages, config.page_size, info.num_kv_heads * layout.kv_repeats,
-                             info.head_dim, kv_dtype)
+    dtype = jnp.dtype(config.kv_cache_dtype or resolve_dtype(config.dtype, info))
+    shape = CacheShape(info.num_layers, pages, config.page_size, info.num_kv_heads * layout.kv_repeats,
+                       info.head_dim, dtype)
     cache = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cache_sharding),
-                                   jax.eval_shape(lambda: backend.init_cache(cache_shape)))
+                                   jax.eval_shape(lambda: backend.init_cache(shape)))
+    return cache, cache_sharding
+
+
+def _compile_all(steps, buckets, cache, mesh, vocab_size: int,
+                 axis_mapping) -> tuple[list[ProgramReport], Optional[str]]:
+    """Every bucket's programs in the replica's compile order; stops at the first the compiler
+    refuses for want of memory (the others would be too), saying which."""
+    import haliax as hax
+    import jax
+    import numpy as np
+
+    from engine.runner import sharding
+
     replicated = sharding.replicated(mesh)
-    place = lambda tree: jax.tree_util.tree_map(  # noqa: E731
+    place = lambda tree: jax.tree_util.tree_map(  # noqa: E731 -- the step's host inputs as replicated types
         lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=replicated), tree)
     prev_tokens = jax.ShapeDtypeStruct((buckets.max_rows,), np.int32, sharding=replicated)
-
-    steps = _Steps(model, backend, mesh, cache_sharding, buckets.max_rows)
-    programs, sampler_rows, problem = [], set(), plan.problem()
+    programs, sampler_rows = [], set()
     # No mesh context (jax.set_mesh): levanter evaluates a few constants eagerly while tracing, and
     # eagerly on a mesh of TPUs this host does not have cannot run. Shardings come with the arguments.
-    with hax.axis_mapping(layout.axis_mapping):
+    with hax.axis_mapping(axis_mapping):
         for bucket in buckets.compile_order():
             try:
-                compiled = steps.compile_bucket(bucket, buckets, cache, prev_tokens, info.vocab_size, place,
+                compiled = steps.compile_bucket(bucket, buckets, cache, prev_tokens, vocab_size, place,
                                                 samplers=bucket.rows not in sampler_rows)
-            except Exception as exc:  # the compiler's word that a program cannot fit is the report's finding
+            except Exception as exc:  # noqa: BLE001 -- the compiler's word that a program cannot fit is a finding
                 if "RESOURCE_EXHAUSTED" not in str(exc):
                     raise
-                problem = problem or f"T={bucket.tokens} does not compile: {str(exc).splitlines()[0]}"
-                break
+                return programs, f"T={bucket.tokens} does not compile: {str(exc).splitlines()[0]}"
             for program in compiled:
                 programs.append(_program_report(program))
                 logger.info("%s compiled in %.1f s", program.name, program.seconds)
             sampler_rows.add(bucket.rows)
-    return AotReport(topology, devices[0].device_kind, len(devices), len({d.process_index for d in devices}), size,
-                     weight_bytes, plan.kv_bytes, plan.pages, plan.kv_tokens, hbm_bytes, plan.weight_bytes,
-                     problem, programs)
+    return programs, None
 
 
 def _with_sharding(leaf, where):

@@ -140,7 +140,8 @@ def plan(config, tensor_parallel_size: int, memory_bytes: int, cache_bytes_per_p
                         config.kv_cache_memory_fraction, config.num_pages)
 
 
-def smallest_tensor_parallel(config, memory_bytes: int, devices: int, cache_bytes_per_page=None) -> Optional[CapacityPlan]:
+def smallest_tensor_parallel(config, memory_bytes: int, devices: int,
+                             cache_bytes_per_page=None) -> Optional[CapacityPlan]:
     """The plan with the fewest of `devices` devices (powers of two the model splits over) that
     fits, or None if none does."""
     size = 1
