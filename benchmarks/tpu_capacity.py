@@ -46,7 +46,8 @@ def cell(model: str, topology: str) -> str:
     seconds = time.perf_counter() - start
     if not report.programs:
         fits_from = smallest.tensor_parallel_size if smallest else "none"
-        return f"| {model} | {topology} | {len(devices)} (fits from {fits_from}) | - | - | - | - | no: {report.problem} |"
+        return (f"| {model} | {topology} | {len(devices)} (fits from {fits_from}) | - | - | - | - | "
+                f"no: {report.problem} |")
     forward = [p for p in report.programs if p.name.startswith("forward")]
     largest = max(forward, key=lambda p: int(p.name.split("=")[1]))
     peak = max(report.programs, key=lambda p: p.argument_bytes + p.output_bytes - p.alias_bytes + p.temp_bytes)
