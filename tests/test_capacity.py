@@ -64,9 +64,13 @@ def test_a_config_that_cannot_fit_is_refused_with_what_to_change(tiny_dir):
     assert str(refused.value) == (
         "the model does not fit: the weights take 0.00 GiB per device at tensor_parallel_size=1, more than the "
         f"0.00 GiB a device has; set tensor_parallel_size: 2 (it fits {(pages - 1) * 16} KV tokens)")
-    with pytest.raises(ValueError, match=r"KV pool holds 3 pages of 16 tokens, fewer than one sequence of "
-                                         r"max_model_len=256 needs \(17\); lower max_model_len"):
+    with pytest.raises(ValueError) as refused:
         capacity.check_fits(config, 213632 + 3 * 4096 * 10 // 9 + 1, 1)
+    assert str(refused.value).endswith(
+        "the KV pool holds 3 pages of 16 tokens, fewer than one sequence of max_model_len=256 needs (17); lower "
+        "max_model_len or use more devices (no tensor_parallel_size up to the 1 here fits)")
+    with pytest.raises(ValueError, match=r"; lower max_model_len, set kv_cache_dtype: bfloat16 or use more devices"):
+        capacity.check_fits(EngineConfig(model=str(tiny_dir), kv_cache_dtype="float32"), 213632 + 3 * 8192, 1)
 
 
 def test_the_engine_refuses_before_loading_a_weight(tiny_dir, monkeypatch):

@@ -38,6 +38,11 @@ TPU_CHIPS = {chip.name: chip for chip in (
 """The generations `jax-serve-aot` compiles for, by the name topologies start with (v5e:2x4)."""
 
 
+def pages_for_memory(free_bytes: int, fraction: float, bytes_per_page: int) -> int:
+    """KV pages that `fraction` of `free_bytes` holds, one page reserved as scratch included."""
+    return int(free_bytes * fraction) // bytes_per_page
+
+
 @dataclasses.dataclass(frozen=True)
 class CapacityPlan:
     """One model on `tensor_parallel_size` devices of `memory_bytes` each: all figures per device."""
@@ -58,7 +63,7 @@ class CapacityPlan:
         if self.num_pages:
             return self.num_pages
         free = max(0, self.memory_bytes - self.weight_bytes)
-        return int(free * self.kv_cache_memory_fraction) // self.kv_bytes_per_page
+        return pages_for_memory(free, self.kv_cache_memory_fraction, self.kv_bytes_per_page)
 
     @property
     def kv_bytes(self) -> int:
@@ -167,6 +172,15 @@ def check_fits(config, memory_bytes: int, devices: int, cache_bytes_per_page=Non
     if better is not None and better.tensor_parallel_size > current.tensor_parallel_size:
         advice = f"set tensor_parallel_size: {better.tensor_parallel_size} (it fits {better.kv_tokens} KV tokens)"
     else:
-        advice = ("lower max_model_len, set kv_cache_dtype: bfloat16, or use more devices "
-                  f"(tensor_parallel_size up to {devices} here does not fit)")
+        from engine.model.loading import model_info, resolve_dtype
+
+        dtype = resolve_dtype(config.dtype, model_info(config.model))
+        weights_fit = current.weight_bytes < memory_bytes
+        options = ["lower max_model_len"] if weights_fit else []
+        if dtype != "bfloat16":
+            options.append("set dtype: bfloat16")
+        if (config.kv_cache_dtype or dtype) != "bfloat16" and weights_fit:
+            options.append("set kv_cache_dtype: bfloat16")
+        options.append(f"use more devices (no tensor_parallel_size up to the {devices} here fits)")
+        advice = ", ".join(options[:-1]) + (" or " if len(options) > 1 else "") + options[-1]
     raise ValueError(f"the model does not fit: {problem}; {advice}")

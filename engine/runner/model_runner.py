@@ -328,7 +328,7 @@ class ModelRunner:
 
             free = 2**20 * int(np.min(process_allgather(np.array([free // 2**20], np.int32))))  # MiB: int32
         per_device = self.backend.cache_bytes_per_page(self._cache_shape(1)) // self.layout.size
-        pages = pages_for_memory(free, self.config.kv_cache_memory_fraction, per_device)
+        pages = capacity.pages_for_memory(free, self.config.kv_cache_memory_fraction, per_device)
         if pages < self.max_pages_per_seq + 1:
             raise ValueError(f"{free / 2**30:.2f} GiB left per device after the weights hold {pages} KV pages, "
                              f"fewer than one sequence of max_model_len={self.max_model_len} needs "
@@ -361,11 +361,6 @@ class ModelRunner:
 
     def _device_context(self, mapping: Optional[dict[str, str]] = None):
         return _MeshContext(self.mesh, self.layout.axis_mapping if mapping is None else mapping)
-
-
-def pages_for_memory(free_bytes: int, fraction: float, bytes_per_page: int) -> int:
-    """KV pages that `fraction` of `free_bytes` holds, one page reserved as scratch included."""
-    return int(free_bytes * fraction) // bytes_per_page
 
 
 def _to_host(tree: Any) -> Any:
