@@ -1,6 +1,6 @@
 """Which attention backend a replica runs: `attention_backend` in the engine config.
 
-`auto` picks `cpu` on an x86 CPU (the project's kernels), `tpu` on TPUs (levanter's Pallas ragged
+`auto` picks `cpu` on an x86 CPU (the project's kernels), `tpu` on TPUs (JAX's Pallas ragged
 paged attention) and `xla` elsewhere (GPUs, other CPUs). A backend that cannot run as asked gives
 way to `xla`, with a warning that says why: the CPU kernels need AVX2 + FMA and a C++ compiler,
 and cannot shard over several devices.

@@ -59,8 +59,8 @@ class EngineConfig:
     attention_backend: AttentionBackendName = "auto"
     """How attention and the KV cache run (engine/backends): `cpu` the project's x86 kernels
     (AVX2 + FMA; packed bf16 weights, built on first use with the system C++ compiler; one device
-    only), `xla` masked attention in plain JAX over blocks of pages (any device, any mesh), `tpu` levanter's ragged
-    paged attention (the Pallas kernel on TPU; its exact, slow reference elsewhere). auto: cpu on
+    only), `xla` masked attention in plain JAX over blocks of pages (any device, any mesh), `tpu` ragged paged
+    attention (JAX's Pallas kernel on TPU v4 and later; levanter's exact, slow reference elsewhere). auto: cpu on
     x86 CPUs, tpu on TPUs, xla elsewhere. A backend that cannot run as asked (no compiler, several
     devices for cpu) gives way to xla with a warning."""
     cpu_matmul: Literal["auto", "kernel", "xla"] = "auto"
