@@ -24,41 +24,40 @@ CHIPS_PER_HOST = {"v5e:2x4": "2x4", "v6e:2x4": "2x4"}
 
 
 def cell(model: str, topology: str) -> str:
-    from engine.backends.tpu import TpuBackend
     from engine.core.config import EngineConfig
-    from engine.runner import aot, capacity
+    from engine.runner import aot
 
     devices = aot.topology_devices(topology, CHIPS_PER_HOST.get(topology))
-    chip = capacity.TPU_CHIPS[topology.split(":")[0]]
     config = EngineConfig(model=str(SHAPES / model), attention_backend="tpu", tensor_parallel_size=len(devices),
                           compilation_cache_dir=None)
-    import numpy as np
-    from jax.sharding import Mesh
-
-    per_page = TpuBackend(Mesh(np.array(devices[:1]).reshape(1, 1), ("data", "model")), "model").cache_bytes_per_page
-    smallest = capacity.smallest_tensor_parallel(config, chip.hbm_bytes, len(devices), per_page)
     start = time.perf_counter()
     try:
         report = aot.compile_for_topology(config, topology, CHIPS_PER_HOST.get(topology))
     except Exception as exc:  # noqa: BLE001 -- a cell that does not compile is a finding
         traceback.print_exc()
-        return f"| {model} | {topology} | {len(devices)} | - | does not compile: {str(exc).splitlines()[0][:160]} |"
+        return (f"| {model} | {topology} | {len(devices)} | - | - | - | - | "
+                f"does not compile: {str(exc).splitlines()[0][:160]} |")
     seconds = time.perf_counter() - start
+    fits_from = report.fits_from or "none"
     if not report.programs:
-        fits_from = smallest.tensor_parallel_size if smallest else "none"
         return (f"| {model} | {topology} | {len(devices)} (fits from {fits_from}) | - | - | - | - | "
                 f"no: {report.problem} |")
     forward = [p for p in report.programs if p.name.startswith("forward")]
     largest = max(forward, key=lambda p: int(p.name.split("=")[1]))
-    peak = max(report.programs, key=lambda p: p.argument_bytes + p.output_bytes - p.alias_bytes + p.temp_bytes)
+    peak = max(report.programs, key=lambda p: p.peak_bytes)
     gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
     collectives = ", ".join(f"{n} {op}" for op, n in sorted(largest.collectives.items())) or "none"
     return (f"| {model} | {topology} ({report.hosts} host{'s' if report.hosts > 1 else ''}) | "
-            f"{report.tensor_parallel_size} (fits from {smallest.tensor_parallel_size if smallest else 'none'}) | "
+            f"{report.tensor_parallel_size} (fits from {fits_from}) | "
             f"{largest.compile_s:.1f} / {seconds:.0f} ({len(report.programs)}) | "
-            f"{gib(report.weight_bytes)} / {gib(report.kv_bytes)} / {gib(peak.temp_bytes)} = {gib(report.peak_bytes)} "
-            f"of {gib(report.hbm_bytes)} ({report.planner_error:+.1%}) | {report.kv_tokens:,} | {collectives} | "
+            f"{gib(report.weight_bytes)} / {gib(report.kv_bytes)} / {gib(peak.temp_bytes + peak.code_bytes)} = "
+            f"{gib(report.peak_bytes)} "
+            f"of {gib(report.hbm_bytes)} ({_percent(report.planner_error)}) | {report.kv_tokens:,} | {collectives} | "
             f"{'yes' if report.fits else 'no: ' + (report.problem or 'temporaries')} |")
+
+
+def _percent(error) -> str:
+    return "-" if error is None else f"{error:+.1%}"
 
 
 def main() -> None:
@@ -68,8 +67,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--topologies", nargs="+", default=TOPOLOGIES)
     args = parser.parse_args()
-    print("| model | slice | TP | compile s: largest / all (programs) | GiB per device: weights / KV / temp = peak "
-          "of HBM (planner vs peak) | KV tokens | collectives per step (largest program) | fits |")
+    print("| model | slice | TP | compile s: largest / all (programs) | GiB per device: weights / KV / temp + code = "
+          "peak of HBM (planner vs peak) | KV tokens | collectives per step (largest program) | fits |")
     print("|---|---|---|---|---|---|---|---|")
     for model in args.models:
         for topology in args.topologies:

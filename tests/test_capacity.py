@@ -41,6 +41,18 @@ def test_weights_and_pages_per_device_are_the_hand_computed_ones(tiny_dir):
     assert WEIGHT_BYTES == {1: 213632, 2: 107136, 4: 57984}
 
 
+def test_loading_with_repeated_kv_heads_is_counted(tiny_dir):
+    """At TP 4 the 2 KV heads are repeated twice: k and v (2 layers x 64 x 2 heads x 16, bf16: 16 KiB
+    in all) load whole on every device and are repeated whole (32 KiB) before they split (8 KiB kept)."""
+    config = EngineConfig(model=str(tiny_dir))
+    assert capacity.plan(config, 2, 2**20).loading_extra_bytes == 0
+    plan = capacity.plan(config, 4, 57984 + 40960)
+    assert plan.loading_extra_bytes == 3 * 16384 - 2 * 16384 // 4 == 40960
+    assert plan.problem() == ("loading takes 0.00 GiB per device at tensor_parallel_size=4 (the k and v projections "
+                              "load whole, then are repeated for the devices), more than the 0.00 GiB a device has")
+    assert capacity.plan(config, 4, 2**20).problem() is None
+
+
 def test_the_pool_is_what_the_memory_left_after_the_weights_holds(tiny_dir):
     plan = capacity.plan(EngineConfig(model=str(tiny_dir)), 1, 2**20)
     assert plan.pages == int((2**20 - 213632) * 0.9) // 4096 == 183

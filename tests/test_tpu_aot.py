@@ -85,3 +85,46 @@ def test_a_slice_too_small_for_the_model_is_reported_not_fitting(tiny_dir, tmp_p
     assert report["fits"] is False and report["programs"] == []
     assert report["problem"] == ("the weights take 131.42 GiB per device at tensor_parallel_size=1, more than "
                                  "the 15.75 GiB a device has")
+
+
+HLO = """HloModule step
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%layer (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar = f32[8]{0:T(128)} all-reduce(%h), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  %ag-start = (f32[4]{0}, f32[8]{0}) all-gather-start(%g), channel_id=2, dimensions={0}
+  %ag-done = f32[8]{0} all-gather-done(%ag-start)
+}
+
+%layers_left (p: (s32[], f32[8])) -> pred[] {
+  %bound = s32[]{:T(128)} constant(12)
+  ROOT %lt = pred[] compare(%i, %bound), direction=LT
+}
+
+%wide (p: f32[8]) -> f32[8] {
+  %a1 = f32[8] all-reduce(%z), to_apply=%add
+  %a2 = f32[8] all-reduce(%a1), to_apply=%add
+}
+
+%narrow (p: f32[8]) -> f32[8] {
+  %cp = f32[8] collective-permute(%z), source_target_pairs={{0,1}}
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %loop = (s32[], f32[8]) while(%t), condition=%layers_left, body=%layer
+  %counted = (s32[], f32[8]) while(%t2), condition=%layers_left, body=%layer, backend_config={"known_trip_count":{"n":"3"}}
+  %either = f32[8] conditional(%p, %a, %a), branch_computations={%wide, %narrow}
+  %out = f32[8] all-reduce(%a), to_apply=%add
+}
+"""
+
+
+def test_collectives_are_counted_per_run_of_the_program():
+    """A loop's body once per iteration (the bound its condition compares with: 12; or the known
+    trip count: 3), the conditional's costliest branch, the entry's own; -done halves not again."""
+    from engine.runner.aot import count_collectives
+
+    assert count_collectives(HLO) == {"all-reduce": 12 + 3 + 2 + 1, "all-gather": 12 + 3}

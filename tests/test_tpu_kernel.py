@@ -56,3 +56,37 @@ def test_an_engine_running_the_kernel_answers_as_transformers_does(checkpoint_fa
     assert (backend.name, backend.kernel_target, backend.interpret) == ("tpu", SIMULATED_TPU, True)
     assert engine.executor.runner.cache.pages.shape[-1] == 128  # heads of 16 stored padded for the kernel
     assert_greedy_parity(engine, model_dir)
+
+
+def test_block_sizes_come_from_the_kernels_table_for_the_named_generation():
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tuned
+
+    bf16 = jnp.bfloat16
+    # a tuned entry: 4 query heads over 1 KV head, 128 lanes, pages of 16, 1024 tokens, 8 pages of 16 per row
+    expected = tuned.TUNED_BLOCK_SIZES["TPU v6"][("bfloat16", "bfloat16", 4, 1, 128, 16, 1024, 128)]
+    assert tpu_kernel.block_sizes("TPU v6 lite", bf16, bf16, 4, 2, 128, 16, 1024, 8) == (min(8, expected[0]),
+                                                                                         min(1024, expected[1]))
+    assert tpu_kernel.block_sizes("TPU v4", bf16, bf16, 4, 2, 128, 16, 512, 256) == (32, 32)  # v4: untuned defaults
+    assert tpu_kernel.block_sizes("TPU v6 lite", bf16, bf16, 4, 2, 128, 16, 8, 256) == (128, 8)  # at most T queries
+
+
+def test_blocks_that_would_overflow_the_scoped_vmem_are_halved():
+    """8 KV heads on one device (v5p at TP 1): the default 128 pages of 16 tokens x 16 combined heads
+    x 128 lanes double-buffered in bf16 are 16 MiB alone; 64 pages fit the 12 MiB budget."""
+    bf16 = jnp.bfloat16
+    assert tpu_kernel._vmem_bytes(128, 32, 16, 16, 32, 128, 4, bf16, bf16) > tpu_kernel.VMEM_BUDGET
+    assert tpu_kernel.block_sizes("TPU v5", bf16, bf16, 32, 16, 128, 16, 512, 256) == (64, 32)
+    assert tpu_kernel._vmem_bytes(64, 32, 16, 16, 32, 128, 4, bf16, bf16) <= tpu_kernel.VMEM_BUDGET
+
+
+@pytest.mark.parametrize("kind, generation", [("TPU v4", 4), ("TPU v5 lite", 5), ("TPU v5", 5), ("TPU v6 lite", 6),
+                                              ("TPU7x", 7)])
+def test_the_generation_comes_from_the_device_kind(kind, generation):
+    assert tpu_kernel.tpu_generation(kind) == generation
+
+
+def test_devices_the_kernel_does_not_know_are_refused():
+    with pytest.raises(ValueError, match="'NVIDIA H100' is not a TPU the ragged paged attention kernel knows"):
+        tpu_kernel.tpu_generation("NVIDIA H100")
+    with pytest.raises(ValueError, match="needs TPU v4 or later, not 'TPU v3'"):
+        tpu_kernel.block_sizes("TPU v3", jnp.bfloat16, jnp.bfloat16, 4, 2, 128, 16, 8, 8)

@@ -37,7 +37,7 @@ def lane_padded(head_dim: int) -> int:
 
 
 def tpu_generation(device_kind: str) -> int:
-    """4 for "TPU v4", 5 for "TPU v5 lite" and "TPU v5p", 6 for "TPU v6 lite"; ValueError otherwise."""
+    """4 for "TPU v4", 5 for "TPU v5 lite" (v5e) and "TPU v5" (v5p), 6 for "TPU v6 lite"; ValueError otherwise."""
     kind = device_kind.removesuffix(" lite")
     if kind == "TPU7x":
         return 7

@@ -38,6 +38,7 @@ class ModelInfo:
 
     family: str
     num_layers: int
+    hidden_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -70,6 +71,7 @@ def model_info(model_dir: str | Path) -> ModelInfo:
     return ModelInfo(
         family=family,
         num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=head_dim,

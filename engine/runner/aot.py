@@ -42,6 +42,10 @@ class ProgramReport:
     collectives: dict[str, int]
     """Collective operations one run executes (a loop's body counted once per iteration)."""
 
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
 
 @dataclasses.dataclass
 class AotReport:
@@ -55,23 +59,30 @@ class AotReport:
     kv_bytes: int
     kv_pages: int
     kv_tokens: int
+    sequences: int
+    """Sequences of max_model_len the KV pool holds at once."""
     hbm_bytes: int
     planned_weight_bytes: int
-    """Per chip, the planner's figure (engine.runner.capacity): equal to `weight_bytes`."""
+    """Per chip, the planner's figure (engine.runner.capacity), computed from the layout's axis
+    mapping rather than from the arrays' shardings: the tests hold the two equal."""
     problem: Optional[str]
     """Why the config does not fit (None: it fits)."""
+    fits_from: Optional[int]
+    """The planner's smallest tensor_parallel_size that fits on this topology (None: none does)."""
     programs: list[ProgramReport]
 
     @property
     def peak_bytes(self) -> int:
-        """Weights, KV pool, step inputs and the largest program's temporaries, per chip."""
-        return max((p.argument_bytes + p.output_bytes - p.alias_bytes + p.temp_bytes for p in self.programs),
-                   default=0)
+        """Per chip, the most one program holds: its arguments (weights, KV pool, step inputs),
+        outputs not aliased to them, temporaries and code."""
+        return max((p.peak_bytes for p in self.programs), default=0)
 
     @property
     def planner_error(self) -> Optional[float]:
-        """The planner's weights + KV pool over the compiled programs' peak, minus one."""
-        return (self.planned_weight_bytes + self.kv_bytes) / self.peak_bytes - 1 if self.programs else None
+        """The planner's weights + KV pool over the compiled programs' peak, minus one (None where
+        the plan does not fit: the programs then hold a one-sequence pool, not the plan's)."""
+        planned = self.planned_weight_bytes + self.kv_bytes
+        return planned / self.peak_bytes - 1 if self.programs and self.problem is None else None
 
     @property
     def fits(self) -> bool:
@@ -83,11 +94,16 @@ def topology_devices(topology: str, chips_per_host: Optional[str] = None):
     `chips_per_host` ("2x4"): the hosts' shape (default libtpu's for the generation, e.g. 2x2)."""
     from jax.experimental import topologies
 
-    bounds = {}
+    from engine.runner.capacity import TPU_CHIPS
+
+    generation = topology.split(":")[0]
+    if generation not in TPU_CHIPS:
+        raise ValueError(f"unknown TPU generation in {topology!r}; known: {', '.join(TPU_CHIPS)} (e.g. v5e:2x4)")
+    options = {"chip_config_name": "megacore"} if generation == "v4" else {}  # one device per chip, as a v4 VM has
     if chips_per_host:
         shape = tuple(int(n) for n in chips_per_host.split("x"))
-        bounds["chips_per_host_bounds"] = shape + (1,) * (3 - len(shape))
-    devices = topologies.get_topology_desc(platform="tpu", topology_name=topology, **bounds).devices
+        options["chips_per_host_bounds"] = shape + (1,) * (3 - len(shape))
+    devices = topologies.get_topology_desc(platform="tpu", topology_name=topology, **options).devices
     return sorted(devices, key=lambda d: d.id)
 
 
@@ -117,6 +133,7 @@ def compile_for_topology(config, topology: str, chips_per_host: Optional[str] = 
     weight_bytes = sum(_bytes_per_device(a) for a in jax.tree_util.tree_leaves(model))
 
     plan = capacity.plan(config, size, hbm_bytes, backend.cache_bytes_per_page)
+    smallest = capacity.smallest_tensor_parallel(config, hbm_bytes, len(devices), backend.cache_bytes_per_page)
     pages_per_seq = plan.pages_per_sequence
     buckets = ShapeBuckets(config.max_num_seqs, config.max_num_batched_tokens, pages_per_seq, config.page_size)
     # a config that does not fit still compiles, with one sequence's pool: the compiler has its say too
@@ -124,8 +141,9 @@ def compile_for_topology(config, topology: str, chips_per_host: Optional[str] = 
     steps = _Steps(model, backend, mesh, cache_sharding, buckets.max_rows)
     programs, problem = _compile_all(steps, buckets, cache, mesh, info.vocab_size, layout.axis_mapping)
     return AotReport(topology, devices[0].device_kind, len(devices), len({d.process_index for d in devices}), size,
-                     weight_bytes, plan.kv_bytes, plan.pages, plan.kv_tokens, hbm_bytes, plan.weight_bytes,
-                     plan.problem() or problem, programs)
+                     weight_bytes, plan.kv_bytes, plan.pages, plan.kv_tokens, plan.sequences_at(plan.max_model_len),
+                     hbm_bytes, plan.weight_bytes, plan.problem() or problem,
+                     smallest.tensor_parallel_size if smallest else None, programs)
 
 
 def _sharded_model(config, layout, mesh, backend):
@@ -153,17 +171,14 @@ def _sharded_model(config, layout, mesh, backend):
 def _cache(config, info, layout, mesh, backend, pages: int):
     """(the KV cache of `pages` pages as shapes placed on `mesh`, its sharding)."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    from engine.backends.base import CacheShape
     from engine.model.loading import resolve_dtype
-    from engine.runner import sharding
+    from engine.runner import capacity, sharding
 
     cache_sharding = NamedSharding(mesh, backend.cache_partition(sharding.MODEL_AXIS))
-    dtype = jnp.dtype(config.kv_cache_dtype or resolve_dtype(config.dtype, info))
-    shape = CacheShape(info.num_layers, pages, config.page_size, info.num_kv_heads * layout.kv_repeats,
-                       info.head_dim, dtype)
+    dtype = config.kv_cache_dtype or resolve_dtype(config.dtype, info)
+    shape = capacity.cache_shape(info, layout, config.page_size, pages, dtype)
     cache = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cache_sharding),
                                    jax.eval_shape(lambda: backend.init_cache(shape)))
     return cache, cache_sharding
@@ -229,14 +244,16 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
 _COLLECTIVE = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _CALLED = re.compile(r"(calls|to_apply|body|condition|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 _CONSTANT = re.compile(r"constant\((\d+)\)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
 def count_collectives(hlo: str) -> dict[str, int]:
     """Collectives one run of an optimized HLO module executes: each computation's own, plus those
-    of the computations it calls, a while loop's body once per iteration (its trip count: the
-    bound its condition compares the counter with, as a fori_loop's is)."""
+    of the computations it calls: a while loop's body once per iteration (its known trip count,
+    else the one bound its condition compares the counter with, as a fori_loop's is), the most
+    of a conditional's branches."""
     own: dict[str, dict[str, int]] = {}
-    calls: dict[str, list[tuple[str, Optional[str]]]] = {}  # (callee, the condition of a while's body)
+    calls: dict[str, list[tuple[str, list[str], object]]] = {}  # (kind, callees, trips: int or a condition)
     constants: dict[str, list[int]] = {}
     entry = current = None
     for line in hlo.splitlines():
@@ -249,19 +266,28 @@ def count_collectives(hlo: str) -> dict[str, int]:
                 own[current][match.group(1)] = own[current].get(match.group(1), 0) + 1
             constants[current] += [int(c) for c in _CONSTANT.findall(line)]
             found = {kind: [n.strip(" {}%") for n in names.split(",")] for kind, names in _CALLED.findall(line)}
-            condition = found.get("condition", [None])[0]
-            calls[current] += [(name, condition if kind == "body" else None)
-                               for kind, names in found.items() if kind != "condition" for name in names]
+            trip = _TRIP_COUNT.search(line)
+            for kind, names in found.items():
+                if kind == "body":
+                    calls[current].append((kind, names, int(trip.group(1)) if trip else found["condition"][0]))
+                elif kind != "condition":
+                    calls[current].append((kind, names, 1))
 
-    def trips(condition: Optional[str]) -> int:
-        bounds = constants.get(condition, []) if condition else []
+    def iterations(trips) -> int:
+        if isinstance(trips, int):
+            return trips
+        bounds = constants.get(trips, [])
         return bounds[0] if len(bounds) == 1 else 1
 
     def total(name: str) -> dict[str, int]:
         counts = dict(own.get(name, {}))
-        for called, condition in calls.get(name, []):
-            for op, n in total(called).items():
-                counts[op] = counts.get(op, 0) + n * trips(condition)
+        for kind, names, trips in calls.get(name, []):
+            each = [total(callee) for callee in names]
+            if kind == "branch_computations":  # one branch runs: count the one with the most
+                each = [max(each, key=lambda c: sum(c.values()), default={})]
+            for called in each:
+                for op, n in called.items():
+                    counts[op] = counts.get(op, 0) + n * iterations(trips)
         return counts
 
     return total(entry) if entry else {}
@@ -314,10 +340,12 @@ def format_report(report: AotReport, seconds: float) -> str:
         coll = ", ".join(f"{op} {n}" for op, n in sorted(p.collectives.items())) or "-"
         lines.append(f"{p.name:<44} {p.compile_s:>9.1f} {mib(p.argument_bytes):>10} {mib(p.temp_bytes):>9}  {coll}")
     lines.append(f"per chip: weights {mib(report.weight_bytes)} MiB (planner {mib(report.planned_weight_bytes)}), "
-                 f"KV pool {mib(report.kv_bytes)} MiB = {report.kv_pages} pages = {report.kv_tokens:,} tokens, "
+                 f"KV pool {mib(report.kv_bytes)} MiB = {report.kv_pages} pages = {report.kv_tokens:,} tokens "
+                 f"({report.sequences} sequences of max_model_len), "
                  f"peak {mib(report.peak_bytes)} of {mib(report.hbm_bytes)} MiB HBM "
-                 + (f"(planner {report.planner_error:+.1%}): " if report.programs else ": ")
-                 + ("fits" if report.fits else f"does not fit ({report.problem or 'temporaries exceed HBM'})"))
+                 + (f"(planner {report.planner_error:+.1%}): " if report.planner_error is not None else ": ")
+                 + ("fits" if report.fits else f"does not fit ({report.problem or 'temporaries exceed HBM'})")
+                 + f"; the smallest tensor_parallel_size that fits here: {report.fits_from or 'none'}")
     return "\n".join(lines)
 
 

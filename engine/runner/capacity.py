@@ -24,13 +24,12 @@ class TpuChip:
 
     name: str
     hbm_bytes: int
-    """Memory per JAX device that programs may use: what libtpu's compiler reports available (a
-    little under the chip's HBM; a v4 chip's two TensorCores are two devices of half of it each,
-    as its topology descriptor presents them)."""
+    """Memory per JAX device (one chip; v4 and v5p chips as one megacore device) that programs may
+    use: what libtpu's compiler reports available, a little under the chip's HBM."""
 
 
 TPU_CHIPS = {chip.name: chip for chip in (
-    TpuChip("v4", int(15.25 * GiB)),
+    TpuChip("v4", int(30.75 * GiB)),
     TpuChip("v5e", int(15.75 * GiB)),
     TpuChip("v5p", int(95.74 * GiB)),
     TpuChip("v6e", int(31.25 * GiB)),
@@ -56,6 +55,8 @@ class CapacityPlan:
     kv_cache_memory_fraction: float
     num_pages: int = 0
     """Configured KV pages (0: from the memory the weights leave, as the engine sizes its pool)."""
+    loading_extra_bytes: int = 0
+    """What loading holds for a while beyond the weights' share (`_loading_extra`)."""
 
     @property
     def pages(self) -> int:
@@ -89,6 +90,10 @@ class CapacityPlan:
         if self.weight_bytes >= self.memory_bytes:
             return (f"the weights take {gib(self.weight_bytes)} per device at tensor_parallel_size="
                     f"{self.tensor_parallel_size}, more than the {gib(self.memory_bytes)} a device has")
+        if self.weight_bytes + self.loading_extra_bytes >= self.memory_bytes:
+            return (f"loading takes {gib(self.weight_bytes + self.loading_extra_bytes)} per device at "
+                    f"tensor_parallel_size={self.tensor_parallel_size} (the k and v projections load whole, then are "
+                    f"repeated for the devices), more than the {gib(self.memory_bytes)} a device has")
         if self.num_pages and self.weight_bytes + self.kv_bytes > self.memory_bytes:
             return (f"the weights ({gib(self.weight_bytes)}) and num_pages={self.num_pages} KV pages "
                     f"({gib(self.kv_bytes)}) take more than the {gib(self.memory_bytes)} a device has")
@@ -121,14 +126,22 @@ def max_model_len(config, info) -> int:
     return config.max_model_len or min(info.max_position_embeddings, 4096)
 
 
+def cache_shape(info, layout, page_size: int, num_pages: int, dtype):
+    """The KV pool of a replica: every layer, the KV heads as the layout repeats them (all devices')."""
+    import jax.numpy as jnp
+
+    from engine.backends.base import CacheShape
+
+    return CacheShape(info.num_layers, num_pages, page_size, info.num_kv_heads * layout.kv_repeats, info.head_dim,
+                      jnp.dtype(dtype))
+
+
 def plan(config, tensor_parallel_size: int, memory_bytes: int, cache_bytes_per_page=None) -> CapacityPlan:
     """The plan of `config`'s model (config.json only) on `tensor_parallel_size` devices of
     `memory_bytes` each. `cache_bytes_per_page(CacheShape)`: the attention backend's (default: the
-    KV cache dtype's bytes, as the xla and tpu backends store it). ValueError if the model cannot
-    split that many ways."""
-    import jax.numpy as jnp
-
-    from engine.backends.base import AttentionBackend, CacheShape
+    KV cache dtype's bytes with heads as they are, as the xla backend and the tpu backend off TPUs
+    store them; pass the backend's own). ValueError if the model cannot split that many ways."""
+    from engine.backends.base import AttentionBackend
     from engine.model.loading import abstract_model, model_info, resolve_dtype
     from engine.runner import sharding
 
@@ -138,26 +151,41 @@ def plan(config, tensor_parallel_size: int, memory_bytes: int, cache_bytes_per_p
     repeat = (lambda m: sharding.repeat_kv_heads(m, layout.kv_repeats)) if layout.kv_repeats > 1 else (lambda m: m)
     model, _ = abstract_model(config.model, dtype, repeat)
     weights = weight_bytes_per_device(model, layout.axis_mapping, sharding.MODEL_AXIS, layout.size)
-    shape = CacheShape(info.num_layers, 1, config.page_size, info.num_kv_heads * layout.kv_repeats, info.head_dim,
-                       jnp.dtype(config.kv_cache_dtype or dtype))
+    shape = cache_shape(info, layout, config.page_size, 1, config.kv_cache_dtype or dtype)
     per_page = (cache_bytes_per_page or AttentionBackend().cache_bytes_per_page)(shape) // layout.size
     return CapacityPlan(layout.size, weights, per_page, memory_bytes, config.page_size, max_model_len(config, info),
-                        config.kv_cache_memory_fraction, config.num_pages)
+                        config.kv_cache_memory_fraction, config.num_pages, _loading_extra(info, layout, dtype))
+
+
+def _loading_extra(info, layout, dtype) -> int:
+    """Bytes a device holds while loading beyond its share of the weights: with KV heads repeated,
+    the k and v projections load whole on every device and are repeated whole before they split."""
+    import numpy as np
+
+    if layout.kv_repeats == 1:
+        return 0
+    whole = info.num_layers * 2 * info.hidden_size * info.num_kv_heads * info.head_dim * np.dtype(dtype).itemsize
+    return (1 + layout.kv_repeats) * whole - layout.kv_repeats * whole // layout.size
+
+
+def tensor_parallel_sizes(config, devices: int) -> list[int]:
+    """The sizes up to `devices` the model's heads split over, smallest first."""
+    from engine.model.loading import model_info
+
+    heads = model_info(config.model).num_heads
+    return [size for size in range(1, devices + 1) if heads % size == 0]
 
 
 def smallest_tensor_parallel(config, memory_bytes: int, devices: int,
                              cache_bytes_per_page=None) -> Optional[CapacityPlan]:
-    """The plan with the fewest of `devices` devices (powers of two the model splits over) that
-    fits, or None if none does."""
-    size = 1
-    while size <= devices:
+    """The plan with the fewest of `devices` devices that fits, or None if none does."""
+    for size in tensor_parallel_sizes(config, devices):
         try:
             candidate = plan(config, size, memory_bytes, cache_bytes_per_page)
-        except ValueError:  # the model does not split this many ways
-            candidate = None
-        if candidate is not None and candidate.problem() is None:
+        except ValueError:  # the MLP or the KV heads do not split this many ways
+            continue
+        if candidate.problem() is None:
             return candidate
-        size *= 2
     return None
 
 

@@ -188,14 +188,8 @@ class ModelRunner:
         memory = sharding.free_device_memory(self.mesh.devices.flat)
         if memory is not None:  # accelerators: refuse a config that cannot fit before loading a weight
             capacity.check_fits(config, memory, len(jax.devices()), self.backend.cache_bytes_per_page)
-        with self._device_context(self._load_mapping()):
-            model, self.info = load_model(config.model, self.dtype)
-            if self.layout.kv_repeats > 1:
-                model = sharding.repeat_kv_heads(model, self.layout.kv_repeats)
-            place = functools.partial(sharding.place, layout=self.layout, mesh=self.mesh)
-            serving = place(ServingModel.from_levanter(model, self.scan_layers, place))
-            self.model = self.backend.prepare(serving, self.buckets, measure=config.warmup)
-        self.vocab_size = model.Vocab.size
+        self.model, self.info = self._load(config)
+        self.vocab_size = self.info.vocab_size
         self._cache_sharding = NamedSharding(self.mesh, self.backend.cache_partition(sharding.MODEL_AXIS))
         self.num_pages = self._pool_pages()
         self.cache = self._init_cache()
@@ -302,6 +296,17 @@ class ModelRunner:
 
     # ---- start-up ----
 
+    def _load(self, config: EngineConfig):
+        """(the serving model, ModelInfo). Nothing of the model as loaded outlives this call: the
+        KV pool is sized from the memory the serving model leaves."""
+        with self._device_context(self._load_mapping()):
+            model, info = load_model(config.model, self.dtype)
+            if self.layout.kv_repeats > 1:
+                model = sharding.repeat_kv_heads(model, self.layout.kv_repeats)
+            place = functools.partial(sharding.place, layout=self.layout, mesh=self.mesh)
+            serving = place(ServingModel.from_levanter(model, self.scan_layers, place))
+            return self.backend.prepare(serving, self.buckets, measure=config.warmup), info
+
     def _load_mapping(self) -> dict[str, str]:
         """The axis mapping to load weights under: the layout's, but KV heads that are to be
         repeated load whole (they split only after repeating)."""
@@ -311,9 +316,7 @@ class ModelRunner:
         return mapping
 
     def _cache_shape(self, num_pages: int) -> CacheShape:
-        return CacheShape(self.info.num_layers, num_pages, self.page_size,
-                          self.info.num_kv_heads * self.layout.kv_repeats, self.info.head_dim,
-                          jnp.dtype(self.kv_cache_dtype))
+        return capacity.cache_shape(self.info, self.layout, self.page_size, num_pages, self.kv_cache_dtype)
 
     def _pool_pages(self) -> int:
         """KV pages: as configured; else from the memory the weights left (accelerators) or enough
