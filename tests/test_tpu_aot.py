@@ -128,3 +128,16 @@ def test_collectives_are_counted_per_run_of_the_program():
     from engine.runner.aot import count_collectives
 
     assert count_collectives(HLO) == {"all-reduce": 12 + 3 + 2 + 1, "all-gather": 12 + 3}
+
+
+def test_sampling_gathers_logits_not_a_tied_embedding(tmp_path):
+    """Llama-3.2-1B ties its embedding as the LM head, split by vocabulary over 8 chips: the sampling
+    programs compute each chip's slice of the logits and gather those (8 x 128256 floats), never the
+    weight (128256 x 2048 bf16 = 501 MiB, which XLA gathered into a temporary when left to itself)."""
+    shapes = Path(__file__).parents[1] / "benchmarks" / "model_shapes" / "llama-3.2-1b"
+    report = aot(shapes, "v5e:2x4", 8, tmp_path / "report.json", "--chips-per-host", "2x4")
+    samplers = [p for p in report["programs"] if p["name"].startswith("sample R=8")]
+    assert len(samplers) == 5
+    for program in samplers:
+        assert program["collectives"] == {"all-gather": 1}
+        assert program["temp_bytes"] < 16 * 2**20

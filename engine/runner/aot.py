@@ -138,7 +138,8 @@ def compile_for_topology(config, topology: str, chips_per_host: Optional[str] = 
     buckets = ShapeBuckets(config.max_num_seqs, config.max_num_batched_tokens, pages_per_seq, config.page_size)
     # a config that does not fit still compiles, with one sequence's pool: the compiler has its say too
     cache, cache_sharding = _cache(config, info, layout, mesh, backend, max(plan.pages, pages_per_seq + 1))
-    steps = _Steps(model, backend, mesh, cache_sharding, buckets.max_rows)
+    steps = _Steps(model, backend, mesh, cache_sharding, buckets.max_rows,
+                   vocab_split=layout.size > 1 and layout.shard_vocab)
     programs, problem = _compile_all(steps, buckets, cache, mesh, info.vocab_size, layout.axis_mapping)
     return AotReport(topology, devices[0].device_kind, len(devices), len({d.process_index for d in devices}), size,
                      weight_bytes, plan.kv_bytes, plan.pages, plan.kv_tokens, plan.sequences_at(plan.max_model_len),

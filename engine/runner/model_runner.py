@@ -31,7 +31,7 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from engine.backends.base import AttentionBackend, CacheShape
 from engine.backends.select import select_backend
@@ -82,13 +82,20 @@ class _Steps:
     ~1 ms a step, a list of arrays is flattened in C++. Hidden states and sampled tokens leave
     replicated; the cache keeps its split by KV head."""
 
-    def __init__(self, model: ServingModel, backend: AttentionBackend, mesh: Mesh, cache_sharding, max_rows: int):
+    def __init__(self, model: ServingModel, backend: AttentionBackend, mesh: Mesh, cache_sharding, max_rows: int,
+                 vocab_split: bool):
         self.weights, treedef = jax.tree_util.tree_flatten(model)
         unflatten = functools.partial(jax.tree_util.tree_unflatten, treedef)
         self.head_weights, head_treedef = jax.tree_util.tree_flatten(dataclasses.replace(model, layers=()))
         unflatten_head = functools.partial(jax.tree_util.tree_unflatten, head_treedef)
         replicated = sharding.replicated(mesh)
         constrain = jax.lax.with_sharding_constraint
+        by_vocab = NamedSharding(mesh, PartitionSpec(None, sharding.MODEL_AXIS)) if vocab_split else replicated
+
+        def gathered(logits):
+            """Logits computed where their slice of the vocabulary lives, then gathered: left to
+            itself, XLA gathered a tied embedding's whole weight every step (500 MiB for Llama-3.2-1B)."""
+            return constrain(constrain(logits, by_vocab), replicated)
 
         @functools.partial(jax.jit, donate_argnums=(1,))
         def forward_step(weights, cache, inputs, prev_tokens):
@@ -108,7 +115,7 @@ class _Steps:
             padded to `max_rows`, so that the next step's forward takes them in one shape."""
             head = unflatten_head(head_weights)
             picked = hax.named(rows[: sampling.temperature.shape[0]], ("row", head.embeddings.Embed))
-            logits = constrain(unembed(head, picked).array, replicated)
+            logits = gathered(unembed(head, picked).array)
             out = sample(logits, sampling, switches, backend.argmax)
             return out._replace(tokens=jnp.pad(out.tokens, (0, max_rows - out.tokens.shape[0])))
 
@@ -116,7 +123,7 @@ class _Steps:
         def prompt_logprobs_step(weights, hidden, index, targets):
             model = unflatten(weights)
             hidden = hax.named(hidden, ("position", model.embeddings.Embed))
-            logits = constrain(logits_at(model, hidden, index).array, replicated)
+            logits = gathered(logits_at(model, hidden, index).array)
             return token_logprobs(logits, targets)
 
         self._forward, self._sample, self._prompt_logprobs = forward_step, sample_step, prompt_logprobs_step
@@ -196,7 +203,8 @@ class ModelRunner:
         self._cache_type = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                                   self.cache)
         """The cache's types, for compiling while steps donate and replace the cache itself."""
-        self.steps = _Steps(self.model, self.backend, self.mesh, self._cache_sharding, self.buckets.max_rows)
+        self.steps = _Steps(self.model, self.backend, self.mesh, self._cache_sharding, self.buckets.max_rows,
+                            vocab_split=self.layout.size > 1 and self.layout.shard_vocab)
         self._no_tokens = self._no_previous_tokens()
         self._last_step: Optional[int] = None
         self._last_tokens = self._no_tokens
