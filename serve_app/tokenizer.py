@@ -11,8 +11,8 @@ import dataclasses
 from typing import Any, Optional, Sequence, Union
 
 import jinja2
-from transformers import AutoTokenizer
 
+from engine.formats.transformers_files import load_tokenizer
 from serve_app.errors import BadRequest
 from serve_app.protocol import ChatMessage, DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, Tool
 
@@ -28,7 +28,7 @@ class PromptTokenizer:
     """The Hugging Face tokenizer of one model, with the checks a server needs."""
 
     def __init__(self, model_dir: str, model_id: str):
-        self.hf = AutoTokenizer.from_pretrained(model_dir)
+        self.hf = load_tokenizer(model_dir)
         self.model_id = model_id
         self.vocab_size = len(self.hf)  # a fast tokenizer's len() builds its whole vocab dict: ~10 ms
 

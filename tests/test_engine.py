@@ -292,7 +292,7 @@ def test_the_kv_pool_takes_its_share_of_the_memory_the_weights_leave(llama_dir, 
     memory: a page of the tiny model is 2 layers x 4 slots x 2 KV heads x 16 x (K, V) x 4 bytes."""
     import logging
 
-    from engine.runner import sharding
+    from engine.runner import capacity, sharding
 
     monkeypatch.setattr(sharding, "free_device_memory", lambda devices: 2**20)
     config = {**TIGHT, "num_pages": 0, "kv_cache_memory_fraction": 0.5}
@@ -301,9 +301,11 @@ def test_the_kv_pool_takes_its_share_of_the_memory_the_weights_leave(llama_dir, 
     assert engine.executor.runner.num_pages == 2**19 // 2048 == 256
     assert engine.stats().num_pages == 255  # the scratch page is not for requests
     assert "KV pool: 256 pages of 4 tokens (1024 tokens, 0.00 GiB per device) from 50% of 0.00 GiB free" in caplog.text
-    monkeypatch.setattr(sharding, "free_device_memory", lambda devices: 32 * 2048)
-    with pytest.raises(ValueError, match="hold 16 KV pages, fewer than one sequence of max_model_len=128 needs "
-                                         r"\(33\); lower max_model_len"):
+    # room for the weights and 16 pages: refused before loading (engine.runner.capacity), saying why
+    weights = capacity.plan(EngineConfig(model=str(llama_dir), **config), 1, 2**20).weight_bytes
+    monkeypatch.setattr(sharding, "free_device_memory", lambda devices: weights + 32 * 2048)
+    with pytest.raises(ValueError, match=r"the KV pool holds 16 pages of 4 tokens, fewer than one sequence of "
+                                         r"max_model_len=128 needs \(33\); lower max_model_len"):
         LLMEngine(EngineConfig(model=str(llama_dir), **config))
 
 

@@ -1,34 +1,56 @@
-"""paged_model's rotary tables (cos and sin computed once per step) against levanter's rotary modules."""
+"""RoPE (engine.model.rope) against transformers' own: the inverse frequencies and attention factor
+of each type from config.json, and the rotation with cos and sin computed once per step."""
 
 import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from levanter.layers.rotary import (DefaultRotaryEmbeddingsConfig, Llama3RotaryEmbeddingsConfig,
-                                    YarnRotaryEmbeddingsConfig)
+import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.model.paged_model import rotary_tables, rotate
+from engine.model.rope import Rope, rotate
+
+BASE = dict(hidden_size=128, num_attention_heads=8, max_position_embeddings=4096)
 
 
-@pytest.mark.parametrize("config", [
-    DefaultRotaryEmbeddingsConfig(theta=10000.0),
-    DefaultRotaryEmbeddingsConfig(theta=10000.0, factor=2.0),
-    Llama3RotaryEmbeddingsConfig(original_max_position_embeddings=64),
-    YarnRotaryEmbeddingsConfig(factor=4.0, original_max_position_embeddings=64),
-], ids=["default", "linear", "llama3", "yarn"])
-def test_rotate_with_tables_equals_the_levanter_module(config):
-    """Positions far apart and repeated (a ragged batch), two head axes; yarn scales cos and sin."""
-    Pos, Heads, Group, Head = hax.Axis("position", 7), hax.Axis("kv_head", 2), hax.Axis("group", 3), hax.Axis(
-        "head_size", 16)
-    rot_embs = config.build(Head)
+@pytest.mark.parametrize("theta, scaling", [
+    (10000.0, None),
+    (10000.0, {"rope_type": "linear", "factor": 2.0}),
+    (500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}),
+    (1000000.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
+    (10000.0, {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16, "beta_slow": 2, "mscale": 0.707,
+               "mscale_all_dim": 0.707, "original_max_position_embeddings": 512}),
+    (10000.0, {"type": "yarn", "factor": 2.0, "attention_factor": 1.25, "truncate": False}),
+], ids=["default", "linear", "llama3", "yarn", "yarn-mscale", "yarn-attention-factor"])
+def test_frequencies_and_attention_factor_equal_transformers(theta, scaling):
+    hf = transformers.LlamaConfig(**BASE, rope_theta=theta, rope_scaling=scaling)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"))
+    rope = Rope.from_hf_config({**BASE, "rope_theta": theta, "rope_scaling": scaling}, head_dim=16)
+    np.testing.assert_allclose(rope.inv_freq, want_freq.numpy(), rtol=1e-6)
+    assert rope.attention_factor == pytest.approx(want_factor, rel=1e-9)
+
+
+def test_rotating_with_the_steps_tables_equals_transformers():
+    """Positions far apart and repeated (a ragged batch), two head axes, yarn's attention factor."""
+    config = {**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                               "original_max_position_embeddings": 1024}}
+    rope = Rope.from_hf_config(config, head_dim=16)
+    Pos, Heads, Group = hax.Axis("position", 7), hax.Axis("kv_head", 2), hax.Axis("group", 3)
     positions = hax.named(jnp.array([0, 1, 2, 2, 63, 500, 4095], jnp.int32), Pos)
-    x = hax.random.normal(jax.random.PRNGKey(0), (Pos, Heads, Group, Head))
+    x = hax.random.normal(jax.random.PRNGKey(0), (Pos, Heads, Group, rope.Head))
+    got = jax.jit(lambda x, p: rotate(x, rope.tables(p), rope.Head))(x, positions)
 
-    @jax.jit
-    def both(x, positions):
-        return rotate(x, rotary_tables(rot_embs, positions), Head), rot_embs(x, positions)
-
-    got, want = both(x, positions)
-    assert got.axes == want.axes
-    np.testing.assert_allclose(np.asarray(got.array), np.asarray(want.array), rtol=1e-6, atol=1e-6)
+    hf_rope = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(
+        transformers.LlamaConfig(**{k: v for k, v in config.items()}))
+    q = torch.tensor(np.asarray(x.array)).permute(1, 2, 0, 3).reshape(1, 6, 7, 16)  # (batch, heads, position, d)
+    cos, sin = hf_rope(q, torch.tensor(np.asarray(positions.array))[None])
+    want = transformers.models.llama.modeling_llama.apply_rotary_pos_emb(q, q, cos, sin)[0]
+    want = want.reshape(2, 3, 7, 16).permute(2, 0, 1, 3).numpy()
+    assert got.axes == x.axes
+    # float32 angles: at position 4095 one ulp of the angle is 2.4e-4 rad, in either implementation
+    np.testing.assert_allclose(np.asarray(got.array)[:6], want[:6], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.array)[6], want[6], atol=5e-4)

@@ -50,10 +50,10 @@ class GrammarCompiler:
     requests while the engine's loop makes matchers."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        from transformers import AutoTokenizer
+        from engine.formats.transformers_files import load_tokenizer
 
         start = time.perf_counter()
-        hf_tokenizer = AutoTokenizer.from_pretrained(str(Path(model_dir).expanduser().absolute()))
+        hf_tokenizer = load_tokenizer(model_dir)
         eos = [t for t in eos_token_ids if t < vocab_size] or None
         self.vocab_size = vocab_size
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)

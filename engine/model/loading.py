@@ -18,6 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import haliax as hax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from engine.formats.transformers_files import hf_config, load_tokenizer  # noqa: E402
+
 logger = logging.getLogger(__name__)
 
 
@@ -51,10 +53,12 @@ class ModelInfo:
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
+    """config.json as transformers 4 and levanter read it, whichever transformers wrote it
+    (engine.formats.transformers_files)."""
     path = Path(model_dir).expanduser().absolute() / "config.json"
     if not path.is_file():
         raise ValueError(f"{path.parent} is not a Hugging Face checkpoint directory: it has no config.json")
-    return json.loads(path.read_text())
+    return hf_config(json.loads(path.read_text()))
 
 
 def model_info(model_dir: str | Path) -> ModelInfo:
@@ -113,7 +117,6 @@ def load_model(model_dir: str | Path, dtype: str):
     `haliax.axis_mapping`): levanter places the weights as the mapping splits them.
     """
     from levanter.compat.hf_checkpoints import HFCheckpointConverter
-    from transformers import AutoTokenizer
 
     path = str(Path(model_dir).expanduser().absolute())
     info = model_info(path)
@@ -121,7 +124,7 @@ def load_model(model_dir: str | Path, dtype: str):
     hf_config = read_hf_config(path)
     if info.family == "qwen2":  # levanter's Qwen2 reader takes biases from `no_bias`
         hf_config.setdefault("no_bias", False)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     converter = HFCheckpointConverter(config_cls, reference_checkpoint=path, tokenizer=tokenizer)
     if info.family == "qwen2":
         _fill_missing_qwen2_biases(converter, hf_config)

@@ -1,14 +1,13 @@
 """One forward pass of a levanter Llama-family model over a step's tokens, with a paged KV cache.
 
-The weights and per-layer modules (norms, projections, rotary embeddings, MLP) are levanter's; the
+The weights and per-layer modules (norms, projections, MLP) are levanter's; the
 attention backend (engine.backends) owns the q/k/v projection, the cache write and attention
 itself, and may have replaced modules with its own (the cpu backend's packed and fused
 projections; a packed SwiGLU MLP is called as any MLP).
 
-The rotary embedding's cos and sin are computed once per step (`rotary_tables`, through the layers'
-own levanter module, so default, llama3 and yarn scaling all work) and every layer rotates q and k
-with them: left to itself, XLA fused levanter's cos and sin into each layer's rotation and
-evaluated them for every element of q and k.
+The rotary embedding's cos and sin are computed once per step (engine.model.rope, as transformers
+computes them from config.json) and every layer rotates q and k with them: left to itself, XLA
+fused cos and sin into each layer's rotation and evaluated them for every element of q and k.
 
 Two layer loops (`ServingModel.from_levanter(model, scan_layers)`):
 - scanned: one loop over levanter's stacked layers; the program holds one layer, so compile time
@@ -30,25 +29,28 @@ from haliax import NamedArray
 
 from engine.backends.base import KV_AXES, Q_AXES, AttentionBackend
 from engine.core.step_plan import StepInputs
+from engine.model.rope import Rope, rotate
 
 
 class ServingModel(eqx.Module):
     """A levanter LM-head model's modules, arranged for serving: `layers` is a tuple of per-layer
-    modules (unrolled loop) or levanter's `Stacked` layers (scanned loop)."""
+    modules (unrolled loop) or levanter's `Stacked` layers (scanned loop); `rope` the model's
+    rotary embedding (its layers' levanter modules are not used)."""
 
     embeddings: eqx.Module
     layers: tuple | eqx.Module
     norm: eqx.Module
     lm_head: eqx.Module | None
+    rope: Rope = eqx.field(static=True)
 
     @staticmethod
-    def from_levanter(model, scan_layers: bool = False, place=lambda layer: layer) -> "ServingModel":
+    def from_levanter(model, rope: Rope, scan_layers: bool = False, place=lambda layer: layer) -> "ServingModel":
         """`place` puts each unstacked layer on its devices as it is made (a slice of a stacked
         array is not split as the stack was), so no more than one layer is ever replicated."""
         layers = model.transformer.layers
         if not scan_layers:
             layers = tuple(place(jax.tree_util.tree_map(jnp.copy, layers.get_layer(i))) for i in range(layers.Block.size))
-        return ServingModel(model.embeddings, layers, model.transformer.norm, model.lm_head)
+        return ServingModel(model.embeddings, layers, model.transformer.norm, model.lm_head, rope)
 
     @property
     def first_layer(self):
@@ -61,9 +63,7 @@ def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepI
     Pos = hax.Axis("position", inputs.tokens.shape[0])
     x = model.embeddings.embed(hax.named(inputs.tokens, Pos))
     x = x.astype(backend.activation_dtype(x.dtype))
-    pos_ids = hax.named(inputs.positions, Pos)
-    rot_embs = getattr(getattr(model.first_layer, "self_attn", None), "rot_embs", None)
-    rope = rotary_tables(rot_embs, pos_ids) if rot_embs is not None else None
+    rope = model.rope.tables(hax.named(inputs.positions, Pos))
     step = backend.begin_step(inputs)
     if isinstance(model.layers, tuple):
         for index, layer in enumerate(model.layers):
@@ -106,30 +106,6 @@ def unembed(model: ServingModel, rows: NamedArray) -> NamedArray:
     return model.embeddings.unembed(rows)
 
 
-def rotary_tables(rot_embs, pos_ids: NamedArray) -> tuple[NamedArray, NamedArray]:
-    """(cos, sin) f32 (position, head_size) of a levanter rotary embedding, for `rotate`.
-
-    levanter's rotary modules (default, llama3, yarn) compute `q * cos + rotate_half(q) * sin` with
-    cos and sin of angles `concat(f, f)` that depend on the position only. Rotating
-    x = (1, .., 1, 0, .., 0) gives (cos f, sin f) exactly; the optimization barrier keeps XLA from
-    fusing them back into each layer."""
-    Head = rot_embs.HeadDim
-    half = Head.size // 2
-    first_half = hax.named(jnp.arange(Head.size) < half, Head).astype(jnp.float32)
-    rotated = rot_embs(first_half.broadcast_axis(pos_ids.axes), pos_ids)
-    cos, sin = rotated[Head, :half], rotated[Head, half:]
-    tables = hax.concatenate(Head, (cos, cos)), hax.concatenate(Head, (sin, sin))
-    return jax.lax.optimization_barrier(tables)
-
-
-def rotate(x: NamedArray, rope: tuple[NamedArray, NamedArray], Head: hax.Axis) -> NamedArray:
-    """levanter's rotary embedding of x with `rotary_tables`: x * cos + rotate_half(x) * sin."""
-    cos, sin = rope
-    half = Head.size // 2
-    rotated_half = hax.concatenate(Head, (-x[Head, half:], x[Head, :half]))
-    return (x * cos + rotated_half * sin).astype(x.dtype)
-
-
 def _decoder_layer(layer, x, cache, index, rope, backend: AttentionBackend, step):
     residual = x
     h = layer.input_layernorm(x)
@@ -157,7 +133,6 @@ def _qkv(attn, h, rope, backend: AttentionBackend):
     q, k, v = backend.project_qkv(attn, h)
     if attn.config.qk_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    if rope is not None:
-        Head = attn.rot_embs.HeadDim
-        q, k = rotate(q, rope, Head), rotate(k, rope, Head)
+    Head = q.resolve_axis("head_size")
+    q, k = rotate(q, rope, Head), rotate(k, rope, Head)
     return q, k, v

@@ -39,8 +39,9 @@ from engine.core.buckets import Bucket, ShapeBuckets
 from engine.core.config import EngineConfig
 from engine.core.grammar import mask_words
 from engine.core.step_plan import WARM_SAMPLER_SWITCHES, SamplerSwitches, StepOutput, StepPlan, empty_step_plan
-from engine.model.loading import load_model, model_info, resolve_dtype
+from engine.model.loading import load_model, model_info, read_hf_config, resolve_dtype
 from engine.model.paged_model import ServingModel, forward, logits_at, unembed
+from engine.model.rope import Rope
 from engine.runner import capacity, sharding
 from engine.runner.compilation_cache import enable_compilation_cache
 from engine.runner.programs import StepCompiler
@@ -312,7 +313,8 @@ class ModelRunner:
             if self.layout.kv_repeats > 1:
                 model = sharding.repeat_kv_heads(model, self.layout.kv_repeats)
             place = functools.partial(sharding.place, layout=self.layout, mesh=self.mesh)
-            serving = place(ServingModel.from_levanter(model, self.scan_layers, place))
+            rope = Rope.from_hf_config(read_hf_config(config.model), info.head_dim)
+            serving = place(ServingModel.from_levanter(model, rope, self.scan_layers, place))
             return self.backend.prepare(serving, self.buckets, measure=config.warmup), info
 
     def _load_mapping(self) -> dict[str, str]:
