@@ -88,3 +88,5 @@ def test_transformers_4_rope_scaling_of_an_unknown_type_is_refused_too():
         hf_config({"rope_theta": 10000.0, "rope_scaling": {"type": "longrope", "factor": 2.0}})
     with pytest.raises(ValueError, match="partial_rotary_factor=0.5; the engine rotates whole heads only"):
         hf_config({"partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.25; the engine rotates whole heads only"):
+        hf_config({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.25}})

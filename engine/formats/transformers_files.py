@@ -37,6 +37,8 @@ def hf_config(config: dict) -> dict:
                              "for every layer")
         if "rope_theta" in rope:
             config["rope_theta"] = rope.pop("rope_theta")
+        if "partial_rotary_factor" in rope:
+            config["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
         kind = rope.get("rope_type", rope.get("type", "default"))
         config["rope_scaling"] = None if kind == "default" and not rope.keys() - {"rope_type", "type"} else rope
     scaling = config.get("rope_scaling")
