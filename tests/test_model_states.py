@@ -17,13 +17,13 @@ SERVE_MESSAGE = (
     "    self.prompts = PromptTokenizer(str(model_dir), config.model_id)\n"
     "  File \"/venv/transformers/models/auto/tokenization_auto.py\", line 1153, in from_pretrained\n"
     "    raise ValueError(\n"
-    "ValueError: Tokenizer class TokenizersBackend does not exist or is not currently imported."
+    "ValueError: Tokenizer class NoSuchTokenizer does not exist or is not currently imported."
 )
 
 
 def test_the_replicas_own_error_in_one_line():
     assert replica_error(SERVE_MESSAGE) == (
-        "ValueError: Tokenizer class TokenizersBackend does not exist or is not currently imported.")
+        "ValueError: Tokenizer class NoSuchTokenizer does not exist or is not currently imported.")
     assert replica_error("json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)") == (
         "JSONDecodeError: Expecting value: line 1 column 1 (char 0)")
     assert replica_error("Deploying: 1 replica starting") is None
@@ -38,7 +38,7 @@ def test_states_from_serve():
     failed = state_of(DeploymentView("DEPLOY_FAILED", SERVE_MESSAGE, 0))
     assert failed == ModelState("failed", replica_error(SERVE_MESSAGE))
     assert failed.problem("bad") == (
-        "model 'bad' failed to start: ValueError: Tokenizer class TokenizersBackend does not exist or is not "
+        "model 'bad' failed to start: ValueError: Tokenizer class NoSuchTokenizer does not exist or is not "
         "currently imported.; fix its configuration and redeploy")
     retrying = state_of(DeploymentView("UPDATING", SERVE_MESSAGE, 0))
     assert retrying.state == "starting" and retrying.problem("bad").startswith(

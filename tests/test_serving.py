@@ -700,7 +700,7 @@ def test_a_soak_of_mixed_requests_loses_nothing_and_leaves_every_replica_idle(se
 def test_models_that_cannot_start_get_a_503_that_says_why_and_the_others_keep_serving(serving, checkpoint_factory,
                                                                                        tmp_path):
     """An app of four models: a healthy one, one whose replica waits at start until the test opens
-    its gate, one whose tokenizer class the loader refuses (transformers 5 writes it) and one whose
+    its gate, one whose tokenizer class no transformers knows and one whose
     config.json does not parse. Serve gives up on the last two after three tries each; requests for
     them get a 503 in OpenAI's shape with Retry-After and the replica's own error, the starting one a
     503 that says so (until its gate opens), the healthy one answers throughout; /health and
@@ -716,7 +716,7 @@ def test_models_that_cannot_start_get_a_503_that_says_why_and_the_others_keep_se
     good = checkpoint_factory("llama")
     bad_tokenizer = Path(shutil.copytree(good, tmp_path / "bad-tokenizer"))
     config = json.loads((bad_tokenizer / "tokenizer_config.json").read_text())
-    (bad_tokenizer / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "TokenizersBackend"}))
+    (bad_tokenizer / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "NoSuchTokenizer"}))
     bad_config = Path(shutil.copytree(good, tmp_path / "bad-config"))
     (bad_config / "config.json").write_text('{"model_type": "llama", ')
     gate = tmp_path / "gate"
@@ -741,7 +741,7 @@ def test_models_that_cannot_start_get_a_503_that_says_why_and_the_others_keep_se
         wait_for(lambda: {s for s, _ in states().values()} == {"ready", "starting", "failed"}
                  and states()["bad-config"][0] == "failed" == states()["bad-tokenizer"][0], 300,
                  "both broken models to fail and the healthy one to run")
-        tokenizer_error = "ValueError: Tokenizer class TokenizersBackend does not exist or is not currently imported."
+        tokenizer_error = "ValueError: Tokenizer class NoSuchTokenizer does not exist or is not currently imported."
         assert states() == {"healthy": ("ready", None), "gated": ("starting", None),
                             "bad-tokenizer": ("failed", tokenizer_error), "bad-config": ("failed", states()["bad-config"][1])}
         assert states()["bad-config"][1].startswith("JSONDecodeError: ")
