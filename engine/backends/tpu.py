@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 from levanter.layers.attention import default_ragged_paged_attention
 
+from engine.backends import tpu_kernel
 from engine.backends.base import KV_AXES, Q_AXES, AttentionBackend, AttentionStep, CacheShape
 
 
@@ -72,9 +73,7 @@ class TpuBackend(AttentionBackend):
 
     def _stored_head_dim(self, head_dim: int) -> int:
         """The kernel reads heads padded to 128 lanes (a head_dim 64 model's cache is twice the size)."""
-        from engine.backends.tpu_kernel import lane_padded
-
-        return head_dim if self.kernel_target is None else lane_padded(head_dim)
+        return head_dim if self.kernel_target is None else tpu_kernel.lane_padded(head_dim)
 
     def cache_partition(self, model_axis: str) -> PartitionSpec:
         return PartitionSpec(None, None, model_axis, None)
@@ -97,8 +96,6 @@ class TpuBackend(AttentionBackend):
                 q, hax.named(pages, ("page", "slot", "kv_head", "head_size")), hax.named(inputs.kv_lens, "seq"),
                 hax.named(page_table, ("seq", "page")), cu_q_lens, num_seqs, sm_scale=scale)
             return o.rearrange(Q_AXES), RaggedKVCache(pages, cache.num_layers)
-        from engine.backends import tpu_kernel
-
         flat = q.flatten_axes(("kv_head", "q_heads_per_group"), "q_head")  # query head h * G + g: KV head h
         out = tpu_kernel.ragged_paged_attention(
             flat.rearrange(("position", "q_head", "head_size")).array, pages, inputs.kv_lens, page_table, cu_q_lens,

@@ -120,15 +120,12 @@ def load_model(model_dir: str | Path, dtype: str):
 
     path = str(Path(model_dir).expanduser().absolute())
     info = model_info(path)
-    config_cls = _families()[info.family]
     hf_config = read_hf_config(path)
-    if info.family == "qwen2":  # levanter's Qwen2 reader takes biases from `no_bias`
-        hf_config.setdefault("no_bias", False)
-    tokenizer = load_tokenizer(path)
-    converter = HFCheckpointConverter(config_cls, reference_checkpoint=path, tokenizer=tokenizer)
+    converter = HFCheckpointConverter(_families()[info.family], reference_checkpoint=path,
+                                      tokenizer=load_tokenizer(path))
     if info.family == "qwen2":
         _fill_missing_qwen2_biases(converter, hf_config)
-    lev_config = converter.config_from_hf_config(converter.HfConfigClass(**_hf_kwargs(hf_config)))
+    lev_config = _levanter_config(info, hf_config)
     model = converter.load_pretrained(
         lev_config.model_type,
         ref=path,
@@ -148,13 +145,9 @@ def abstract_model(model_dir: str | Path, dtype: str, transform=lambda model: mo
     and ahead-of-time compiling. Its arrays are jax.ShapeDtypeStructs."""
     import equinox as eqx
     import jax
-    from transformers import AutoConfig
 
     info = model_info(model_dir)
-    hf_config = read_hf_config(model_dir)
-    if info.family == "qwen2":
-        hf_config.setdefault("no_bias", False)
-    lev_config = _families()[info.family].from_hf_config(AutoConfig.for_model(**_hf_kwargs(hf_config)))
+    lev_config = _levanter_config(info, read_hf_config(model_dir))
     Vocab = hax.Axis("vocab", info.vocab_size)
 
     def build():
@@ -162,6 +155,15 @@ def abstract_model(model_dir: str | Path, dtype: str, transform=lambda model: mo
         return transform(inputs_first(cast_floating(model, jnp.dtype(dtype))))
 
     return eqx.filter_eval_shape(build), info
+
+
+def _levanter_config(info: ModelInfo, hf_config: dict):
+    """The levanter config of the checkpoint's family, from its config.json (as `read_hf_config` reads it)."""
+    from transformers import AutoConfig
+
+    if info.family == "qwen2":  # levanter's Qwen2 reader takes biases from `no_bias`
+        hf_config = {"no_bias": False, **hf_config}
+    return _families()[info.family].from_hf_config(AutoConfig.for_model(**_hf_kwargs(hf_config)))
 
 
 def _fill_missing_qwen2_biases(converter, hf_config: dict) -> None:

@@ -152,22 +152,14 @@ def _sharded_model(config, layout, mesh, backend):
     import haliax as hax
     import jax
 
-    from engine.model.loading import abstract_model, model_info, read_hf_config, resolve_dtype
-    from engine.model.paged_model import ServingModel
-    from engine.model.rope import Rope
+    from engine.model.loading import abstract_model, model_info, resolve_dtype
     from engine.runner import sharding
-
-    scan = backend.scan_layers if config.scan_layers is None else config.scan_layers
+    from engine.runner.model_runner import serving_model
 
     info = model_info(config.model)
-    rope = Rope.from_hf_config(read_hf_config(config.model), info.head_dim)
-
-    def serving(model):
-        if layout.kv_repeats > 1:
-            model = sharding.repeat_kv_heads(model, layout.kv_repeats)
-        return ServingModel.from_levanter(model, rope, scan)
-
-    model, _ = abstract_model(config.model, resolve_dtype(config.dtype, info), serving)
+    scan = backend.scan_layers if config.scan_layers is None else config.scan_layers
+    model, _ = abstract_model(config.model, resolve_dtype(config.dtype, info),
+                              lambda m: serving_model(m, config.model, info, layout, scan))
     shardings = hax.partitioning.infer_resource_partitions(model, layout.axis_mapping, mesh=mesh)
     return jax.tree_util.tree_map(lambda a, s: _with_sharding(a, s or sharding.replicated(mesh)), model, shardings,
                                   is_leaf=lambda x: isinstance(x, hax.NamedArray))

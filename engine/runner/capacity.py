@@ -144,12 +144,12 @@ def plan(config, tensor_parallel_size: int, memory_bytes: int, cache_bytes_per_p
     from engine.backends.base import AttentionBackend
     from engine.model.loading import abstract_model, model_info, resolve_dtype
     from engine.runner import sharding
+    from engine.runner.model_runner import serving_model
 
     info = model_info(config.model)
     layout = sharding.plan_layout(info, tensor_parallel_size)
     dtype = resolve_dtype(config.dtype, info)
-    repeat = (lambda m: sharding.repeat_kv_heads(m, layout.kv_repeats)) if layout.kv_repeats > 1 else (lambda m: m)
-    model, _ = abstract_model(config.model, dtype, repeat)
+    model, _ = abstract_model(config.model, dtype, lambda m: serving_model(m, config.model, info, layout, True))
     weights = weight_bytes_per_device(model, layout.axis_mapping, sharding.MODEL_AXIS, layout.size)
     shape = cache_shape(info, layout, config.page_size, 1, config.kv_cache_dtype or dtype)
     per_page = (cache_bytes_per_page or AttentionBackend().cache_bytes_per_page)(shape) // layout.size

@@ -310,11 +310,8 @@ class ModelRunner:
         KV pool is sized from the memory the serving model leaves."""
         with self._device_context(self._load_mapping()):
             model, info = load_model(config.model, self.dtype)
-            if self.layout.kv_repeats > 1:
-                model = sharding.repeat_kv_heads(model, self.layout.kv_repeats)
             place = functools.partial(sharding.place, layout=self.layout, mesh=self.mesh)
-            rope = Rope.from_hf_config(read_hf_config(config.model), info.head_dim)
-            serving = place(ServingModel.from_levanter(model, rope, self.scan_layers, place))
+            serving = serving_model(model, config.model, info, self.layout, self.scan_layers, place)
             return self.backend.prepare(serving, self.buckets, measure=config.warmup), info
 
     def _load_mapping(self) -> dict[str, str]:
@@ -374,6 +371,17 @@ class ModelRunner:
 
     def _device_context(self, mapping: Optional[dict[str, str]] = None):
         return _MeshContext(self.mesh, self.layout.axis_mapping if mapping is None else mapping)
+
+
+def serving_model(model, model_dir: str, info, layout: sharding.TensorParallelLayout, scan_layers: bool,
+                  place=lambda tree: tree) -> ServingModel:
+    """The serving model a replica makes of a loaded levanter model (or its shapes): KV heads
+    repeated as the layout needs, the checkpoint's RoPE, the layers unrolled or stacked; `place`
+    puts it (each unstacked layer as it is made) on its devices."""
+    if layout.kv_repeats > 1:
+        model = sharding.repeat_kv_heads(model, layout.kv_repeats)
+    rope = Rope.from_hf_config(read_hf_config(model_dir), info.head_dim)
+    return place(ServingModel.from_levanter(model, rope, scan_layers, place))
 
 
 def _to_host(tree: Any) -> Any:
