@@ -9,7 +9,7 @@ The rotary embedding's cos and sin are computed once per step (engine.model.rope
 computes them from config.json) and every layer rotates q and k with them: left to itself, XLA
 fused cos and sin into each layer's rotation and evaluated them for every element of q and k.
 
-Two layer loops (`ServingModel.from_levanter(model, scan_layers)`):
+Two layer loops (`ServingModel.from_levanter(model, rope, scan_layers)`):
 - scanned: one loop over levanter's stacked layers; the program holds one layer, so compile time
   does not grow with depth. The loop indexes the stack rather than slicing it: modules that read
   a stacked weight in place (the cpu backend's packed projections) get the whole stack and the
