@@ -34,7 +34,8 @@ def build_app(args: dict[str, Any]) -> Application:
     )
     silence = {m.model_id: m.stream_silence_timeout_s for m in config.models}
     tasks = {m.model_id: m.task for m in config.models}
-    return ingress.bind(config.api_key, servers, config.limits, config.cors, silence, tasks)
+    roots = {m.model_id: m.source.describe() for m in config.models}
+    return ingress.bind(config.api_key, servers, config.limits, config.cors, silence, tasks, roots)
 
 
 def server_deployment(model: ModelConfig) -> serve.Deployment:

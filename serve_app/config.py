@@ -18,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, field
 
 from engine.core.config import EngineConfig
 from engine.core.request import MAX_TOP_LOGPROBS
-from engine.formats.model_sources import builtin_task
+from engine.formats import hub
+from engine.formats.model_sources import ModelSource, builtin_task
 
-ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model"}
+ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model", "source"}
 
 
 def _json_if_str(value: Any) -> Any:
@@ -34,13 +35,23 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), use_attribute_docstrings=True)
 
     model: str
-    """A local Hugging Face checkpoint directory, a local .gguf file, or a builtin alias such as
-    `smollm2-135m-instruct` (see engine.formats.model_sources)."""
+    """A local Hugging Face checkpoint directory, a local .gguf file, a builtin alias such as
+    `smollm2-135m-instruct`, an `s3://` or `gs://` prefix holding a checkpoint, a Hugging Face Hub
+    repo id such as `Qwen/Qwen3-0.6B`, or (with `levanter_model`) a checkpoint levanter wrote, local
+    or in a bucket (see engine.formats.model_sources)."""
+    revision: Optional[str] = None
+    """For a Hub repo id: the branch, tag or commit to serve (default: main)."""
+    levanter_model: Optional[dict[str, Any] | str] = None
+    """For a levanter checkpoint: the `model:` section of the training config that wrote it (e.g.
+    {type: llama, hidden_dim: 2048, ...}), inline or as the path of that YAML file."""
+    tokenizer: Optional[str] = None
+    """For a levanter checkpoint: its tokenizer, a local checkpoint directory or a Hub repo id."""
     model_id: Optional[str] = None
-    """The name clients send as `model`. Default: the directory name (a .gguf file's stem), or the
-    alias."""
+    """The name clients send as `model`. Default: the repo id, else the directory name (a .gguf
+    file's stem, a URI's last part), or the alias."""
     cache_dir: Optional[str] = None
-    """Where converted/downloaded models are kept on each replica's host (default: the engine's)."""
+    """Where converted/downloaded models are kept on each replica's host (default: the engine's).
+    Hub downloads go to the Hugging Face cache (HF_HUB_CACHE)."""
     task: Literal["auto", "generate", "embed"] = "auto"
     """generate: a text model (/v1/completions, /v1/chat/completions); embed: a sentence encoder
     (/v1/embeddings). auto: embed for a checkpoint in the sentence-transformers layout (modules.json)
@@ -135,7 +146,10 @@ class ModelConfig(BaseModel):
         if unknown:
             raise ValueError(f"unknown engine fields {sorted(unknown)}; known: {sorted(ENGINE_FIELDS)}")
         self.engine = dataclasses.asdict(self.engine_config(self.model))  # validated and converted
-        del self.engine["model"]
+        del self.engine["model"], self.engine["source"]
+        if (self.levanter_model is None) != (self.tokenizer is None):
+            raise ValueError("a levanter checkpoint needs both levanter_model (its training config's model "
+                             "section) and tokenizer; other models carry their own config and tokenizer")
         if self.model_id is None:
             self.model_id = default_model_id(self.model)
         if self.task == "auto":
@@ -151,7 +165,12 @@ class ModelConfig(BaseModel):
 
     def engine_config(self, model_dir: str | Path) -> EngineConfig:
         """The engine's config for a resolved local checkpoint directory."""
-        return TypeAdapter(EngineConfig).validate_python({**self.engine, "model": str(model_dir)})
+        return TypeAdapter(EngineConfig).validate_python({**self.engine, "model": str(model_dir), "source": self.source})
+
+    @property
+    def source(self) -> ModelSource:
+        """Where the model comes from (engine.formats.model_sources resolves it on each host)."""
+        return ModelSource(self.model, self.revision, self.tokenizer, self.levanter_model, self.cache_dir)
 
     @property
     def deployment_name(self) -> str:
@@ -181,7 +200,10 @@ def detect_task(spec: str) -> str:
 
 
 def default_model_id(spec: str) -> str:
-    """A checkpoint directory's name, a .gguf file's stem, or the alias itself."""
+    """A Hub repo id itself, a checkpoint directory's name (a URI's last part), a .gguf file's stem,
+    or the alias itself."""
+    if hub.is_repo_id(spec) and not Path(spec).expanduser().exists():
+        return spec
     path = Path(spec.rstrip("/"))
     return path.stem if path.suffix.lower() == ".gguf" else path.name
 

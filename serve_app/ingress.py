@@ -99,6 +99,8 @@ class ModelBackend(Protocol):
 
     task: str
     """"generate" (completions, chat) or "embed" (embeddings)."""
+    root: Optional[str]
+    """Where the model came from (engine.formats.model_sources.ModelSource.describe), if known."""
 
     def stream(self, request: BaseModel, arrival_time: float) -> AsyncIterator[list[str]]: ...
 
@@ -123,8 +125,8 @@ class HandleBackend:
     a frozen or lost replica never leaves a client waiting."""
 
     def __init__(self, handle: DeploymentHandle, states: ModelStates, model_id: str,
-                 silence_timeout_s: Optional[float] = None, task: str = "generate"):
-        self.task = task
+                 silence_timeout_s: Optional[float] = None, task: str = "generate", root: Optional[str] = None):
+        self.task, self.root = task, root
         self._states, self._model_id = states, model_id
         self._handle = handle
         self._streaming = handle.options(stream=True)
@@ -190,6 +192,7 @@ class LocalBackend:
     def __init__(self, server: Any):
         self.server = server
         self.task = getattr(server, "task", "generate")
+        self.root = getattr(server, "root", None)
 
     def stream(self, request: BaseModel, arrival_time: float) -> AsyncIterator[list[str]]:
         return self.server.stream_chunks(request, arrival_time)
@@ -326,7 +329,7 @@ ROUTE_TASKS = {CompletionRequest: "generate", ChatCompletionRequest: "generate",
 
 async def _card(model_id: str, backend: ModelBackend) -> ModelCard:
     state = await backend.state()
-    return ModelCard(id=model_id, task=backend.task, state=state.state, error=state.reason)
+    return ModelCard(id=model_id, root=backend.root, task=backend.task, state=state.state, error=state.reason)
 
 
 def _backend(backends: dict[str, ModelBackend], model_id: str, request_cls: type[BaseModel]) -> ModelBackend:
@@ -481,15 +484,16 @@ class Ingress:
         cors: Optional[CorsConfig] = None,
         silence_timeouts_s: Optional[dict[str, float]] = None,
         tasks: Optional[dict[str, str]] = None,
+        roots: Optional[dict[str, str]] = None,
     ):
         route_logs_to_replica_log()  # a model that fails to start is logged here, once
         key = api_key.get_secret_value() if api_key is not None else None
-        silence, tasks = silence_timeouts_s or {}, tasks or {}
+        silence, tasks, roots = silence_timeouts_s or {}, tasks or {}, roots or {}
         app_name = serve.get_replica_context().app_name
         states = ModelStates({model_id: h.deployment_name for model_id, h in servers.items()},
                              functools.partial(serve_status, app_name))
-        backends = {model_id: HandleBackend(h, states, model_id, silence.get(model_id), tasks.get(model_id, "generate"))
-                    for model_id, h in servers.items()}
+        backends = {model_id: HandleBackend(h, states, model_id, silence.get(model_id), tasks.get(model_id, "generate"),
+                                            roots.get(model_id)) for model_id, h in servers.items()}
         self._app = create_app(backends, key, limits, cors)
 
         watcher: list[asyncio.Task] = []  # held: a task nobody references may be collected

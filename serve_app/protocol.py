@@ -760,6 +760,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "jax-serve"
+    root: Optional[str] = None
+    """vLLM's field: where the model came from, e.g. a Hub repo id at its revision
+    ("Qwen/Qwen3-0.6B@main"), an s3:// or gs:// URI, a local path, a builtin alias."""
     task: Task = "generate"
     """This server's extension: which routes serve the model."""
     state: Literal["ready", "starting", "failed"] = "ready"

@@ -34,6 +34,7 @@ class Replica:
 
     task: str
     model_id: str
+    root: str
     prompts: PromptTokenizer
     metrics: ServerMetrics
 
@@ -46,8 +47,8 @@ class Replica:
         route_logs_to_replica_log()
         if config.engine_niceness is not None:
             set_thread_niceness(config.engine_niceness)
-        model_dir = resolve_model(config.model, config.cache_dir)
-        self.model_id = config.model_id
+        model_dir = resolve_model(config.source)
+        self.model_id, self.root = config.model_id, config.source.describe()
         self.prompts = PromptTokenizer(str(model_dir), config.model_id)
         engine_config = config.engine_config(model_dir)
         return model_dir, engine_config, import_engine_class(config.engine_cls)(engine_config)

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from engine.core.config import EngineConfig
+from engine.formats.model_sources import ModelSource
 from serve_app.config import AppConfig, CorsConfig, ModelConfig, RequestLimits, default_model_id
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
@@ -31,9 +32,32 @@ def test_flat_command_line_args_configure_one_model():
     assert config.api_key.get_secret_value() == "k"
     assert (model.model_id, model.num_replicas, model.resources) == ("my-model", 2, {"TPU": 4.0})
     assert model.engine_config("/resolved") == EngineConfig(
-        model="/resolved", max_num_seqs=8, enable_prefix_caching=False
+        model="/resolved", source=ModelSource("/ckpt/my-model/"), max_num_seqs=8, enable_prefix_caching=False
     )
     assert model.deployment_name == "ModelServer-my-model"
+
+
+def test_remote_sources_name_their_models_and_travel_to_the_engine():
+    config = AppConfig.from_args({"models": [
+        {"model": "Qwen/Qwen3-0.6B", "revision": "v1"},
+        {"model": "s3://bucket/team/llama-3b/"},
+        {"model": "gs://bucket/run/checkpoints", "levanter_model": {"type": "llama"}, "tokenizer": "org/tok"},
+    ]})
+    hub, s3, levanter = config.models
+    assert [m.model_id for m in config.models] == ["Qwen/Qwen3-0.6B", "llama-3b", "checkpoints"]
+    assert hub.deployment_name == "ModelServer-Qwen-Qwen3-0.6B"
+    assert [m.source.describe() for m in config.models] == [
+        "Qwen/Qwen3-0.6B@v1", "s3://bucket/team/llama-3b/", "levanter:gs://bucket/run/checkpoints"]
+    assert hub.engine_config("/hf/snapshot").source == ModelSource("Qwen/Qwen3-0.6B", revision="v1")
+    assert "source" not in hub.engine and "model" not in hub.engine
+    assert levanter.source.tokenizer == "org/tok" and levanter.source.levanter_model == {"type": "llama"}
+
+
+def test_a_levanter_checkpoint_needs_its_model_config_and_tokenizer():
+    with pytest.raises(ValueError, match="a levanter checkpoint needs both levanter_model .* and tokenizer"):
+        AppConfig.from_args({"model": "/ckpts/run", "levanter_model": {"type": "llama"}})
+    with pytest.raises(ValueError, match="unknown engine fields \\['source'\\]"):
+        AppConfig.from_args({"model": "/ckpt", "engine": {"source": "x"}})
 
 
 def test_a_models_list_serves_several():
@@ -60,7 +84,7 @@ def test_default_model_ids(spec, model_id):
         ({"model": "m", "engine": {"max_num_sequences": 8}}, "unknown engine fields ['max_num_sequences']"),
         ({"model": "m", "num_replica": 2}, "Extra inputs are not permitted"),
         ({"model": "m", "engine_cls": "engine.llm_engine.LLMEngine"}, "engine_cls must look like 'module:Class'"),
-        ({"models": [{"model": "a"}, {"model": "x/a"}]}, "model ids must be unique"),
+        ({"models": [{"model": "a"}, {"model": "/x/a"}]}, "model ids must be unique"),
     ],
 )
 def test_bad_args_say_what_to_change(args, message):

@@ -2,8 +2,9 @@
 driven through HTTP by the official `openai` client (and httpx where exact bytes matter).
 
 Ray Serve starts once for the whole session (`serving`) and is shut down at its end. The app serves
-the checkpoint twice, on one device and split over two (tensor_parallel_size 2), a Llama with 8
-query heads on a replica over two host processes (num_hosts 2), and a slow fake engine whose
+the checkpoint twice, on one device and split over two (tensor_parallel_size 2, read from an S3
+bucket: moto's server), a Llama with 8 query heads on a replica over two host processes (num_hosts 2,
+downloaded from a Hugging Face Hub repo: tests/hub_server.py), and a slow fake engine whose
 requests can hold a replica's slots (the 429 test). It has an API key, so every /v1
 call authenticates, and small bounds (8 ongoing requests per replica, 8 queued) so that the 429
 path can be reached. (Ray Serve counts a request as queued until it is assigned to a
@@ -23,6 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 from fake_engine import FAIL, FAULT_MARK, HANG
+from hub_server import HubServer
+from s3_server import S3Server
 from serving_helpers import engine_worker_processes, model_server_processes, wait_for
 
 openai = pytest.importorskip("openai")
@@ -34,10 +37,14 @@ pytestmark = pytest.mark.integration
 API_KEY = "test-key"
 MODEL = "tiny-llama"
 MODEL_TP2 = "tiny-llama-tp2"
-"""The same checkpoint on a replica that splits it over 2 host devices (tensor_parallel_size 2)."""
+"""The same checkpoint, copied from `S3_URI`, on a replica that splits it over 2 host devices
+(tensor_parallel_size 2)."""
+S3_URI = "s3://models/team/tiny-llama"
 MODEL_2HOSTS = "tiny-llama-2hosts"
-"""A Llama with 8 query / 2 KV heads on a replica over two host processes (num_hosts 2): the leader
-schedules, two EngineWorkers with 2 host CPU devices each hold it split over 4 (gloo collectives)."""
+"""A Llama with 8 query / 2 KV heads, downloaded from the Hub repo `HUB_REPO`, on a replica over two
+host processes (num_hosts 2): the leader schedules, two EngineWorkers with 2 host CPU devices each
+hold it split over 4 (gloo collectives)."""
+HUB_REPO = "test-org/tiny-llama-8heads"
 EIGHT_HEADS = dict(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
 MODEL_SLOW = "slow-fake"
 """A replica whose engine is tests/fake_engine.py's SlowFakeEngine (20 ms a step): requests that
@@ -62,7 +69,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def serving(checkpoint_factory):
+def serving(checkpoint_factory, tmp_path_factory):
     import ray
     from ray import serve
 
@@ -72,6 +79,13 @@ def serving(checkpoint_factory):
 
     checkpoint = checkpoint_factory("llama")
     eight_heads = checkpoint_factory("llama", **EIGHT_HEADS)
+    sources = contextlib.ExitStack()  # the Hub and the S3 bucket that two of the models come from
+    hub = HubServer()
+    sources.callback(hub.close)
+    hub.add(HUB_REPO, eight_heads)
+    hub_env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path_factory.mktemp("hf"))}
+    s3 = sources.enter_context(S3Server())
+    s3.upload(checkpoint, S3_URI)
     # the default app's embedding model, as deploy/config.yaml configures it (compiled on first use)
     embedder = yaml.safe_load(DEFAULT_APP.read_text())["applications"][0]["args"]["models"][1]
     port = free_port()
@@ -79,17 +93,19 @@ def serving(checkpoint_factory):
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         engine = {"max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN, "max_num_batched_tokens": 256, "prefill_chunk": 64}
-        tp2 = {"tensor_parallel_size": 2, "warmup": False,
-               "env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}}
-        two_hosts = {**tp2, "num_hosts": 2, "tensor_parallel_size": 4, "num_cpus": 0.4, "health_check_period_s": 1}
+        two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+        tp2 = {"tensor_parallel_size": 2, "warmup": False, "env_vars": two_devices}
+        two_hosts = {**tp2, "num_hosts": 2, "tensor_parallel_size": 4, "num_cpus": 0.4, "health_check_period_s": 1,
+                     "env_vars": {**two_devices, **hub_env}}
+        from_s3 = {"env_vars": {**two_devices, **s3.env}, "cache_dir": str(tmp_path_factory.mktemp("models"))}
         app = build_app(
             {
                 "api_key": API_KEY,
                 "models": [
                     {"model": str(checkpoint), "model_id": MODEL, **engine, "max_ongoing_requests": MAX_ONGOING,
                      "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
-                    {"model": str(checkpoint), "model_id": MODEL_TP2, **engine, **tp2, "stream_batch_ms": 5},
-                    {"model": str(eight_heads), "model_id": MODEL_2HOSTS, **engine, **two_hosts, "stream_batch_ms": 5},
+                    {"model": S3_URI, "model_id": MODEL_TP2, **engine, **tp2, **from_s3, "stream_batch_ms": 5},
+                    {"model": HUB_REPO, "model_id": MODEL_2HOSTS, **engine, **two_hosts, "stream_batch_ms": 5},
                     {"model": str(checkpoint), "model_id": MODEL_SLOW, **engine, "engine_cls": "fake_engine:SlowFakeEngine",
                      "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "max_ongoing_requests": MAX_ONGOING,
                      "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
@@ -109,10 +125,13 @@ def serving(checkpoint_factory):
             tokenizer=transformers.AutoTokenizer.from_pretrained(checkpoint),
             model=transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval(),
             eight_heads=transformers.AutoModelForCausalLM.from_pretrained(eight_heads, dtype=torch.float32).eval(),
+            checkpoint=checkpoint,
+            hub=hub,
         )
     finally:
         serve.shutdown()
         ray.shutdown()
+        sources.close()
 
 
 @pytest.fixture(scope="session")
@@ -289,10 +308,22 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(serving, client,
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt_ids), max_tokens)
 
 
-def test_models(client):
+def test_models(client, serving):
     assert [m.id for m in client.models.list().data] == [MODEL, MODEL_TP2, MODEL_2HOSTS, MODEL_SLOW, MODEL_FAULTY,
                                                          "all-minilm-l6-v2"]
     assert client.models.retrieve(MODEL).id == MODEL
+    roots = {m.id: m.model_extra["root"] for m in client.models.list().data}
+    assert roots == {MODEL: str(serving.checkpoint), MODEL_TP2: S3_URI, MODEL_2HOSTS: f"{HUB_REPO}@main",
+                     MODEL_SLOW: str(serving.checkpoint), MODEL_FAULTY: str(serving.checkpoint),
+                     "all-minilm-l6-v2": "all-minilm-l6-v2"}
+
+
+def test_a_hub_model_on_two_hosts_was_downloaded_once(serving):
+    """The leader fetched the repo; the workers (same host here) found its directory instead of fetching."""
+    assert sorted(name for _, name in serving.hub.downloads) == sorted(
+        ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+         "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"])
+    assert set(serving.hub.downloads.values()) == {1}
 
 
 # ---- errors ----

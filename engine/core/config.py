@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional
 
+from engine.formats.model_sources import ModelSource
+
 DType = Literal["float32", "bfloat16"]
 AttentionBackendName = Literal["auto", "cpu", "xla", "tpu"]
 
@@ -18,6 +20,9 @@ class EngineConfig:
     Mistral model (LLMEngine), or of a BERT sentence encoder (EmbeddingEngine: it reads `dtype`,
     `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, `warmup`, `compilation_cache_dir`,
     `step_timeout_s`)."""
+    source: Optional[ModelSource] = None
+    """Where `model` came from (the serving layer sets it): a host of a multi-host replica that
+    lacks the `model` directory fetches it from there into its own cache before it loads."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights and activations. auto: the checkpoint's own, as its config.json declares it
     (float16 served as bfloat16). bfloat16 halves memory; matmuls accumulate in float32. On the cpu

@@ -29,15 +29,18 @@ group made here (an engine outside Ray Serve). Groups made here die with the lea
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 from engine.core.buckets import Bucket
 from engine.core.config import EngineConfig
 from engine.core.step_plan import StepOutput, StepPlan
+from engine.formats.model_sources import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,11 @@ class EngineWorker:
         self.process_id = process_id
         self.runner = None
         self._handles: dict[int, Any] = {}
+
+    def fetch_model(self) -> str:
+        """Make the checkpoint local to this host (see `local_model`); returns its directory."""
+        self.config = local_model(self.config)
+        return self.config.model
 
     def coordinator_address(self) -> str:
         """Worker 0 only: host:port of the `jax.distributed` coordinator it will start."""
@@ -166,6 +174,8 @@ class MultiHostExecutor:
             strategy = PlacementGroupSchedulingStrategy(group, first + i)
             self.workers.append(actor.options(num_cpus=bundle.get("CPU", 0), resources=extra,
                                               scheduling_strategy=strategy).remote(config, i))
+        # no step timeout here: a host may download a large checkpoint first (each logs its progress)
+        ray.get([w.fetch_model.remote() for w in self.workers])
         address = ray.get(self.workers[0].coordinator_address.remote(), timeout=self._timeout)
         started = ray.get([w.start.remote(address) for w in self.workers], timeout=self._timeout)
         info = started[0]
@@ -293,6 +303,16 @@ def _node_labels() -> dict[str, str]:
     import ray
 
     return dict(ray.get_runtime_context().get_node_labels())
+
+
+def local_model(config: EngineConfig) -> EngineConfig:
+    """`config` with `model` a checkpoint directory on this host: the leader's path where this host
+    sees it too (the same host, a shared file system), else the source fetched into this host's
+    cache (engine.formats.model_sources)."""
+    if Path(config.model).is_dir() or config.source is None:
+        return config
+    logger.info("%s is not on this host; fetching %s", config.model, config.source.describe())
+    return dataclasses.replace(config, model=str(resolve_model(config.source)))
 
 
 def _node_ip() -> str:

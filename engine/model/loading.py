@@ -1,8 +1,9 @@
 """Loading local Hugging Face checkpoints into levanter models, one entry per model family.
 
 A family is a (config.json `model_type`, levanter config class) pair; levanter's HF converter reads
-the safetensors weights. Loading happens under the engine's device mesh (levanter needs one) and
-fully offline: the path is made absolute so it is never mistaken for a hub repo id.
+the safetensors weights. Loading happens under the engine's device mesh (levanter needs one) from a
+local directory (engine.formats.model_sources fetched it): the path is made absolute so it is never
+mistaken for a Hub repo id.
 """
 
 from __future__ import annotations
@@ -10,15 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import haliax as hax
+import jax.numpy as jnp
 
-import haliax as hax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from engine.formats.transformers_files import hf_config, load_tokenizer  # noqa: E402
+from engine.formats.transformers_files import hf_config, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
