@@ -38,6 +38,12 @@ def needed_files(names: list[str]) -> list[str]:
     return sorted(keep)
 
 
+def tokenizer_files(names: list[str]) -> list[str]:
+    """The subset of a checkpoint's file names that a tokenizer (and its chat template) needs."""
+    return [name for name in needed_files(names) if not name.endswith((".safetensors", ".bin"))
+            and name != SAFETENSORS_INDEX]
+
+
 def missing_shards(path: Path) -> list[str]:
     """Weight shards that `path`'s safetensors index names but the directory lacks (an interrupted
     download, a partial copy)."""

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from engine.formats.checkpoint_files import needed_files
+from engine.formats.checkpoint_files import needed_files, tokenizer_files
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,9 @@ def is_repo_id(spec: str) -> bool:
     return bool(_REPO_ID.match(spec)) and ".." not in spec and "--" not in spec and not spec.lower().endswith(".gguf")
 
 
-def fetch(repo_id: str, revision: Optional[str] = None) -> Path:
-    """The local snapshot directory of `repo_id` at `revision` (default: main), downloaded if needed."""
+def fetch(repo_id: str, revision: Optional[str] = None, tokenizer_only: bool = False) -> Path:
+    """The local snapshot directory of `repo_id` at `revision` (default: main), downloaded if needed:
+    the checkpoint, or only its tokenizer files."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub import errors as hub_errors
     from requests.exceptions import ConnectionError as Unreachable, Timeout
@@ -56,8 +57,10 @@ def fetch(repo_id: str, revision: Optional[str] = None) -> Path:
         raise ValueError(f"{repo_id} has no revision {revision!r} on {constants.ENDPOINT}: set `revision` to a "
                          "branch, tag or commit of that repo") from None
     sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
-    files = needed_files(list(sizes))
-    if "config.json" not in files:
+    files = (tokenizer_files if tokenizer_only else needed_files)(list(sizes))
+    if tokenizer_only and not {"tokenizer.json", "tokenizer_config.json"} & set(files):
+        raise ValueError(f"{where} has no tokenizer.json or tokenizer_config.json: it holds no tokenizer")
+    if not tokenizer_only and "config.json" not in files:
         raise ValueError(f"{where} has no config.json: it is not a Hugging Face model checkpoint")
     return _download(repo_id, revision, info.sha, {name: sizes[name] for name in files})
 
