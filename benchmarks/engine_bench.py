@@ -63,7 +63,7 @@ def copy_bandwidth(gib: int = 4, repeats: int = 10) -> float:
     import jax
     import jax.numpy as jnp
 
-    x = jnp.zeros((gib << 29,), jnp.bfloat16)
+    x = jnp.zeros((gib << 28,), jnp.float32)  # float32: XLA's CPU backend widens bfloat16 arithmetic
     add = jax.jit(lambda a: a + 1)
     add(x).block_until_ready()
     times = []
@@ -72,6 +72,17 @@ def copy_bandwidth(gib: int = 4, repeats: int = 10) -> float:
         add(x).block_until_ready()
         times.append(time.perf_counter() - t0)
     return 2 * x.nbytes / statistics.median(times)
+
+
+def served_weight_bytes(engine, model: Path) -> int:
+    """The bytes of the weights as the engine serves them (quantized, packed); the checkpoint's
+    files when the model lives in other processes."""
+    import jax
+
+    runner = getattr(engine.executor, "runner", None)
+    if runner is None:
+        return sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(runner.model) if isinstance(leaf, jax.Array))
 
 
 BENCH_SCHEMA = '{"type": "array", "items": {"type": "string"}, "minItems": 100000}'
@@ -145,7 +156,8 @@ def engine_config(args, model: Path, seqs: int, max_model_len: int) -> EngineCon
     optional = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}
     if args.scan_layers != "auto":
         optional["scan_layers"] = args.scan_layers == "true"
-    return EngineConfig(model=str(model), dtype=args.dtype, page_size=args.page_size, max_num_seqs=seqs,
+    return EngineConfig(model=str(model), dtype=args.dtype, quantization=args.quantization,
+                        page_size=args.page_size, max_num_seqs=seqs,
                         max_num_batched_tokens=max(seqs, args.max_num_batched_tokens), max_model_len=max_model_len,
                         attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
                         cpu_matmul=args.cpu_matmul, num_hosts=args.num_hosts, num_pages=args.num_pages, **optional)
@@ -160,6 +172,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--quantization", default=None, choices=["int8"], help="weight-only quantization")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per row per step (default: the budget)")
@@ -253,7 +266,7 @@ def main(argv=None) -> None:
     if args.num_hosts > 1 and args.one_engine:
         engine.shutdown()
     if bandwidth:
-        weight_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        weight_bytes = served_weight_bytes(engine, model)
         bound_ms = 1000 * weight_bytes / bandwidth
         print(f"weights {weight_bytes / 1e9:.3f} GB, copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
               f"batch-1 bound {bound_ms:.3f} ms" + (f", batch-1 step {step_ms[1]:.3f} ms = "

@@ -1,5 +1,5 @@
-"""The CPU kernels against numpy: matmul (float32 and bfloat16 weights, every row/depth tail),
-PackedLinear against haliax's Linear, FusedLinear against its parts, silu_mul against
+"""The CPU kernels against numpy: matmul (float32, bfloat16 and int8 weights, every row/depth tail),
+PackedLinear against haliax's Linear and the int8 Linear, FusedLinear against its parts, silu_mul against
 silu(g) * u, argmax against numpy's, paged attention against a dense reference and, over a mixed
 step's per-token tables, against the XLA path's masked decode and causal prefill einsums."""
 
@@ -44,6 +44,38 @@ def test_xla_matmul_reads_the_same_packed_weights(dtype):
     rounded = [np.asarray(jnp.asarray(a).astype(dtype).astype(jnp.float32), np.float64) for a in (x, w)]
     assert got.shape == (37, 96) and got.dtype == np.float32
     np.testing.assert_allclose(got, rounded[0] @ rounded[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (1, 1027, 32), (5, 100, 48), (7, 1030, 256), (100, 600, 96)])
+def test_int8_matmul_equals_numpy_on_both_paths(m, k, n):
+    """int8 weights (their integer values; callers scale the columns) on the kernel and XLA's dot."""
+    rng = np.random.default_rng(m * 1000 + k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    packed = pack(jnp.asarray(w), jnp.int8)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(jax.jit(matmul)(jnp.asarray(x), packed)), want, rtol=1e-4, atol=1e-2)
+    x_rounded = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    got = np.asarray(jax.jit(xla_matmul)(jnp.asarray(x), packed))  # x in bfloat16, as for bfloat16 weights
+    np.testing.assert_allclose(got, x_rounded @ w.astype(np.float64), rtol=1e-4, atol=1e-2)
+
+
+def test_packed_int8_linears_equal_the_int8_linear_fused_or_not():
+    from engine.model.quantize import Int8Linear
+
+    Pos, Embed = hax.Axis("position", 6), hax.Axis("embed", 40)
+    Heads, KV, Dim = hax.Axis("heads", 3), hax.Axis("kv_head", 1), hax.Axis("head_size", 16)
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    linears = [Int8Linear.from_linear(hnn.Linear.init(In=Embed, Out=Out, key=key, use_bias=bias))
+               for Out, key, bias in [((Heads, Dim), keys[0], False), ((KV, Dim), keys[1], True), ((KV, Dim), keys[2], False)]]
+    x = hax.random.normal(keys[3], (Pos, Embed))
+    parts = [PackedLinear.from_linear(linear, jnp.float32) for linear in linears]
+    assert all(part.weight.dtype == jnp.int8 for part in parts)
+    for linear, part, fused in zip(linears, parts, jax.jit(lambda f, x: f(x))(FusedLinear.fuse(parts), x)):
+        want = linear(x)
+        assert part(x).axes == fused.axes == want.axes
+        np.testing.assert_allclose(np.asarray(part(x).array), np.asarray(want.array), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(fused.array), np.asarray(want.array), rtol=1e-5, atol=1e-5)
 
 
 def test_pack_rejects_widths_off_the_panel():

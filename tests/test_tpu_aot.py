@@ -77,6 +77,19 @@ def test_every_step_program_compiles_for_the_topology(tiny_dir, tmp_path, topolo
     assert abs(report["planner_error"]) < 0.05
 
 
+def test_int8_weights_compile_for_a_tpu_at_half_the_bytes(tiny_dir, tmp_path):
+    """Every program compiles with int8 weights; per chip they take the planner's figure, half of
+    bfloat16's plus a float32 scale per output channel."""
+    report = aot(tiny_dir, "v5e:2x2", 4, tmp_path / "report.json", "--quantization", "int8")
+    assert len(report["programs"]) == 14 and report["fits"] is True
+    memory = capacity.TPU_CHIPS["v5e"].hbm_bytes
+    bf16 = capacity.plan(EngineConfig(model=str(tiny_dir), **ENGINE), 4, memory)
+    int8 = capacity.plan(EngineConfig(model=str(tiny_dir), quantization="int8", **ENGINE), 4, memory)
+    assert report["weight_bytes"] == report["planned_weight_bytes"] == int8.weight_bytes
+    assert 0.5 < int8.weight_bytes / bf16.weight_bytes < 0.56
+    assert int8.loading_extra_bytes >= bf16.weight_bytes  # the bfloat16 weights load first
+
+
 def test_a_slice_too_small_for_the_model_is_reported_not_fitting(tiny_dir, tmp_path):
     """Llama-3.1-70B's shapes on one v5e chip: the weights alone exceed its HBM. The planner says so
     (70.55 billion bfloat16 weights), and libtpu's compiler refuses the first program."""

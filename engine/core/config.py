@@ -27,6 +27,11 @@ class EngineConfig:
     """Weights and activations. auto: the checkpoint's own, as its config.json declares it
     (float16 served as bfloat16). bfloat16 halves memory; matmuls accumulate in float32. On the cpu
     attention backend, activations stay float32 whatever the weights' dtype."""
+    quantization: Optional[Literal["int8"]] = None
+    """Weight-only quantization made at load time from the checkpoint's float weights. int8: every
+    linear layer's weight (and the token embedding) as int8 with a float32 scale per output channel
+    (engine/model/quantize.py): about half of bfloat16's weight memory and of the bytes a decode
+    step reads. Activations, norms and the KV cache keep `dtype`. None: the weights as loaded."""
     kv_cache_dtype: Optional[DType] = None
     """The KV cache's dtype; None: the weights' dtype. bfloat16 halves the cache (twice the
     tokens in the same memory) and the bytes attention reads per cached token; scores and sums
@@ -138,5 +143,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.kv_cache_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be None, 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")

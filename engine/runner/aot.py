@@ -159,7 +159,8 @@ def _sharded_model(config, layout, mesh, backend):
     info = model_info(config.model)
     scan = backend.scan_layers if config.scan_layers is None else config.scan_layers
     model, _ = abstract_model(config.model, resolve_dtype(config.dtype, info),
-                              lambda m: serving_model(m, config.model, info, layout, scan))
+                              lambda m: serving_model(m, config.model, info, layout, scan,
+                                                      quantization=config.quantization))
     shardings = hax.partitioning.infer_resource_partitions(model, layout.axis_mapping, mesh=mesh)
     return jax.tree_util.tree_map(lambda a, s: _with_sharding(a, s or sharding.replicated(mesh)), model, shardings,
                                   is_leaf=lambda x: isinstance(x, hax.NamedArray))
@@ -302,6 +303,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="chips the replica spans (default: every chip of the topology)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-dtype", default=None)
+    parser.add_argument("--quantization", default=None, choices=["int8"], help="weight-only quantization")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -315,7 +317,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     chips = len(topology_devices(args.topology, args.chips_per_host))
     config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          quantization=args.quantization, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, page_size=args.page_size, attention_backend="tpu",
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           tensor_parallel_size=args.tensor_parallel_size or chips, compilation_cache_dir=None)

@@ -57,6 +57,8 @@ class CapacityPlan:
     """Configured KV pages (0: from the memory the weights leave, as the engine sizes its pool)."""
     loading_extra_bytes: int = 0
     """What loading holds for a while beyond the weights' share (`_loading_extra`)."""
+    loading_extra_why: str = ""
+    """Why loading holds `loading_extra_bytes`, for the message."""
 
     @property
     def pages(self) -> int:
@@ -92,8 +94,8 @@ class CapacityPlan:
                     f"{self.tensor_parallel_size}, more than the {gib(self.memory_bytes)} a device has")
         if self.weight_bytes + self.loading_extra_bytes >= self.memory_bytes:
             return (f"loading takes {gib(self.weight_bytes + self.loading_extra_bytes)} per device at "
-                    f"tensor_parallel_size={self.tensor_parallel_size} (the k and v projections load whole, then are "
-                    f"repeated for the devices), more than the {gib(self.memory_bytes)} a device has")
+                    f"tensor_parallel_size={self.tensor_parallel_size} ({self.loading_extra_why}), more than the "
+                    f"{gib(self.memory_bytes)} a device has")
         if self.num_pages and self.weight_bytes + self.kv_bytes > self.memory_bytes:
             return (f"the weights ({gib(self.weight_bytes)}) and num_pages={self.num_pages} KV pages "
                     f"({gib(self.kv_bytes)}) take more than the {gib(self.memory_bytes)} a device has")
@@ -149,23 +151,34 @@ def plan(config, tensor_parallel_size: int, memory_bytes: int, cache_bytes_per_p
     info = model_info(config.model)
     layout = sharding.plan_layout(info, tensor_parallel_size)
     dtype = resolve_dtype(config.dtype, info)
-    model, _ = abstract_model(config.model, dtype, lambda m: serving_model(m, config.model, info, layout, True))
-    weights = weight_bytes_per_device(model, layout.axis_mapping, sharding.MODEL_AXIS, layout.size)
+
+    def weights(quantization):
+        model, _ = abstract_model(config.model, dtype, lambda m: serving_model(m, config.model, info, layout, True,
+                                                                              quantization=quantization))
+        return weight_bytes_per_device(model, layout.axis_mapping, sharding.MODEL_AXIS, layout.size)
+
     shape = cache_shape(info, layout, config.page_size, 1, config.kv_cache_dtype or dtype)
     per_page = (cache_bytes_per_page or AttentionBackend().cache_bytes_per_page)(shape) // layout.size
-    return CapacityPlan(layout.size, weights, per_page, memory_bytes, config.page_size, max_model_len(config, info),
-                        config.kv_cache_memory_fraction, config.num_pages, _loading_extra(info, layout, dtype))
+    extra, why = _loading_extra(info, layout, dtype, weights(None) if config.quantization else 0)
+    return CapacityPlan(layout.size, weights(config.quantization), per_page, memory_bytes, config.page_size,
+                        max_model_len(config, info), config.kv_cache_memory_fraction, config.num_pages, extra, why)
 
 
-def _loading_extra(info, layout, dtype) -> int:
-    """Bytes a device holds while loading beyond its share of the weights: with KV heads repeated,
-    the k and v projections load whole on every device and are repeated whole before they split."""
+def _loading_extra(info, layout, dtype, unquantized_bytes: int) -> tuple[int, str]:
+    """(bytes a device holds while loading beyond its share of the served weights, why): with KV
+    heads repeated, the k and v projections load whole on every device and are repeated whole
+    before they split; quantized weights are made from the checkpoint's, loaded first."""
     import numpy as np
 
-    if layout.kv_repeats == 1:
-        return 0
-    whole = info.num_layers * 2 * info.hidden_size * info.num_kv_heads * info.head_dim * np.dtype(dtype).itemsize
-    return (1 + layout.kv_repeats) * whole - layout.kv_repeats * whole // layout.size
+    extra, why = 0, []
+    if layout.kv_repeats > 1:
+        whole = info.num_layers * 2 * info.hidden_size * info.num_kv_heads * info.head_dim * np.dtype(dtype).itemsize
+        extra += (1 + layout.kv_repeats) * whole - layout.kv_repeats * whole // layout.size
+        why.append("the k and v projections load whole, then are repeated for the devices")
+    if unquantized_bytes:
+        extra += unquantized_bytes
+        why.append(f"the weights load in {dtype} before they are quantized")
+    return extra, "; ".join(why)
 
 
 def tensor_parallel_sizes(config, devices: int) -> list[int]:

@@ -40,6 +40,7 @@ from engine.core.config import EngineConfig
 from engine.core.grammar import mask_words
 from engine.core.step_plan import WARM_SAMPLER_SWITCHES, SamplerSwitches, StepOutput, StepPlan, empty_step_plan
 from engine.model.loading import load_model, model_info, read_hf_config, resolve_dtype
+from engine.model.quantize import quantize_model
 from engine.model.paged_model import ServingModel, forward, logits_at, unembed
 from engine.model.rope import Rope
 from engine.runner import capacity, sharding
@@ -286,6 +287,7 @@ class ModelRunner:
             "attention_backend": self.backend.name,
             "dtype": self.dtype,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "quantization": self.config.quantization or "none",
             "tensor_parallel_size": str(self.layout.size),
             "num_devices": str(len(devices)),
             "device_kind": devices[0].device_kind,
@@ -311,7 +313,8 @@ class ModelRunner:
         with self._device_context(self._load_mapping()):
             model, info = load_model(config.model, self.dtype)
             place = functools.partial(sharding.place, layout=self.layout, mesh=self.mesh)
-            serving = serving_model(model, config.model, info, self.layout, self.scan_layers, place)
+            serving = serving_model(model, config.model, info, self.layout, self.scan_layers, place,
+                                    config.quantization)
             return self.backend.prepare(serving, self.buckets, measure=config.warmup), info
 
     def _load_mapping(self) -> dict[str, str]:
@@ -374,12 +377,14 @@ class ModelRunner:
 
 
 def serving_model(model, model_dir: str, info, layout: sharding.TensorParallelLayout, scan_layers: bool,
-                  place=lambda tree: tree) -> ServingModel:
+                  place=lambda tree: tree, quantization: Optional[str] = None) -> ServingModel:
     """The serving model a replica makes of a loaded levanter model (or its shapes): KV heads
-    repeated as the layout needs, the checkpoint's RoPE, the layers unrolled or stacked; `place`
-    puts it (each unstacked layer as it is made) on its devices."""
+    repeated as the layout needs, weights quantized as `quantization` says, the checkpoint's
+    RoPE, the layers unrolled or stacked; `place` puts it (each unstacked layer as it is made) on
+    its devices."""
     if layout.kv_repeats > 1:
         model = sharding.repeat_kv_heads(model, layout.kv_repeats)
+    model = quantize_model(model, quantization)
     rope = Rope.from_hf_config(read_hf_config(model_dir), info.head_dim)
     return place(ServingModel.from_levanter(model, rope, scan_layers, place))
 

@@ -74,3 +74,29 @@ def test_the_tpu_kernel_split_over_two_devices_answers_as_transformers_does(chec
     assert engine.executor.runner.backend.interpret
     assert shard_shapes(engine.executor.runner.cache.pages) == [(2 * 40, 4, 2, 128)] * 2  # one KV head each
     assert_greedy_parity(engine, model_dir)
+
+
+def test_int8_weights_split_like_their_float_originals_and_answer_as_on_one_device(checkpoint_factory):
+    """Quantized at load, then split: each device holds its share of the int8 weights and of their
+    scales, and the greedy tokens equal the unsplit int8 engine's."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from parity import make_prompts, run_to_completion, tokens_of
+
+    from engine.core.request import SamplingParams
+
+    config = EngineConfig(model=str(checkpoint_factory("qwen3", **EIGHT_HEADS)), quantization="int8",
+                          attention_backend="xla", **TIGHT)
+    prompts = make_prompts([5, 30, 12], seed=4)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    answers = []
+    for tp in (1, 4):
+        engine = LLMEngine(dataclasses.replace(config, tensor_parallel_size=tp))
+        deltas = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+        answers.append([tokens_of(deltas[str(i)]) for i in range(len(prompts))])
+    assert answers[0] == answers[1]
+    q, down = engine.executor.runner.model.layers[0].self_attn.q_proj, engine.executor.runner.model.layers[0].mlp.down_proj
+    assert q.weight.dtype == jnp.int8 and engine.describe()["quantization"] == "int8"
+    assert shard_shapes(q.weight.array) == [(128, 1, 2, 16)] * 4 and shard_shapes(q.scale.array) == [(1, 2, 16)] * 4
+    assert shard_shapes(down.weight.array) == [(64, 128)] * 4 and shard_shapes(down.scale.array) == [(128,)] * 4

@@ -3,7 +3,7 @@ on CPU. One device only: the FFI calls have no partitioning rule.
 
 - Weights: every linear layer whose output size is a multiple of 16, and the LM head (tied or not),
   becomes a `PackedLinear` (16-column panels in the weights' dtype, streamed by a register-blocked
-  matmul that widens bf16 in registers); q/k/v and a SwiGLU MLP's gate/up are fused into one
+  matmul that widens bf16 and int8 in registers; int8 weights' column scales multiply its output); q/k/v and a SwiGLU MLP's gate/up are fused into one
   `FusedLinear` each, so a layer makes four matmul calls instead of seven. Each product shape runs
   on the kernel or on XLA's dot, whichever is faster on this machine (engine.backends.cpu.matmul_choice).
 - Activations are float32 whatever the weights' dtype (XLA's bf16 converts are slow on CPU).
@@ -36,6 +36,7 @@ from engine.backends.cpu.kernels import PANEL, FusedLinear, PackedLinear, silu_m
 from engine.backends.cpu.matmul_choice import XLA, MatmulChooser, Product
 from engine.backends.xla import SplitKVCache, XlaBackend
 from engine.core.buckets import ShapeBuckets
+from engine.model.quantize import Int8Embedding, Int8Linear
 
 
 class CpuBackend(XlaBackend):
@@ -66,8 +67,11 @@ class CpuBackend(XlaBackend):
         lm_head = model.lm_head
         Vocab = model.embeddings.Vocab
         if lm_head is None and Vocab.size % PANEL == 0:  # tied: unembed with the embedding matrix
-            embedding = model.embeddings.token_embeddings.weight
-            lm_head = PackedLinear.from_weight(embedding, model.embeddings.Embed, Vocab, None, self.weight_dtype)
+            table = model.embeddings.token_embeddings
+            if isinstance(table, Int8Embedding):
+                lm_head = PackedLinear.from_weight(table.weight, table.Embed, Vocab, None, jnp.int8, table.scale)
+            else:
+                lm_head = PackedLinear.from_weight(table.weight, table.Embed, Vocab, None, self.weight_dtype)
         elif lm_head is not None:
             lm_head = pack(lm_head)
         return self._choose_matmuls(dataclasses.replace(model, layers=layers, lm_head=lm_head), buckets, measure)
@@ -154,7 +158,7 @@ def _products(module, rows: list[int]) -> list[Product]:
 
 
 def _packable(module) -> bool:
-    return isinstance(module, hnn.Linear) and PackedLinear.packable(module)
+    return isinstance(module, (hnn.Linear, Int8Linear)) and PackedLinear.packable(module)
 
 
 def _fuse(layer):

@@ -2,7 +2,8 @@
 //
 // 1. Matmul, y = x @ W. Why: XLA's CPU dot reaches ~30-45 GFLOP/s on the 1..32-row products of decoding and has no fast
 // bfloat16 path, so a batch-1 step reads every weight as float32. This kernel streams bfloat16 (or
-// float32) weights once per step, widens them in registers and accumulates in float32.
+// float32, or int8: quantized weights, whose per-column scales the caller applies to y) weights once
+// per step, widens them in registers and accumulates in float32.
 //
 // Layout invariants:
 //   x: f32[M, K] row-major.
@@ -59,6 +60,11 @@ inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 Load8(const uint16_t* p) {  // 8 bfloat16 -> 8 float32 (a bf16 is a float's top half)
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline __m256 Load8(const int8_t* p) {  // 8 int8 -> 8 float32 (exact); the caller scales the output
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
 inline float ToFloat(float f) { return f; }
@@ -252,7 +258,10 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
       MatmulOf<uint16_t>(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()) + offset, yp, m, k,
                          panels);
       break;
-    default: return ffi::Error::InvalidArgument("matmul: weights must be float32 or bfloat16");
+    case ffi::S8:
+      MatmulOf<int8_t>(pool, x.typed_data(), static_cast<const int8_t*>(w.untyped_data()) + offset, yp, m, k, panels);
+      break;
+    default: return ffi::Error::InvalidArgument("matmul: weights must be float32, bfloat16 or int8");
   }
   return ffi::Error::Success();
 }

@@ -1,8 +1,8 @@
 """The engine's CPU kernels (engine/backends/cpu/kernels.cc): build, load and call them from JAX.
 
 - `matmul` / `PackedLinear`: XLA's CPU dot is slow on the few-row products of decoding and has no
-  fast bfloat16 path; this kernel streams packed weights (bfloat16 or float32) and accumulates in
-  float32.
+  fast bfloat16 path; this kernel streams packed weights (float32, bfloat16, or int8 with a scale
+  per output column) and accumulates in float32.
 - `paged_attention`: each query token against its sequence's pages, read in place from the KV pool
   (XLA would gather every row's pages into a padded copy first). A prompt token is a query with its
   own visible length, so the same kernel runs causal prefill attention.
@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
+from engine.model.quantize import Int8Linear
+
 logger = logging.getLogger(__name__)
 
 PANEL = 16
@@ -59,7 +61,8 @@ def pack(w: jax.Array, dtype) -> jax.Array:
 
 
 def matmul(x: jax.Array, packed: jax.Array, layer=None) -> jax.Array:
-    """f32[M, K] @ packed[N / 16, K, 16] -> f32[M, N]; packed is float32 or bfloat16. With `layer`
+    """f32[M, K] @ packed[N / 16, K, 16] -> f32[M, N]; packed is float32, bfloat16 or int8 (its
+    integer values, unscaled). With `layer`
     (an i32 scalar), packed is a stack [layers, N / 16, K, 16] read in place at that layer."""
     m, n = x.shape[0], packed.shape[-3] * PANEL
     call = jax.ffi.ffi_call("jax_serve_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32))
@@ -67,9 +70,12 @@ def matmul(x: jax.Array, packed: jax.Array, layer=None) -> jax.Array:
 
 
 def xla_matmul(x: jax.Array, packed: jax.Array, layer=None) -> jax.Array:
-    """`matmul` on XLA's dot, reading the same packed weights (x in their dtype, float32 sums)."""
+    """`matmul` on XLA's dot, reading the same packed weights (x in their dtype, int8 weights widened
+    to bfloat16, float32 sums)."""
     if layer is not None:
         packed = packed[layer]
+    if packed.dtype == jnp.int8:
+        packed = packed.astype(jnp.bfloat16)  # exact: |q| <= 127
     y = jnp.einsum("mk,pkl->mpl", x.astype(packed.dtype), packed, preferred_element_type=jnp.float32)
     return y.reshape(x.shape[0], -1)
 
@@ -86,6 +92,8 @@ class PackedLinear(eqx.Module):
 
     weight: NamedArray  # dtype[..., panel = N / 16, in = K, lane = 16], N = prod(Out), K = prod(In)
     bias: NamedArray | None
+    scale: NamedArray | None
+    """With int8 weights: f32[..., out = N], each output column's scale (engine.model.quantize)."""
     In: tuple[hax.Axis, ...] = eqx.field(static=True)
     Out: tuple[hax.Axis, ...] = eqx.field(static=True)
     xla_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
@@ -93,30 +101,38 @@ class PackedLinear(eqx.Module):
     """With a stacked weight: the layer this module computes (an i32 scalar)."""
 
     @staticmethod
-    def packable(linear: hnn.Linear) -> bool:
+    def packable(linear) -> bool:
         return hax.axis_size(linear.Out) % PANEL == 0
 
     @staticmethod
-    def from_linear(linear: hnn.Linear, dtype) -> "PackedLinear":
+    def from_linear(linear, dtype) -> "PackedLinear":
+        """A haliax `Linear` packed in `dtype`, or an `Int8Linear` packed as int8 with its scales."""
+        if isinstance(linear, Int8Linear):
+            return PackedLinear.from_weight(linear.weight, linear.In, linear.Out, linear.bias, jnp.int8, linear.scale)
         return PackedLinear.from_weight(linear.weight * linear.reparam.active_scale, linear.In, linear.Out,
                                         linear.bias, dtype)
 
     @staticmethod
-    def from_weight(weight: NamedArray, In, Out, bias: NamedArray | None, dtype) -> "PackedLinear":
+    def from_weight(weight: NamedArray, In, Out, bias: NamedArray | None, dtype,
+                    scale: NamedArray | None = None) -> "PackedLinear":
         In, Out = hax.axis_spec_to_tuple(In), hax.axis_spec_to_tuple(Out)
         weight = weight.rearrange((..., *In, *Out))
         lead = weight.axes[: weight.ndim - len(In) - len(Out)]
         w = weight.array.reshape(*(ax.size for ax in lead), hax.axis_size(In), hax.axis_size(Out))
         packed = hax.named(pack(w, dtype), (*lead, "panel", "in", "lane"))
-        return PackedLinear(packed, None if bias is None else bias.astype(jnp.float32), In, Out)
+        if scale is not None:
+            flat = scale.rearrange((*lead, *Out)).array.astype(jnp.float32)
+            scale = hax.named(flat.reshape(*(ax.size for ax in lead), hax.axis_size(Out)), (*lead, "out"))
+        return PackedLinear(packed, None if bias is None else bias.astype(jnp.float32), scale, In, Out)
 
     def at_layer(self, Block: hax.Axis, index) -> "PackedLinear":
         bias = None if self.bias is None else self.bias[Block, index]
-        return dataclasses.replace(self, bias=bias, layer=index)
+        scale = None if self.scale is None else self.scale[Block, index]
+        return dataclasses.replace(self, bias=bias, scale=scale, layer=index)
 
     def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
         del key
-        batch, y = _packed_matmul(inputs, self.In, self.weight.array, self.xla_rows, self.layer)
+        batch, y = _packed_matmul(inputs, self.In, self.weight.array, self.scale, self.xla_rows, self.layer)
         out = unflatten_rows(y, batch, self.Out)
         return out if self.bias is None else out + self.bias
 
@@ -128,6 +144,8 @@ class FusedLinear(eqx.Module):
 
     weight: NamedArray  # dtype[..., panel, in, lane]: the parts' panels, in order
     biases: tuple[NamedArray | None, ...]
+    scale: NamedArray | None
+    """With int8 weights: the parts' output scales, concatenated (as PackedLinear's)."""
     In: tuple[hax.Axis, ...] = eqx.field(static=True)
     Outs: tuple[tuple[hax.Axis, ...], ...] = eqx.field(static=True)
     xla_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
@@ -141,11 +159,13 @@ class FusedLinear(eqx.Module):
         if len({p.In for p in parts}) != 1 or len({p.weight.dtype for p in parts}) != 1:
             raise ValueError("FusedLinear.fuse: the parts must share input axes and weight dtype")
         weight = hax.concatenate("panel", [p.weight for p in parts])
-        return FusedLinear(weight, tuple(p.bias for p in parts), parts[0].In, tuple(p.Out for p in parts))
+        scale = None if parts[0].scale is None else hax.concatenate("out", [p.scale for p in parts])
+        return FusedLinear(weight, tuple(p.bias for p in parts), scale, parts[0].In, tuple(p.Out for p in parts))
 
     def at_layer(self, Block: hax.Axis, index) -> "FusedLinear":
         biases = tuple(None if b is None else b[Block, index] for b in self.biases)
-        return dataclasses.replace(self, biases=biases, layer=index)
+        scale = None if self.scale is None else self.scale[Block, index]
+        return dataclasses.replace(self, biases=biases, scale=scale, layer=index)
 
     def __call__(self, inputs: NamedArray, *, key=None) -> tuple[NamedArray, ...]:
         del key
@@ -159,7 +179,7 @@ class FusedLinear(eqx.Module):
 
     def concatenated(self, inputs: NamedArray) -> tuple[list[hax.Axis], jax.Array]:
         """inputs' batch axes, and the parts' outputs side by side: f32[prod(batch), sum of sizes]."""
-        batch, y = _packed_matmul(inputs, self.In, self.weight.array, self.xla_rows, self.layer)
+        batch, y = _packed_matmul(inputs, self.In, self.weight.array, self.scale, self.xla_rows, self.layer)
         if any(bias is not None for bias in self.biases):
             y = y + jnp.concatenate([jnp.zeros(hax.axis_size(Out), jnp.float32) if bias is None
                                      else bias.rearrange(Out).array.reshape(-1)
@@ -172,13 +192,15 @@ def unflatten_rows(y: jax.Array, batch, Out) -> NamedArray:
     return hax.named(y.reshape(*(ax.size for ax in batch), *(ax.size for ax in Out)), (*batch, *Out))
 
 
-def _packed_matmul(inputs: NamedArray, In, packed: jax.Array, xla_rows: frozenset[int],
+def _packed_matmul(inputs: NamedArray, In, packed: jax.Array, scale: NamedArray | None, xla_rows: frozenset[int],
                    layer) -> tuple[list[hax.Axis], jax.Array]:
     """inputs' axes other than `In` (the batch), and f32[prod(batch), N] = inputs @ packed (at
-    `layer` of a stacked weight), on XLA's dot when the row count is in `xla_rows`, else on the kernel."""
+    `layer` of a stacked weight) times the column scales (int8 weights), on XLA's dot when the row
+    count is in `xla_rows`, else on the kernel."""
     batch = [ax for ax in inputs.axes if ax.name not in {a.name for a in In}]
     x = inputs.rearrange((*batch, *In)).array.reshape(-1, hax.axis_size(In))
-    return batch, (xla_matmul if x.shape[0] in xla_rows else matmul)(x, packed, layer)
+    y = (xla_matmul if x.shape[0] in xla_rows else matmul)(x, packed, layer)
+    return batch, y if scale is None else y * scale.array
 
 
 def paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pages: jax.Array, rows: jax.Array,

@@ -1,0 +1,101 @@
+"""Weight-only int8 quantization, made at load time from a checkpoint's float weights.
+
+Every linear layer's weight becomes int8 with one float32 scale per output channel (symmetric:
+scale = max |w| over the inputs / 127), and the token embedding int8 with one scale per vocabulary
+row, which serves both the lookup and a tied LM head (a row of the embedding is an output channel
+of the unembedding). Activations, norms, biases and the KV cache keep their dtype; a product
+converts the int8 weight to the activations' dtype (exact: |q| <= 127 fits bfloat16's mantissa),
+sums in float32 and scales its output before rounding it to the activations' dtype once. Weight memory and the bytes a decode step streams are about half of bfloat16's.
+
+The modules keep the axes of the ones they replace (haliax's `Linear`, `Embedding`), so sharding,
+scanned layers and the backends treat them as any weight; the cpu backend packs them for its int8
+kernel (engine.backends.cpu.kernels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+
+QUANTIZATIONS = ("int8",)
+
+
+class Int8Linear(eqx.Module):
+    """haliax's `Linear` over an int8 weight (..., In, Out) and float32 scales (..., Out)."""
+
+    weight: NamedArray
+    scale: NamedArray
+    bias: NamedArray | None
+    In: tuple[hax.Axis, ...] = eqx.field(static=True)
+    Out: tuple[hax.Axis, ...] = eqx.field(static=True)
+
+    @staticmethod
+    def from_linear(linear: hnn.Linear) -> "Int8Linear":
+        In, Out = hax.axis_spec_to_tuple(linear.In), hax.axis_spec_to_tuple(linear.Out)
+        weight, scale = quantize(linear.weight * linear.reparam.active_scale, In)
+        return Int8Linear(weight, scale, linear.bias, In, Out)
+
+    def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
+        del key
+        out = hax.dot(inputs, self.weight.astype(inputs.dtype), axis=self.In, preferred_element_type=jnp.float32)
+        out = (out * self.scale).astype(inputs.dtype)
+        return out if self.bias is None else out + self.bias
+
+
+class Int8Embedding(eqx.Module):
+    """haliax's `Embedding` over an int8 table (Vocab, Embed) with a float32 scale per row; rows
+    come out in `dtype` (the checkpoint's)."""
+
+    weight: NamedArray
+    scale: NamedArray
+    Vocab: hax.Axis = eqx.field(static=True)
+    Embed: hax.Axis = eqx.field(static=True)
+    dtype: jnp.dtype = eqx.field(static=True)
+
+    @staticmethod
+    def from_embedding(embedding: hnn.Embedding) -> "Int8Embedding":
+        table = embedding.weight * embedding.reparam.active_scale
+        weight, scale = quantize(table, embedding.Embed)
+        return Int8Embedding(weight, scale, embedding.Vocab, embedding.Embed, jnp.dtype(embedding.weight.dtype))
+
+    def __call__(self, input_ids: NamedArray) -> NamedArray:
+        return self.embed(input_ids)
+
+    def embed(self, input_ids: NamedArray) -> NamedArray:
+        rows = self.weight.take(self.Vocab, input_ids) * self.scale.take(self.Vocab, input_ids)
+        return rows.astype(self.dtype)
+
+    def unembed(self, x: NamedArray) -> NamedArray:
+        logits = hax.dot(x, self.weight.astype(x.dtype), axis=self.Embed, preferred_element_type=jnp.float32)
+        return (logits * self.scale).astype(x.dtype)
+
+
+def quantize(weight: NamedArray, In) -> tuple[NamedArray, NamedArray]:
+    """(int8 weight, float32 scale over the non-`In` axes): symmetric, per output channel."""
+    w = weight.astype(jnp.float32)
+    scale = hax.max(hax.abs(w), axis=In) / 127.0
+    scale = hax.where(scale > 0, scale, 1.0)  # an all-zero channel stays zero
+    q = hax.clip(hax.round(w / scale), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def quantize_model(model, quantization: str | None):
+    """`model` (levanter's LM-head model) with its linear layers and token embedding quantized as
+    `quantization` says (None: unchanged)."""
+    if quantization is None:
+        return model
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not supported; use one of {QUANTIZATIONS} or none")
+    model = jax.tree_util.tree_map(lambda m: Int8Linear.from_linear(m) if isinstance(m, hnn.Linear) else m,
+                                   model, is_leaf=lambda m: isinstance(m, hnn.Linear))
+    embeddings = model.embeddings
+    if isinstance(getattr(embeddings, "token_embeddings", None), hnn.Embedding):
+        quantized = Int8Embedding.from_embedding(embeddings.token_embeddings)
+        model = dataclasses.replace(model, embeddings=dataclasses.replace(embeddings, token_embeddings=quantized))
+    return model
