@@ -23,7 +23,7 @@ from engine.llm_engine import LLMEngine
 @pytest.mark.parametrize("family,scan_layers,backend", [
     ("llama", False, "cpu"), ("llama", True, "cpu"), ("llama", False, "xla"), ("llama", True, "xla"),
     ("llama", False, "tpu"), ("qwen3", False, "cpu"), ("qwen3", False, "tpu"), ("qwen2", False, "cpu"),
-    ("mistral", True, "cpu")])
+    ("mistral", True, "cpu"), ("olmo2", False, "cpu"), ("olmo2", True, "xla"), ("olmo2", False, "tpu")])
 def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, scan_layers, backend):
     """cpu: the project's kernels (an AVX2 machine); xla: masked attention in plain JAX; tpu:
     ragged paged attention (levanter's reference implementation off TPU; the Pallas kernel itself in

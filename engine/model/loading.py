@@ -24,12 +24,14 @@ logger = logging.getLogger(__name__)
 def _families() -> dict:
     from levanter.models.llama import LlamaConfig
     from levanter.models.mistral import MistralConfig
+    from levanter.models.olmo import Olmo2Config
     from levanter.models.qwen import Qwen3Config, QwenConfig
 
-    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": QwenConfig, "qwen3": Qwen3Config}
+    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": QwenConfig, "qwen3": Qwen3Config,
+            "olmo2": Olmo2Config}
 
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
 
 
 @dataclasses.dataclass(frozen=True)

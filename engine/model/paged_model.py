@@ -1,4 +1,5 @@
-"""One forward pass of a levanter Llama-family model over a step's tokens, with a paged KV cache.
+"""One forward pass of a levanter Llama-family model (Llama, Mistral, Qwen 2 / 3, OLMo 2) over a
+step's tokens, with a paged KV cache.
 
 The weights and per-layer modules (norms, projections, MLP) are levanter's; the
 attention backend (engine.backends) owns the q/k/v projection, the cache write and attention
@@ -51,6 +52,14 @@ class ServingModel(eqx.Module):
         if not scan_layers:
             layers = tuple(place(jax.tree_util.tree_map(jnp.copy, layers.get_layer(i))) for i in range(layers.Block.size))
         return ServingModel(model.embeddings, layers, model.transformer.norm, model.lm_head, rope)
+
+    @property
+    def Embed(self) -> hax.Axis:
+        return self.embeddings.token_embeddings.Embed
+
+    @property
+    def Vocab(self) -> hax.Axis:
+        return self.embeddings.token_embeddings.Vocab
 
     @property
     def first_layer(self):
@@ -107,6 +116,10 @@ def unembed(model: ServingModel, rows: NamedArray) -> NamedArray:
 
 
 def _decoder_layer(layer, x, cache, index, rope, backend: AttentionBackend, step):
+    if getattr(layer, "input_layernorm", None) is None:  # OLMo 2: each block's output normed, not its input
+        attn_out, cache = _attention(layer.self_attn, x, cache, index, rope, backend, step)
+        x = x + layer.post_attention_layernorm(attn_out)
+        return x + layer.post_feedforward_layernorm(layer.mlp(x, key=None)), cache
     residual = x
     h = layer.input_layernorm(x)
     attn_out, cache = _attention(layer.self_attn, h, cache, index, rope, backend, step)

@@ -116,7 +116,7 @@ class _Steps:
             """The logits of the first R rows (R: the sampling inputs' rows), sampled. Tokens are
             padded to `max_rows`, so that the next step's forward takes them in one shape."""
             head = unflatten_head(head_weights)
-            picked = hax.named(rows[: sampling.temperature.shape[0]], ("row", head.embeddings.Embed))
+            picked = hax.named(rows[: sampling.temperature.shape[0]], ("row", head.Embed))
             logits = gathered(unembed(head, picked).array)
             out = sample(logits, sampling, switches, backend.argmax)
             return out._replace(tokens=jnp.pad(out.tokens, (0, max_rows - out.tokens.shape[0])))
@@ -124,7 +124,7 @@ class _Steps:
         @jax.jit
         def prompt_logprobs_step(weights, hidden, index, targets):
             model = unflatten(weights)
-            hidden = hax.named(hidden, ("position", model.embeddings.Embed))
+            hidden = hax.named(hidden, ("position", model.Embed))
             logits = gathered(logits_at(model, hidden, index).array)
             return token_logprobs(logits, targets)
 

@@ -104,13 +104,28 @@ def _repeat_in_attention(attn: Attention, r: int) -> Attention:
     config = dataclasses.replace(attn.config, num_kv_heads=kv * r)
     group = hax.Axis("q_heads_per_group", config.q_heads_per_group)
     kv_head = hax.Axis("kv_head", kv * r)
+    queries, keys = (lambda x: _regroup_queries(x, kv_head, group)), (lambda x: _repeat_axis(x, kv_head))
     return dataclasses.replace(
         attn,
         config=config,
-        q_proj=_relinear(attn.q_proj, lambda x: _regroup_queries(x, kv_head, group)),
-        k_proj=_relinear(attn.k_proj, lambda x: _repeat_axis(x, kv_head)),
-        v_proj=_relinear(attn.v_proj, lambda x: _repeat_axis(x, kv_head)),
+        q_proj=_relinear(attn.q_proj, queries),
+        k_proj=_relinear(attn.k_proj, keys),
+        v_proj=_relinear(attn.v_proj, keys),
+        q_norm=_renorm(attn.q_norm, queries),
+        k_norm=_renorm(attn.k_norm, keys),
     )
+
+
+def _renorm(norm, reshape):
+    """A q / k norm over whole projections (OLMo 2's: its weight has a `kv_head` axis) with its
+    weight passed through `reshape`; a per-head norm (Qwen 3's) or none as it is. The mean square
+    over repeated heads is the original's."""
+    if norm is None or norm.weight is None or not norm.weight.has_axis("kv_head"):
+        return norm
+    weight = reshape(norm.weight)
+    bias = None if norm.bias is None else reshape(norm.bias)
+    axis = tuple(weight.resolve_axis(ax.name) for ax in hax.axis_spec_to_tuple(norm.axis))
+    return dataclasses.replace(norm, weight=weight, bias=bias, axis=axis)
 
 
 def _relinear(linear: hnn.Linear, reshape) -> hnn.Linear:

@@ -65,7 +65,7 @@ class CpuBackend(XlaBackend):
         else:
             layers = eqx.tree_at(lambda s: s.stacked, layers, _fuse(layers.stacked))
         lm_head = model.lm_head
-        Vocab = model.embeddings.Vocab
+        Vocab = model.Vocab
         if lm_head is None and Vocab.size % PANEL == 0:  # tied: unembed with the embedding matrix
             table = model.embeddings.token_embeddings
             if isinstance(table, Int8Embedding):
@@ -166,7 +166,7 @@ def _fuse(layer):
     k_proj, v_proj -> None) and a SwiGLU MLP as a `PackedSwiGLU`, where all parts are packed.
     Anything else keeps its own modules."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if type(attn) is Attention and _all_packed(attn.q_proj, attn.k_proj, attn.v_proj):
+    if isinstance(attn, Attention) and _all_packed(attn.q_proj, attn.k_proj, attn.v_proj):
         fused = FusedLinear.fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         layer = eqx.tree_at(lambda m: (m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj), layer,
                             (fused, None, None))
