@@ -24,14 +24,15 @@ logger = logging.getLogger(__name__)
 def _families() -> dict:
     from levanter.models.llama import LlamaConfig
     from levanter.models.mistral import MistralConfig
+    from levanter.models.mixtral import MixtralConfig
     from levanter.models.olmo import Olmo2Config
     from levanter.models.qwen import Qwen3Config, QwenConfig
 
     return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": QwenConfig, "qwen3": Qwen3Config,
-            "olmo2": Olmo2Config}
+            "olmo2": Olmo2Config, "mixtral": MixtralConfig}
 
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,9 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     dtype: str
     """The weights' dtype as config.json declares it (float32 when it does not)."""
+    sliding_window: int | None = None
+    """Tokens each query attends to at most (Mistral's `sliding_window`, where config.json turns it
+    on); None: every earlier token."""
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
@@ -84,6 +88,7 @@ def model_info(model_dir: str | Path) -> ModelInfo:
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         eos_token_ids=_eos_ids(Path(model_dir), hf),
         dtype=declared_dtype(hf),
+        sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
     )
 
 

@@ -1,5 +1,5 @@
-"""One forward pass of a levanter Llama-family model (Llama, Mistral, Qwen 2 / 3, OLMo 2) over a
-step's tokens, with a paged KV cache.
+"""One forward pass of a levanter Llama-family model (Llama, Mistral, Mixtral, Qwen 2 / 3, OLMo 2)
+over a step's tokens, with a paged KV cache.
 
 The weights and per-layer modules (norms, projections, MLP) are levanter's; the
 attention backend (engine.backends) owns the q/k/v projection, the cache write and attention
@@ -119,17 +119,27 @@ def _decoder_layer(layer, x, cache, index, rope, backend: AttentionBackend, step
     if getattr(layer, "input_layernorm", None) is None:  # OLMo 2: each block's output normed, not its input
         attn_out, cache = _attention(layer.self_attn, x, cache, index, rope, backend, step)
         x = x + layer.post_attention_layernorm(attn_out)
-        return x + layer.post_feedforward_layernorm(layer.mlp(x, key=None)), cache
+        return x + layer.post_feedforward_layernorm(_feed_forward(layer, x)), cache
     residual = x
     h = layer.input_layernorm(x)
     attn_out, cache = _attention(layer.self_attn, h, cache, index, rope, backend, step)
     if getattr(layer, "post_attn_layernorm", None) is not None:
         attn_out = layer.post_attn_layernorm(attn_out)
     x = residual + attn_out
-    mlp_out = layer.mlp(layer.post_attention_layernorm(x), key=None)
+    mlp_out = _feed_forward(layer, layer.post_attention_layernorm(x))
     if getattr(layer, "post_mlp_layernorm", None) is not None:
         mlp_out = layer.post_mlp_layernorm(mlp_out)
     return x + mlp_out, cache
+
+
+def _feed_forward(layer, h):
+    """The layer's MLP; for a mixture of experts (Mixtral), levanter's top-k routed experts (every
+    token of the step routed on its own) plus the shared MLP if there is one."""
+    moe = getattr(layer, "block_sparse_moe", None)
+    if moe is None:
+        return layer.mlp(h, key=None)
+    routed, _ = moe(h, key=None)  # (output, training statistics)
+    return routed if layer.shared_mlp is None else routed + layer.shared_mlp(h, key=None)
 
 
 def _attention(attn, h, cache, index, rope, backend: AttentionBackend, step):

@@ -189,6 +189,10 @@ class ModelRunner:
         if self.max_model_len > info.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                              f"{info.max_position_embeddings}; lower max_model_len")
+        if info.sliding_window is not None and self.max_model_len > info.sliding_window:
+            raise ValueError(f"this {info.family} model attends over a sliding window of {info.sliding_window} tokens "
+                             f"(config.json sliding_window) and the engine attends to every earlier token: set "
+                             f"max_model_len <= {info.sliding_window}")
         self.page_size = config.page_size
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
         self.buckets = ShapeBuckets(max_num_seqs=config.max_num_seqs,

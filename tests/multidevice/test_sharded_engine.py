@@ -18,9 +18,9 @@ EIGHT_HEADS = dict(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_si
 @pytest.mark.parametrize("family,sizes,tp,backend,scan", [
     ("llama", {}, 2, "auto", None), ("llama", {}, 4, "auto", None), ("qwen3", {}, 2, "auto", None),
     ("qwen3", EIGHT_HEADS, 4, "auto", None), ("llama", EIGHT_HEADS, 4, "auto", True), ("llama", {}, 2, "tpu", None),
-    ("olmo2", EIGHT_HEADS, 4, "auto", None)],
+    ("olmo2", EIGHT_HEADS, 4, "auto", None), ("mixtral", EIGHT_HEADS, 4, "auto", True)],
     ids=["llama-tp2", "llama-tp4", "qwen3-tp2", "qwen3-8q2kv-tp4", "llama-8q2kv-tp4-scanned", "llama-tp2-tpu",
-         "olmo2-8q2kv-tp4"])
+         "olmo2-8q2kv-tp4", "mixtral-8q2kv-tp4-scanned"])
 def test_sharded_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, sizes, tp, backend, scan):
     """Queueing, chunking and preemption as in the single-device parity tests. auto gives way to
     xla: the cpu backend's kernels cannot shard. The xla backend unrolls on a CPU unless asked to
@@ -102,3 +102,15 @@ def test_int8_weights_split_like_their_float_originals_and_answer_as_on_one_devi
     assert q.weight.dtype == jnp.int8 and engine.describe()["quantization"] == "int8"
     assert shard_shapes(q.weight.array) == [(128, 1, 2, 16)] * 4 and shard_shapes(q.scale.array) == [(1, 2, 16)] * 4
     assert shard_shapes(down.weight.array) == [(64, 128)] * 4 and shard_shapes(down.scale.array) == [(128,)] * 4
+
+
+def test_mixtral_experts_split_over_the_devices(checkpoint_factory):
+    """Every expert's MLP splits by its intermediate dimension (as a dense MLP does): each device
+    holds a quarter of each of the 4 experts; the router is replicated."""
+    engine = LLMEngine(EngineConfig(model=str(checkpoint_factory("mixtral", **EIGHT_HEADS)), tensor_parallel_size=4,
+                                    **TIGHT))
+    moe = engine.executor.runner.model.layers[0].block_sparse_moe
+    assert [(ax.name, ax.size) for ax in moe.experts.w1.weight.axes] == [("experts", 4), ("embed", 128), ("mlp", 256)]
+    assert shard_shapes(moe.experts.w1.weight.array) == shard_shapes(moe.experts.w3.weight.array) == [(4, 128, 64)] * 4
+    assert shard_shapes(moe.experts.w2.weight.array) == [(4, 64, 128)] * 4
+    assert shard_shapes(moe.gate.weight.array) == [(128, 4)] * 4
