@@ -78,7 +78,8 @@ def _handler(hub: HubServer):
                 return self._answer(repo_id, revision, lambda commit, files: self._info(repo_id, commit, files, body))
             if len(parts) >= 5 and parts[2] == "resolve":
                 repo_id, revision, name = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
-                return self._answer(repo_id, revision, lambda commit, files: self._file(repo_id, commit, files, name, body))
+                return self._answer(repo_id, revision,
+                                    lambda commit, files: self._file(repo_id, commit, files, name, body))
             self._error(404, "RepoNotFound")
 
         def _answer(self, repo_id: str, revision: str, respond) -> None:

@@ -66,8 +66,9 @@ def test_packed_int8_linears_equal_the_int8_linear_fused_or_not():
     Pos, Embed = hax.Axis("position", 6), hax.Axis("embed", 40)
     Heads, KV, Dim = hax.Axis("heads", 3), hax.Axis("kv_head", 1), hax.Axis("head_size", 16)
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    shapes = [((Heads, Dim), keys[0], False), ((KV, Dim), keys[1], True), ((KV, Dim), keys[2], False)]
     linears = [Int8Linear.from_linear(hnn.Linear.init(In=Embed, Out=Out, key=key, use_bias=bias))
-               for Out, key, bias in [((Heads, Dim), keys[0], False), ((KV, Dim), keys[1], True), ((KV, Dim), keys[2], False)]]
+               for Out, key, bias in shapes]
     x = hax.random.normal(keys[3], (Pos, Embed))
     parts = [PackedLinear.from_linear(linear, jnp.float32) for linear in linears]
     assert all(part.weight.dtype == jnp.int8 for part in parts)

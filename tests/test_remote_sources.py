@@ -71,7 +71,8 @@ def hub():
     server.close()
 
 
-def resolve_in_fresh_process(spec: str, env: dict[str, str], revision: str | None = None) -> subprocess.CompletedProcess:
+def resolve_in_fresh_process(spec: str, env: dict[str, str],
+                             revision: str | None = None) -> subprocess.CompletedProcess:
     """resolve_model in a new interpreter (huggingface_hub reads its settings at import), logging to stderr."""
     code = textwrap.dedent(f"""
         import logging, sys

@@ -99,7 +99,8 @@ def _cached_snapshot(repo_id: str, revision: Optional[str], where: str, reason: 
     try:
         path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
     except LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"{constants.ENDPOINT} is out of reach ({reason})"
+        why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE
+               else f"{constants.ENDPOINT} is out of reach ({reason})")
         raise ValueError(f"{where} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}: "
                          "download it once with the Hub reachable (or copy the cache), or point `model` at a "
                          "local checkpoint directory") from None

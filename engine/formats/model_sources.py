@@ -110,6 +110,10 @@ class ModelSource:
     cache_dir: Optional[str] = None
     """Where converted and copied models are kept (default: `default_cache_dir()`)."""
 
+    def __hash__(self) -> int:  # the inline levanter config is a dict: hash its JSON
+        model = json.dumps(self.levanter_model, sort_keys=True)
+        return hash((self.model, self.revision, self.tokenizer, model, self.cache_dir))
+
     def describe(self) -> str:
         """The source in one line, e.g. "Qwen/Qwen3-0.6B@main" or "s3://bucket/ckpt"."""
         if self.levanter_model is not None:

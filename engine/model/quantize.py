@@ -5,7 +5,8 @@ scale = max |w| over the inputs / 127), and the token embedding int8 with one sc
 row, which serves both the lookup and a tied LM head (a row of the embedding is an output channel
 of the unembedding). Activations, norms, biases and the KV cache keep their dtype; a product
 converts the int8 weight to the activations' dtype (exact: |q| <= 127 fits bfloat16's mantissa),
-sums in float32 and scales its output before rounding it to the activations' dtype once. Weight memory and the bytes a decode step streams are about half of bfloat16's.
+sums in float32 and scales its output before rounding it to the activations' dtype once. Weight
+memory and the bytes a decode step streams are about half of bfloat16's.
 
 The modules keep the axes of the ones they replace (haliax's `Linear`, `Embedding`), so sharding,
 scanned layers and the backends treat them as any weight; the cpu backend packs them for its int8

@@ -317,7 +317,8 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     chips = len(topology_devices(args.topology, args.chips_per_host))
     config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          quantization=args.quantization, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          quantization=args.quantization, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, page_size=args.page_size, attention_backend="tpu",
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           tensor_parallel_size=args.tensor_parallel_size or chips, compilation_cache_dir=None)

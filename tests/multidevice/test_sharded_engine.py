@@ -98,7 +98,8 @@ def test_int8_weights_split_like_their_float_originals_and_answer_as_on_one_devi
         deltas = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
         answers.append([tokens_of(deltas[str(i)]) for i in range(len(prompts))])
     assert answers[0] == answers[1]
-    q, down = engine.executor.runner.model.layers[0].self_attn.q_proj, engine.executor.runner.model.layers[0].mlp.down_proj
+    layer = engine.executor.runner.model.layers[0]
+    q, down = layer.self_attn.q_proj, layer.mlp.down_proj
     assert q.weight.dtype == jnp.int8 and engine.describe()["quantization"] == "int8"
     assert shard_shapes(q.weight.array) == [(128, 1, 2, 16)] * 4 and shard_shapes(q.scale.array) == [(1, 2, 16)] * 4
     assert shard_shapes(down.weight.array) == [(64, 128)] * 4 and shard_shapes(down.scale.array) == [(128,)] * 4

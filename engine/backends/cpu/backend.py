@@ -3,7 +3,8 @@ on CPU. One device only: the FFI calls have no partitioning rule.
 
 - Weights: every linear layer whose output size is a multiple of 16, and the LM head (tied or not),
   becomes a `PackedLinear` (16-column panels in the weights' dtype, streamed by a register-blocked
-  matmul that widens bf16 and int8 in registers; int8 weights' column scales multiply its output); q/k/v and a SwiGLU MLP's gate/up are fused into one
+  matmul that widens bf16 and int8 in registers; int8 weights' column scales multiply its output);
+  q/k/v and a SwiGLU MLP's gate/up are fused into one
   `FusedLinear` each, so a layer makes four matmul calls instead of seven. Each product shape runs
   on the kernel or on XLA's dot, whichever is faster on this machine (engine.backends.cpu.matmul_choice).
 - Activations are float32 whatever the weights' dtype (XLA's bf16 converts are slow on CPU).

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import equinox as eqx
 import haliax as hax
-import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
