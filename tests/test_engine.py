@@ -24,7 +24,8 @@ from engine.llm_engine import LLMEngine
     ("llama", False, "cpu"), ("llama", True, "cpu"), ("llama", False, "xla"), ("llama", True, "xla"),
     ("llama", False, "tpu"), ("qwen3", False, "cpu"), ("qwen3", False, "tpu"), ("qwen2", False, "cpu"),
     ("mistral", True, "cpu"), ("olmo2", False, "cpu"), ("olmo2", True, "xla"), ("olmo2", False, "tpu"),
-    ("mixtral", False, "cpu"), ("mixtral", True, "xla"), ("mixtral", False, "tpu")])
+    ("mixtral", False, "cpu"), ("mixtral", True, "xla"), ("mixtral", False, "tpu"), ("gemma2", False, "cpu"),
+    ("gemma2", True, "xla")])
 def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, scan_layers, backend):
     """cpu: the project's kernels (an AVX2 machine); xla: masked attention in plain JAX; tpu:
     ragged paged attention (levanter's reference implementation off TPU; the Pallas kernel itself in
@@ -36,7 +37,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, famil
     if backend == "cpu":  # q/k/v and gate/up run as one matmul each
         layer = engine.executor.runner.model.first_layer
         assert isinstance(layer.self_attn.q_proj, FusedLinear) and layer.self_attn.k_proj is None
-        assert family == "mixtral" or isinstance(layer.mlp, PackedSwiGLU)  # Mixtral: routed experts
+        assert family in ("mixtral", "gemma2") or isinstance(layer.mlp, PackedSwiGLU)  # experts; GELU
     assert_greedy_parity(engine, model_dir)
 
 
@@ -426,23 +427,29 @@ def test_a_url_compilation_cache_goes_to_jax_as_it_is(tmp_path, monkeypatch):
         jax.config.update("jax_compilation_cache_dir", before)
 
 
-def test_a_sliding_window_shorter_than_max_model_len_is_refused(tmp_path, checkpoint_factory):
-    """Mistral attends over its last `sliding_window` tokens; the engine attends to all of them, so
-    it serves such a checkpoint only up to the window (where the two agree)."""
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_mistral_over_a_sliding_window_answers_as_transformers_does(tmp_path, checkpoint_factory, backend):
+    """Every layer attends over the last 16 tokens; the parity prompts run to 50 tokens and more."""
     import json
     import shutil
 
     model_dir = tmp_path / "mistral-window"
     shutil.copytree(checkpoint_factory("mistral"), model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, "sliding_window": 64}))
-    with pytest.raises(ValueError, match=r"this mistral model attends over a sliding window of 64 tokens .* set "
-                                         r"max_model_len <= 64"):
-        LLMEngine(EngineConfig(model=str(model_dir), max_model_len=128, warmup=False))
-    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=64, max_num_seqs=2, warmup=False))
-    assert engine.max_model_len == 64
-    engine.shutdown()
-    # Qwen2 carries a window it does not use unless use_sliding_window is set
-    qwen2 = checkpoint_factory("qwen2")
-    assert json.loads((qwen2 / "config.json").read_text()).get("use_sliding_window") is False
-    LLMEngine(EngineConfig(model=str(qwen2), max_model_len=128, max_num_seqs=2, warmup=False)).shutdown()
+    (model_dir / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), attention_backend=backend, **TIGHT))
+    assert engine.executor.runner.model.variant.sliding_layers == (True, True)
+    assert_greedy_parity(engine, model_dir)
+
+
+def test_layer_types_the_engine_does_not_run_are_refused_by_name(tmp_path, llama_dir):
+    import json
+    import shutil
+
+    model_dir = tmp_path / "chunked"
+    shutil.copytree(llama_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "layer_types": ["chunked_attention"] * 2}))
+    with pytest.raises(ValueError, match="config.json's layer_types has chunked_attention; the engine runs "
+                                         "full_attention and sliding_attention layers"):
+        LLMEngine(EngineConfig(model=str(model_dir), warmup=False))

@@ -77,6 +77,17 @@ def test_every_step_program_compiles_for_the_topology(tiny_dir, tmp_path, topolo
     assert abs(report["planner_error"]) < 0.05
 
 
+def test_gemma2_sliding_and_soft_capped_layers_compile_for_a_tpu(tmp_path):
+    """The kernel with a sliding window, chosen per layer of the scanned loop, and soft-capped scores."""
+    gemma2 = {**TINY, "model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 32,
+              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
+              "hidden_activation": "gelu_pytorch_tanh"}
+    (tmp_path / "gemma2").mkdir()
+    (tmp_path / "gemma2" / "config.json").write_text(json.dumps(gemma2))
+    report = aot(tmp_path / "gemma2", "v5e:2x2", 4, tmp_path / "report.json")
+    assert len(report["programs"]) == 14 and report["fits"] is True
+
+
 def test_int8_weights_compile_for_a_tpu_at_half_the_bytes(tiny_dir, tmp_path):
     """Every program compiles with int8 weights; per chip they take the planner's figure, half of
     bfloat16's plus a float32 scale per output channel."""

@@ -18,10 +18,12 @@ from engine.core.config import EngineConfig
 from engine.llm_engine import LLMEngine
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_kernel_equals_the_reference_on_a_ragged_batch(interpreter_fixes, dtype):  # noqa: F811
+@pytest.mark.parametrize("dtype, window, cap", [("float32", None, None), ("bfloat16", None, None),
+                                               ("float32", 8, 2.0)])
+def test_the_kernel_equals_the_reference_on_a_ragged_batch(interpreter_fixes, dtype, window, cap):  # noqa: F811
     """Three rows (a 10-token prompt chunk over 20 cached tokens, a decode, a 5-token prompt over 33),
-    padding after them, heads of 64 stored padded to 128 lanes, 4 query heads over 2 KV heads."""
+    padding after them, heads of 64 stored padded to 128 lanes, 4 query heads over 2 KV heads; and
+    over a sliding window of 8 keys with scores soft-capped at 2."""
     rng = np.random.default_rng(0)
     dtype = jnp.dtype(dtype)
     tokens, heads, kv_heads, head_dim, page_size, rows, pages_per_row = 24, 4, 2, 64, 16, 8, 4
@@ -36,20 +38,21 @@ def test_the_kernel_equals_the_reference_on_a_ragged_batch(interpreter_fixes, dt
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
 
     out = jax.jit(lambda *a: tpu_kernel.ragged_paged_attention(
-        *a, scale=0.125, mesh=mesh, model_axis="model", device_kind=SIMULATED_TPU, interpret=True))(
-        q, pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        *a, scale=0.125, mesh=mesh, model_axis="model", device_kind=SIMULATED_TPU, interpret=True,
+        sliding_window=window, soft_cap=cap))(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     padded_q = jnp.pad(q, ((0, 0), (0, 0), (0, 128 - head_dim)))
     expected = rpa.ref_ragged_paged_attention(padded_q, pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                              sm_scale=0.125)[..., :head_dim]
+                                              sm_scale=0.125, sliding_window=window, soft_cap=cap)[..., :head_dim]
     assert out.shape == (tokens, heads, head_dim)
     tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(out[:16], np.float32), np.asarray(expected[:16], np.float32),
                                atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
 def test_an_engine_running_the_kernel_answers_as_transformers_does(checkpoint_factory, interpreted_kernel,  # noqa: F811
                                                                    family):
+    """Gemma 2: soft-capped scores, and its sliding layers chosen per layer of the scanned loop."""
     model_dir = checkpoint_factory(family)
     engine = LLMEngine(EngineConfig(model=str(model_dir), attention_backend="tpu", **TIGHT))
     backend = engine.executor.runner.backend
@@ -90,3 +93,9 @@ def test_devices_the_kernel_does_not_know_are_refused():
         tpu_kernel.tpu_generation("NVIDIA H100")
     with pytest.raises(ValueError, match="needs TPU v4 or later, not 'TPU v3'"):
         tpu_kernel.block_sizes("TPU v3", jnp.bfloat16, jnp.bfloat16, 4, 2, 128, 16, 8, 8)
+
+
+def test_the_reference_refuses_sliding_windows_by_name(checkpoint_factory):
+    """Off TPUs the tpu backend runs levanter's reference, which has no sliding window."""
+    with pytest.raises(ValueError, match="sliding-window layers run on the tpu backend's kernel only"):
+        LLMEngine(EngineConfig(model=str(checkpoint_factory("gemma2")), attention_backend="tpu", **TIGHT))

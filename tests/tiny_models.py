@@ -99,8 +99,8 @@ def make_checkpoint(
     tokenizer_vocab: int = 512,
     pad_tokenizer_vocab: bool = False,
 ) -> Path:
-    """Write a random `family` checkpoint (llama, qwen2, qwen3, mistral, mixtral, olmo2) with a
-    tokenizer.
+    """Write a random `family` checkpoint (llama, qwen2, qwen3, mistral, mixtral, olmo2, gemma2)
+    with a tokenizer.
 
     `pad_tokenizer_vocab` pads the tokenizer to exactly `tokenizer_vocab` ids (see make_tokenizer).
 
@@ -142,10 +142,14 @@ def make_checkpoint(
     elif family == "mixtral":
         config = transformers.MixtralConfig(**common, rope_theta=10000.0, sliding_window=None, num_local_experts=4,
                                             num_experts_per_tok=2)
+    elif family == "gemma2":  # windows of 16 tokens on even layers, soft-capped scores and logits
+        config = transformers.Gemma2Config(**common, head_dim=hidden_size // num_heads, rope_theta=10000.0,
+                                           sliding_window=16, query_pre_attn_scalar=12, attn_logit_softcapping=4.0,
+                                           final_logit_softcapping=8.0, hidden_activation="gelu_pytorch_tanh")
     elif family == "olmo2":
         config = transformers.Olmo2Config(**common, rope_theta=10000.0)
     else:
-        raise ValueError(f"unknown family {family!r}; use llama, mistral, mixtral, qwen2, qwen3 or olmo2")
+        raise ValueError(f"unknown family {family!r}; use llama, mistral, mixtral, qwen2, qwen3, olmo2 or gemma2")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     _randomize_biases(model, initializer_range)

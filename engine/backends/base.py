@@ -10,13 +10,14 @@ A backend owns these, and nothing outside it asks which backend runs:
 - the layer loop it runs by default (`scan_layers`).
 
 Attention is over named arrays: q (position, kv_head, q_heads_per_group, head_size), k and v
-(position, kv_head, head_size); the result has q's axes. `scale` multiplies the scores.
+(position, kv_head, head_size); the result has q's axes. A layer's `LayerAttention` says how its
+scores are made: scaled, soft-capped, over a sliding window of keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,20 @@ class CacheShape:
     head_dim: int
     dtype: Any
     """The dtype of the values (float32 or bfloat16); a backend may store them otherwise."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends: scores = scale * q . k, then cap * tanh(scores / cap) with a soft-cap,
+    then a query at position i sees the keys at i - window < j <= i where the layer slides (all
+    keys j <= i otherwise)."""
+
+    scale: float
+    softcap: Optional[float] = None
+    window: Optional[int] = None
+    """The model's sliding window (static); None: no layer of the model slides."""
+    slides: Any = False
+    """Whether this layer slides: a bool, or a traced bool in a scanned layer loop."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +107,10 @@ class AttentionBackend:
     def begin_step(self, inputs: StepInputs) -> AttentionStep:
         return AttentionStep(inputs)
 
-    def attend(self, cache, layer, q: NamedArray, k: NamedArray, v: NamedArray, scale: float,
+    def attend(self, cache, layer, q: NamedArray, k: NamedArray, v: NamedArray, how: LayerAttention,
                step: AttentionStep) -> tuple[NamedArray, Any]:
-        """Write the step's keys and values into layer `layer` of the cache, then attend; returns
-        (attention output with q's axes, updated cache)."""
+        """Write the step's keys and values into layer `layer` of the cache, then attend as `how`
+        says; returns (attention output with q's axes, updated cache)."""
         raise NotImplementedError
 
     @staticmethod

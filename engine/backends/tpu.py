@@ -28,6 +28,7 @@ expects.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import equinox as eqx
@@ -38,7 +39,7 @@ from jax.sharding import Mesh, PartitionSpec
 from levanter.layers.attention import default_ragged_paged_attention
 
 from engine.backends import tpu_kernel
-from engine.backends.base import KV_AXES, Q_AXES, AttentionBackend, AttentionStep, CacheShape
+from engine.backends.base import KV_AXES, Q_AXES, AttentionBackend, AttentionStep, CacheShape, LayerAttention
 
 
 class RaggedKVCache(eqx.Module):
@@ -61,6 +62,12 @@ class TpuBackend(AttentionBackend):
         self.kernel_target: Optional[str] = interpret_as or (device.device_kind if device.platform == "tpu" else None)
         """The TPU generation the kernel is built for (a device kind); None: the reference implementation."""
 
+    def prepare(self, model, buckets, measure: bool):
+        if self.kernel_target is None and model.variant.sliding_window is not None:
+            raise ValueError("sliding-window layers run on the tpu backend's kernel only (TPUs); elsewhere set "
+                             "attention_backend: xla")
+        return model
+
     def init_cache(self, shape: CacheShape) -> RaggedKVCache:
         s = shape
         pages = jnp.zeros((s.num_layers * s.num_pages, s.page_size, 2 * s.kv_heads, self._stored_head_dim(s.head_dim)),
@@ -78,7 +85,7 @@ class TpuBackend(AttentionBackend):
     def cache_partition(self, model_axis: str) -> PartitionSpec:
         return PartitionSpec(None, None, model_axis, None)
 
-    def attend(self, cache: RaggedKVCache, layer, q, k, v, scale, step: AttentionStep):
+    def attend(self, cache: RaggedKVCache, layer, q, k, v, how: LayerAttention, step: AttentionStep):
         inputs = step.inputs
         pages = cache.pages
         page_size = pages.shape[1]
@@ -94,13 +101,19 @@ class TpuBackend(AttentionBackend):
         if self.kernel_target is None:
             o = default_ragged_paged_attention(
                 q, hax.named(pages, ("page", "slot", "kv_head", "head_size")), hax.named(inputs.kv_lens, "seq"),
-                hax.named(page_table, ("seq", "page")), cu_q_lens, num_seqs, sm_scale=scale)
+                hax.named(page_table, ("seq", "page")), cu_q_lens, num_seqs, sm_scale=how.scale, soft_cap=how.softcap)
             return o.rearrange(Q_AXES), RaggedKVCache(pages, cache.num_layers)
         flat = q.flatten_axes(("kv_head", "q_heads_per_group"), "q_head")  # query head h * G + g: KV head h
-        out = tpu_kernel.ragged_paged_attention(
-            flat.rearrange(("position", "q_head", "head_size")).array, pages, inputs.kv_lens, page_table, cu_q_lens,
-            num_seqs.reshape(1), scale=scale, mesh=self.mesh, model_axis=self.model_axis,
-            device_kind=self.kernel_target, interpret=self.interpret)
+        kernel = functools.partial(
+            tpu_kernel.ragged_paged_attention, flat.rearrange(("position", "q_head", "head_size")).array, pages,
+            inputs.kv_lens, page_table, cu_q_lens, num_seqs.reshape(1), scale=how.scale, mesh=self.mesh,
+            model_axis=self.model_axis, device_kind=self.kernel_target, interpret=self.interpret, soft_cap=how.softcap)
+        if how.window is None:
+            out = kernel()
+        elif isinstance(how.slides, bool):
+            out = kernel(sliding_window=how.window if how.slides else None)
+        else:  # a scanned loop: the layer's kind is traced, the kernel's window static
+            out = jax.lax.cond(how.slides, lambda: kernel(sliding_window=how.window), kernel)
         o = hax.named(out, ("position", "q_head", "head_size")).unflatten_axis(
             "q_head", (q.resolve_axis("kv_head"), q.resolve_axis("q_heads_per_group")))
         return o.rearrange(Q_AXES), RaggedKVCache(pages, cache.num_layers)

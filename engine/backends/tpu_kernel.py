@@ -87,10 +87,12 @@ def _vmem_bytes(pages: int, queries: int, page_size: int, combined_heads: int, q
 
 def ragged_paged_attention(q: jax.Array, pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
                            cu_q_lens: jax.Array, num_seqs: jax.Array, *, scale: float, mesh: Mesh,
-                           model_axis: str, device_kind: str, interpret: bool = False) -> jax.Array:
+                           model_axis: str, device_kind: str, interpret: bool = False,
+                           sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
     """The kernel over every device's own heads: q [T, H, D], pages [P, S, 2K, lane_padded(D)]
     (both split by head on `model_axis`), kv_lens i32[N], page_indices i32[N, pages_per_seq], cu_q_lens i32[N + 1],
-    num_seqs i32[1]; returns [T, H, D]. `interpret`: run it in Pallas' TPU interpret mode (any device)."""
+    num_seqs i32[1]; returns [T, H, D]. `interpret`: run it in Pallas' TPU interpret mode (any device).
+    `sliding_window`, `soft_cap`: the kernel's own (static)."""
     head_dim, padded = q.shape[-1], pages.shape[-1]
     if padded != lane_padded(head_dim):
         raise ValueError(f"the KV pages' head_dim {padded} must be the queries' {head_dim} padded to {LANES} lanes")
@@ -100,7 +102,7 @@ def ragged_paged_attention(q: jax.Array, pages: jax.Array, kv_lens: jax.Array, p
                                       pages.shape[2] // shards, padded, pages.shape[1], q.shape[0],
                                       page_indices.shape[1])
     kernel = functools.partial(rpa.ragged_paged_attention, sm_scale=scale, num_kv_pages_per_block=kv_blocks,
-                               num_queries_per_block=q_blocks)
+                               num_queries_per_block=q_blocks, sliding_window=sliding_window, soft_cap=soft_cap)
     heads = PartitionSpec(None, model_axis, None)
     per_device = jax.shard_map(kernel, mesh=mesh,
                                in_specs=(heads, PartitionSpec(None, None, model_axis, None), PartitionSpec(),

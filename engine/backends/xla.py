@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from jax.sharding import PartitionSpec
 
-from engine.backends.base import Q_AXES, AttentionBackend, AttentionStep, CacheShape, visible_tokens
+from engine.backends.base import Q_AXES, AttentionBackend, AttentionStep, CacheShape, LayerAttention, visible_tokens
 
 NEG_INF = -1e30
 
@@ -76,10 +76,12 @@ class XlaBackend(AttentionBackend):
         """Each token's page table (its row's) and visible length, once for all layers."""
         return AttentionStep(inputs, (inputs.page_table[inputs.token_row], visible_tokens(inputs)))
 
-    def attend(self, cache: SplitKVCache, layer, q, k, v, scale, step: AttentionStep):
+    def attend(self, cache: SplitKVCache, layer, q, k, v, how: LayerAttention, step: AttentionStep):
         cache = cache.write(layer, step.inputs.kv_dest, k, v)
-        q_arr = q.rearrange(Q_AXES).array.astype(jnp.float32) * scale
-        o = _paged_attention(q_arr, cache, layer, *step.tables)
+        q_arr = q.rearrange(Q_AXES).array.astype(jnp.float32) * how.scale
+        tables, lens = step.tables
+        first = jnp.where(how.slides, lens - how.window, 0) if how.window is not None else None
+        o = _paged_attention(q_arr, cache, layer, tables, lens, first, how.softcap)
         return hax.named(o, Q_AXES), cache
 
 
@@ -87,10 +89,11 @@ BLOCK_TOKENS = 128
 """Cached tokens one iteration of the attention loop reads per query (whole pages)."""
 
 
-def _paged_attention(q, cache: SplitKVCache, layer, tables, lens):
+def _paged_attention(q, cache: SplitKVCache, layer, tables, lens, first=None, softcap=None):
     """q: f32[T, kv_head, group, head_dim] (pre-scaled); tables: i32[T, L] each query's page table;
-    lens: i32[T] tokens each query sees (0: padding, whose output is garbage the caller never reads).
-    Returns f32[T, kv_head, group, head_dim]."""
+    lens: i32[T] tokens each query sees (0: padding, whose output is garbage the caller never reads);
+    first: i32[T] the first of them it sees (a sliding window; None: 0); softcap: scores become
+    cap * tanh(scores / cap). Returns f32[T, kv_head, group, head_dim]."""
     tokens, heads, group, dim = q.shape
     page_size = cache.k.shape[-1]
     block = max(1, BLOCK_TOKENS // page_size)  # pages per iteration
@@ -104,10 +107,17 @@ def _paged_attention(q, cache: SplitKVCache, layer, tables, lens):
         k = cache.k[layer, pages].transpose(0, 2, 3, 1, 4).reshape(tokens, heads, dim, -1).astype(jnp.float32)
         v = cache.v[layer, pages].transpose(0, 2, 1, 3, 4).reshape(tokens, heads, -1, dim).astype(jnp.float32)
         scores = (q[..., None] * k[:, :, None]).sum(axis=3)  # [T, h, g, K]
+        if softcap is not None:
+            scores = jnp.tanh(scores / softcap) * softcap
         position = i * block * page_size + jnp.arange(k.shape[-1])
-        scores = jnp.where((position[None, :] < lens[:, None])[:, None, None, :], scores, NEG_INF)
+        seen = position[None, :] < lens[:, None]
+        if first is not None:
+            seen = seen & (position[None, :] >= first[:, None])
+        scores = jnp.where(seen[:, None, None, :], scores, NEG_INF)
         new_top = jnp.maximum(top, scores.max(axis=-1))
         weights = jnp.exp(scores - new_top[..., None])
+        if first is not None:  # a block wholly before a query's window must add nothing
+            weights = jnp.where(seen[:, None, None, :], weights, 0.0)
         rescale = jnp.exp(top - new_top)
         acc = acc * rescale[..., None] + (weights[..., None] * v[:, :, None]).sum(axis=3)
         return new_top, total * rescale + weights.sum(axis=-1), acc

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def _families() -> dict:
+    from levanter.models.gemma import Gemma2Config
     from levanter.models.llama import LlamaConfig
     from levanter.models.mistral import MistralConfig
     from levanter.models.mixtral import MixtralConfig
@@ -29,10 +30,10 @@ def _families() -> dict:
     from levanter.models.qwen import Qwen3Config, QwenConfig
 
     return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": QwenConfig, "qwen3": Qwen3Config,
-            "olmo2": Olmo2Config, "mixtral": MixtralConfig}
+            "olmo2": Olmo2Config, "mixtral": MixtralConfig, "gemma2": Gemma2Config}
 
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "gemma2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +52,6 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     dtype: str
     """The weights' dtype as config.json declares it (float32 when it does not)."""
-    sliding_window: int | None = None
-    """Tokens each query attends to at most (Mistral's `sliding_window`, where config.json turns it
-    on); None: every earlier token."""
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
@@ -88,7 +86,6 @@ def model_info(model_dir: str | Path) -> ModelInfo:
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         eos_token_ids=_eos_ids(Path(model_dir), hf),
         dtype=declared_dtype(hf),
-        sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
     )
 
 

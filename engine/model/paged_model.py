@@ -22,15 +22,18 @@ and updated in place either way.
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
-from engine.backends.base import KV_AXES, Q_AXES, AttentionBackend
+from engine.backends.base import KV_AXES, Q_AXES, AttentionBackend, LayerAttention
 from engine.core.step_plan import StepInputs
 from engine.model.rope import Rope, rotate
+from engine.model.variant import Variant
 
 
 class ServingModel(eqx.Module):
@@ -43,15 +46,17 @@ class ServingModel(eqx.Module):
     norm: eqx.Module
     lm_head: eqx.Module | None
     rope: Rope = eqx.field(static=True)
+    variant: Variant = eqx.field(static=True, default=Variant())
 
     @staticmethod
-    def from_levanter(model, rope: Rope, scan_layers: bool = False, place=lambda layer: layer) -> "ServingModel":
+    def from_levanter(model, rope: Rope, scan_layers: bool = False, place=lambda layer: layer,
+                      variant: Variant = Variant()) -> "ServingModel":
         """`place` puts each unstacked layer on its devices as it is made (a slice of a stacked
         array is not split as the stack was), so no more than one layer is ever replicated."""
         layers = model.transformer.layers
         if not scan_layers:
             layers = tuple(place(jax.tree_util.tree_map(jnp.copy, layers.get_layer(i))) for i in range(layers.Block.size))
-        return ServingModel(model.embeddings, layers, model.transformer.norm, model.lm_head, rope)
+        return ServingModel(model.embeddings, layers, model.transformer.norm, model.lm_head, rope, variant)
 
     @property
     def Embed(self) -> hax.Axis:
@@ -71,18 +76,21 @@ def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepI
     and the updated cache."""
     Pos = hax.Axis("position", inputs.tokens.shape[0])
     x = model.embeddings.embed(hax.named(inputs.tokens, Pos))
+    if model.variant.embed_scale is not None:  # in the embeddings' dtype, as transformers rounds it
+        x = x * jnp.asarray(model.variant.embed_scale, x.dtype)
     x = x.astype(backend.activation_dtype(x.dtype))
     rope = model.rope.tables(hax.named(inputs.positions, Pos))
     step = backend.begin_step(inputs)
     if isinstance(model.layers, tuple):
         for index, layer in enumerate(model.layers):
-            x, cache = _decoder_layer(layer, x, cache, index, rope, backend, step)
+            x, cache = _decoder_layer(layer, x, cache, index, rope, backend, step, model.variant)
     else:
         Block, stacked = model.layers.Block, model.layers.stacked
 
         def layer_step(index, carry):
             x, cache = carry
-            return _decoder_layer(layer_at(stacked, Block, index), x, cache, index, rope, backend, step)
+            return _decoder_layer(layer_at(stacked, Block, index), x, cache, index, rope, backend, step,
+                                  model.variant)
 
         x, cache = jax.lax.fori_loop(0, Block.size, layer_step, (x, cache))
     return model.norm(x), cache
@@ -110,19 +118,25 @@ def logits_at(model: ServingModel, hidden: NamedArray, index: jax.Array) -> Name
 
 def unembed(model: ServingModel, rows: NamedArray) -> NamedArray:
     """Logits (row, vocab) of final hidden states (row, embed): the LM head, or the tied embedding."""
-    if model.lm_head is not None:
-        return model.lm_head(rows, key=None)
-    return model.embeddings.unembed(rows)
+    logits = model.lm_head(rows, key=None) if model.lm_head is not None else model.embeddings.unembed(rows)
+    cap = model.variant.final_softcap
+    return logits if cap is None else hax.tanh(logits / cap) * cap
 
 
-def _decoder_layer(layer, x, cache, index, rope, backend: AttentionBackend, step):
+def _decoder_layer(layer, x, cache, index, rope, backend: AttentionBackend, step, variant: Variant):
+    attend = functools.partial(_attention, layer.self_attn, cache=cache, index=index, rope=rope, backend=backend,
+                               step=step, variant=variant)
     if getattr(layer, "input_layernorm", None) is None:  # OLMo 2: each block's output normed, not its input
-        attn_out, cache = _attention(layer.self_attn, x, cache, index, rope, backend, step)
+        attn_out, cache = attend(x)
         x = x + layer.post_attention_layernorm(attn_out)
         return x + layer.post_feedforward_layernorm(_feed_forward(layer, x)), cache
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 2: each block's input and output normed
+        attn_out, cache = attend(layer.input_layernorm(x))
+        x = x + layer.post_attention_layernorm(attn_out)
+        return x + layer.post_feedforward_layernorm(_feed_forward(layer, layer.pre_feedforward_layernorm(x))), cache
     residual = x
     h = layer.input_layernorm(x)
-    attn_out, cache = _attention(layer.self_attn, h, cache, index, rope, backend, step)
+    attn_out, cache = attend(h)
     if getattr(layer, "post_attn_layernorm", None) is not None:
         attn_out = layer.post_attn_layernorm(attn_out)
     x = residual + attn_out
@@ -142,11 +156,12 @@ def _feed_forward(layer, h):
     return routed if layer.shared_mlp is None else routed + layer.shared_mlp(h, key=None)
 
 
-def _attention(attn, h, cache, index, rope, backend: AttentionBackend, step):
+def _attention(attn, h, *, cache, index, rope, backend: AttentionBackend, step, variant: Variant):
     q, k, v = _qkv(attn, h, rope, backend)
-    scale = attn.config.scaling_factor or 1.0 / (q.resolve_axis("head_size").size ** 0.5)
+    scale = variant.query_scale or attn.config.scaling_factor or 1.0 / (q.resolve_axis("head_size").size ** 0.5)
+    how = LayerAttention(scale, variant.attn_softcap, variant.sliding_window, variant.slides(index))
     o, cache = backend.attend(cache, index, q.rearrange(Q_AXES), k.rearrange(KV_AXES), v.rearrange(KV_AXES),
-                              scale, step)
+                              how, step)
     o = o.flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(h.dtype)
     return attn.o_proj(o, key=None), cache
 

@@ -41,6 +41,7 @@ from engine.core.grammar import mask_words
 from engine.core.step_plan import WARM_SAMPLER_SWITCHES, SamplerSwitches, StepOutput, StepPlan, empty_step_plan
 from engine.model.loading import load_model, model_info, read_hf_config, resolve_dtype
 from engine.model.quantize import quantize_model
+from engine.model.variant import Variant
 from engine.model.paged_model import ServingModel, forward, logits_at, unembed
 from engine.model.rope import Rope
 from engine.runner import capacity, sharding
@@ -189,10 +190,6 @@ class ModelRunner:
         if self.max_model_len > info.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                              f"{info.max_position_embeddings}; lower max_model_len")
-        if info.sliding_window is not None and self.max_model_len > info.sliding_window:
-            raise ValueError(f"this {info.family} model attends over a sliding window of {info.sliding_window} tokens "
-                             f"(config.json sliding_window) and the engine attends to every earlier token: set "
-                             f"max_model_len <= {info.sliding_window}")
         self.page_size = config.page_size
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
         self.buckets = ShapeBuckets(max_num_seqs=config.max_num_seqs,
@@ -389,8 +386,9 @@ def serving_model(model, model_dir: str, info, layout: sharding.TensorParallelLa
     if layout.kv_repeats > 1:
         model = sharding.repeat_kv_heads(model, layout.kv_repeats)
     model = quantize_model(model, quantization)
-    rope = Rope.from_hf_config(read_hf_config(model_dir), info.head_dim)
-    return place(ServingModel.from_levanter(model, rope, scan_layers, place))
+    hf = read_hf_config(model_dir)
+    rope = Rope.from_hf_config(hf, info.head_dim)
+    return place(ServingModel.from_levanter(model, rope, scan_layers, place, Variant.from_hf_config(hf)))
 
 
 def _to_host(tree: Any) -> Any:

@@ -18,9 +18,9 @@ EIGHT_HEADS = dict(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_si
 @pytest.mark.parametrize("family,sizes,tp,backend,scan", [
     ("llama", {}, 2, "auto", None), ("llama", {}, 4, "auto", None), ("qwen3", {}, 2, "auto", None),
     ("qwen3", EIGHT_HEADS, 4, "auto", None), ("llama", EIGHT_HEADS, 4, "auto", True), ("llama", {}, 2, "tpu", None),
-    ("olmo2", EIGHT_HEADS, 4, "auto", None), ("mixtral", EIGHT_HEADS, 4, "auto", True)],
+    ("olmo2", EIGHT_HEADS, 4, "auto", None), ("mixtral", EIGHT_HEADS, 4, "auto", True), ("gemma2", {}, 2, "auto", True)],
     ids=["llama-tp2", "llama-tp4", "qwen3-tp2", "qwen3-8q2kv-tp4", "llama-8q2kv-tp4-scanned", "llama-tp2-tpu",
-         "olmo2-8q2kv-tp4", "mixtral-8q2kv-tp4-scanned"])
+         "olmo2-8q2kv-tp4", "mixtral-8q2kv-tp4-scanned", "gemma2-tp2-scanned"])
 def test_sharded_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, sizes, tp, backend, scan):
     """Queueing, chunking and preemption as in the single-device parity tests. auto gives way to
     xla: the cpu backend's kernels cannot shard. The xla backend unrolls on a CPU unless asked to

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from levanter.layers.attention import Attention
 
-from engine.backends.base import Q_AXES, AttentionStep, visible_tokens
+from engine.backends.base import Q_AXES, AttentionStep, LayerAttention, visible_tokens
 from engine.backends.cpu import kernels
 from engine.backends.cpu.kernels import PANEL, FusedLinear, PackedLinear, silu_mul, unflatten_rows
 from engine.backends.cpu.matmul_choice import XLA, MatmulChooser, Product
@@ -116,11 +116,13 @@ class CpuBackend(XlaBackend):
         """Each token's visible length (the kernel reads its row's page table itself)."""
         return AttentionStep(inputs, visible_tokens(inputs))
 
-    def attend(self, cache: SplitKVCache, layer, q, k, v, scale, step: AttentionStep):
+    def attend(self, cache: SplitKVCache, layer, q, k, v, how: LayerAttention, step: AttentionStep):
         cache = cache.write(layer, step.inputs.kv_dest, k, v)
-        q_arr = q.rearrange(Q_AXES).array.astype(jnp.float32) * scale
+        q_arr = q.rearrange(Q_AXES).array.astype(jnp.float32) * how.scale
         inputs = step.inputs
-        o = kernels.paged_attention(q_arr, cache.k, cache.v, layer, inputs.page_table, inputs.token_row, step.tables)
+        window = 0 if how.window is None else jnp.where(how.slides, how.window, 0)
+        o = kernels.paged_attention(q_arr, cache.k, cache.v, layer, inputs.page_table, inputs.token_row, step.tables,
+                                    window, how.softcap)
         return hax.named(o, Q_AXES), cache
 
     argmax = staticmethod(kernels.argmax)

@@ -273,7 +273,10 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
 //   v:     T[layers, pages, H, PS, D]
 //   layer: i32[]   pages: i32[R, L] page tables   rows: i32[S] the page table of each query
 //   lens:  i32[S] visible tokens (0: padding)
-//   out:   f32[S, H, G, D]  softmax(q k^T) v over tokens [0, lens[s]) of table rows[s]; zeros where lens[s] == 0.
+//   window: i32[]  > 0: a query sees only the last `window` of its visible tokens (a sliding window)
+//   softcap: f32[] > 0: scores become softcap * tanh(scores / softcap) before the softmax
+//   out:   f32[S, H, G, D]  softmax(q k^T) v over tokens [max(0, lens[s] - window), lens[s]) of table rows[s];
+//          zeros where lens[s] == 0.
 
 inline __m256 Exp8(__m256 x) {  // e^x, relative error ~2e-7, for x <= 0 (flushes to 0 below -87)
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
@@ -294,6 +297,8 @@ inline __m256 Exp8(__m256 x) {  // e^x, relative error ~2e-7, for x <= 0 (flushe
 
 struct AttnShape {
   int64_t heads, group, dim, page_size, pool_pages, table_len;
+  int64_t window;  // > 0: the sliding window
+  float softcap;   // > 0: the scores' soft-cap
 };
 
 // Row stride of the scores buffer for n tokens: whole pages, rounded to a multiple of 8 (one register).
@@ -367,10 +372,15 @@ inline void ForHeadBlocks(int64_t G, F f) {
   }
 }
 
-// Row-wise softmax of scores[G, n] (row stride `padded`) in place; the tail up to `padded` gets weight 0.
-void Softmax(float* scores, int64_t G, int64_t n, int64_t padded) {
+// Row-wise softmax of scores[G, n] (row stride `padded`) in place over tokens [first, n), soft-capped
+// first when softcap > 0; the tokens before `first` and the tail up to `padded` get weight 0.
+void Softmax(float* scores, int64_t G, int64_t first, int64_t n, int64_t padded, float softcap) {
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * padded;
+    if (softcap > 0.0f) {
+      for (int64_t t = first; t < n; ++t) sg[t] = softcap * std::tanh(sg[t] / softcap);
+    }
+    for (int64_t t = 0; t < first; ++t) sg[t] = -1e30f;
     for (int64_t t = n; t < padded; ++t) sg[t] = -1e30f;
     __m256 mx = _mm256_set1_ps(-1e30f);
     for (int64_t t = 0; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
@@ -395,7 +405,7 @@ void Softmax(float* scores, int64_t G, int64_t n, int64_t padded) {
 // The vector paths need PS % 8 == 0 and D % 16 == 0 (scalar loops otherwise). T: the cache's
 // element type (float, or uint16_t holding bfloat16); arithmetic is float32 either way.
 template <typename T>
-void AttendOne(const float* q, const T* kpool, const T* vpool, const int32_t* table, int64_t n,
+void AttendOne(const float* q, const T* kpool, const T* vpool, const int32_t* table, int64_t first, int64_t n,
                const AttnShape& a, float* scores, float* out) {
   const int64_t G = a.group, D = a.dim, PS = a.page_size;
   const int64_t page_stride = a.heads * D * PS;  // floats between consecutive pages of one head
@@ -424,7 +434,7 @@ void AttendOne(const float* q, const T* kpool, const T* vpool, const int32_t* ta
       }
     }
   }
-  Softmax(scores, G, n, padded);
+  Softmax(scores, G, first, n, padded, a.softcap);
   if (D % 16 == 0) {  // out[g] = sum_t p[g, t] v[t], 16 columns at a time
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       ForHeadBlocks(G, [&](int64_t g, auto ng) {
@@ -461,14 +471,16 @@ void AttendAll(ffi::ThreadPool& pool, const AttnShape& a, int64_t queries, int64
     }
     std::unique_ptr<float[]> scores(new float[a.group * ScoresStride(n, a.page_size)]);
     const int64_t head_offset = h * a.dim * a.page_size;
-    AttendOne(qp + c * a.group * a.dim, kl + head_offset, vl + head_offset, tp + row * a.table_len, n, a,
+    const int64_t first = a.window > 0 ? std::max<int64_t>(0, n - a.window) : 0;
+    AttendOne(qp + c * a.group * a.dim, kl + head_offset, vl + head_offset, tp + row * a.table_len, first, n, a,
               scores.get(), o);
   });
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> rows,
-                           ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> softcap,
+                           ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = pages.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || kd[2] != qd[1] || kd[3] != qd[3] ||
       rows.element_count() != qd[0] || lens.element_count() != qd[0] || v.dimensions().size() != 5) {
@@ -478,7 +490,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (k.element_type() != v.element_type()) {
     return ffi::Error::InvalidArgument("paged_attention: keys and values must have one dtype");
   }
-  const AttnShape a{qd[1], qd[2], qd[3], kd[4], kd[1], td[1]};
+  const AttnShape a{qd[1], qd[2], qd[3], kd[4], kd[1], td[1], window.typed_data()[0], softcap.typed_data()[0]};
   const int64_t layer_offset = layer.typed_data()[0] * a.pool_pages * a.heads * a.dim * a.page_size;
   const int32_t *tp = pages.typed_data(), *rp = rows.typed_data(), *lp = lens.typed_data();
   switch (k.element_type()) {
@@ -588,6 +600,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServePagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeSiluMul, SiluMul,

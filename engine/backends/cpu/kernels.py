@@ -203,9 +203,11 @@ def _packed_matmul(inputs: NamedArray, In, packed: jax.Array, scale: NamedArray 
 
 
 def paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pages: jax.Array, rows: jax.Array,
-                    lens: jax.Array) -> jax.Array:
+                    lens: jax.Array, window=0, softcap=None) -> jax.Array:
     """Softmax attention of each pre-scaled query over the first `lens` cached tokens of its
-    sequence (a query is a decoding sequence's token or one prompt token).
+    sequence (a query is a decoding sequence's token or one prompt token); with `window` > 0 (an
+    i32 scalar, traced or not) over the last `window` of them only; with `softcap`, scores become
+    cap * tanh(scores / cap).
 
     q: f32[S, kv_head, group, head_dim]; k_all: [layer, page, kv_head, head_dim, slot]; v_all:
     [layer, page, kv_head, slot, head_dim], both float32 or both bfloat16 (or bfloat16's uint16 bits;
@@ -213,7 +215,8 @@ def paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pag
     each query's page table; lens: i32[S] (0 for padding, which gets zeros).
     Returns f32[S, kv_head, group, head_dim]."""
     call = jax.ffi.ffi_call("jax_serve_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q, k_all, v_all, jnp.asarray(layer, jnp.int32), pages, rows, lens)
+    return call(q, k_all, v_all, jnp.asarray(layer, jnp.int32), pages, rows, lens, jnp.asarray(window, jnp.int32),
+                jnp.asarray(0.0 if softcap is None else softcap, jnp.float32))
 
 
 def silu_mul(gate_up: jax.Array) -> jax.Array:
