@@ -59,11 +59,11 @@ HF_MODELS: dict[str, transformers.PreTrainedModel] = {}
 
 
 def hf_model(path: str):
-    """transformers' model of `path` in float32; Gemma 2's with eager attention, the one that soft-caps
+    """transformers' model of `path` in float32; Gemma's with eager attention, the one that soft-caps
     the scores (its default, SDPA, does not)."""
     if path not in HF_MODELS:
         config = transformers.AutoConfig.from_pretrained(path)
-        eager = {"attn_implementation": "eager"} if config.model_type == "gemma2" else {}
+        eager = {"attn_implementation": "eager"} if config.model_type in ("gemma2", "gemma3_text") else {}
         HF_MODELS[path] = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **eager).eval()
     return HF_MODELS[path]
 

@@ -25,7 +25,7 @@ from engine.llm_engine import LLMEngine
     ("llama", False, "tpu"), ("qwen3", False, "cpu"), ("qwen3", False, "tpu"), ("qwen2", False, "cpu"),
     ("mistral", True, "cpu"), ("olmo2", False, "cpu"), ("olmo2", True, "xla"), ("olmo2", False, "tpu"),
     ("mixtral", False, "cpu"), ("mixtral", True, "xla"), ("mixtral", False, "tpu"), ("gemma2", False, "cpu"),
-    ("gemma2", True, "xla")])
+    ("gemma2", True, "xla"), ("gemma3", False, "cpu"), ("gemma3", True, "xla")])
 def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, scan_layers, backend):
     """cpu: the project's kernels (an AVX2 machine); xla: masked attention in plain JAX; tpu:
     ragged paged attention (levanter's reference implementation off TPU; the Pallas kernel itself in
@@ -37,7 +37,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, famil
     if backend == "cpu":  # q/k/v and gate/up run as one matmul each
         layer = engine.executor.runner.model.first_layer
         assert isinstance(layer.self_attn.q_proj, FusedLinear) and layer.self_attn.k_proj is None
-        assert family in ("mixtral", "gemma2") or isinstance(layer.mlp, PackedSwiGLU)  # experts; GELU
+        assert family in ("mixtral", "gemma2", "gemma3") or isinstance(layer.mlp, PackedSwiGLU)  # experts; GELU
     assert_greedy_parity(engine, model_dir)
 
 

@@ -185,3 +185,20 @@ def test_aborting_a_constrained_request_mid_generation_frees_everything(engine):
             final[delta.request_id] = delta.finish_reason
     assert final["drop"] is FinishReason.ABORT and final["keep"] is FinishReason.STOP
     assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmo2", "gemma2", "gemma3"])
+def test_the_newer_families_keep_to_the_schema(checkpoint_factory, family):
+    """Structured output is the engine's, whatever the forward pass: routed experts (Mixtral), norms
+    after each block (OLMo 2), sliding layers and soft-capped logits (Gemma 2; the 30-token prompt
+    runs past its 16-token window), a RoPE per layer type (Gemma 3)."""
+    model_dir = checkpoint_factory(family)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **TIGHT))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = make_prompts([30, 9], seed=3)
+    deltas = run_to_completion(engine, {f"{p}-{i}": (prompts[p], constrained(seed=10 * p + i))
+                                        for p in range(2) for i in range(2)})
+    for rid, text in texts(deltas, tokenizer).items():
+        assert deltas[rid][-1].finish_reason is FinishReason.STOP, (rid, text)
+        jsonschema.validate(json.loads(text), PERSON)
+    assert_all_pages_free(engine)

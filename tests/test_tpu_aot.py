@@ -77,14 +77,20 @@ def test_every_step_program_compiles_for_the_topology(tiny_dir, tmp_path, topolo
     assert abs(report["planner_error"]) < 0.05
 
 
-def test_gemma2_sliding_and_soft_capped_layers_compile_for_a_tpu(tmp_path):
-    """The kernel with a sliding window, chosen per layer of the scanned loop, and soft-capped scores."""
-    gemma2 = {**TINY, "model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 32,
-              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
-              "hidden_activation": "gelu_pytorch_tanh"}
-    (tmp_path / "gemma2").mkdir()
-    (tmp_path / "gemma2" / "config.json").write_text(json.dumps(gemma2))
-    report = aot(tmp_path / "gemma2", "v5e:2x2", 4, tmp_path / "report.json")
+GEMMA = {**TINY, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 32, "tie_word_embeddings": True,
+         "hidden_activation": "gelu_pytorch_tanh"}
+
+
+@pytest.mark.parametrize("config", [
+    {**GEMMA, "model_type": "gemma2", "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    {**GEMMA, "model_type": "gemma3_text", "rope_local_base_freq": 10000.0,
+     "layer_types": ["sliding_attention", "full_attention"]}], ids=["gemma2", "gemma3"])
+def test_gemma_sliding_layers_compile_for_a_tpu(tmp_path, config):
+    """The kernel with a sliding window, chosen per layer of the scanned loop (and the layer's RoPE,
+    Gemma 3's), with soft-capped scores (Gemma 2)."""
+    (tmp_path / "gemma").mkdir()
+    (tmp_path / "gemma" / "config.json").write_text(json.dumps(config))
+    report = aot(tmp_path / "gemma", "v5e:2x2", 4, tmp_path / "report.json")
     assert len(report["programs"]) == 14 and report["fits"] is True
 
 

@@ -70,9 +70,10 @@ def test_a_transformers_5_tokenizer_reads_as_the_one_it_was_saved_from():
      "config.json asks for RoPE type 'dynamic', which the engine does not implement; supported: default, linear, "
      "llama3, yarn"),
     ({"full_attention": {"rope_theta": 1e6, "rope_type": "default"},
-      "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}},
-     "config.json sets RoPE per layer type (full_attention, sliding_attention); the engine runs one RoPE for every "
-     "layer")])
+      "sliding_attention": {"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0}},
+     'config.json sets RoPE per layer type ({"full_attention": {"rope_theta": 1000000.0, "rope_type": "default"}, '
+     '"sliding_attention": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}}); the engine runs one RoPE '
+     "for full-attention layers and an unscaled one (Gemma 3's local) for sliding layers")])
 def test_rope_the_engine_cannot_run_is_refused_by_name(tmp_path, rope, message):
     model_dir = tmp_path / "model"
     shutil.copytree(FIXTURES / "llama-default", model_dir)
@@ -81,6 +82,14 @@ def test_rope_the_engine_cannot_run_is_refused_by_name(tmp_path, rope, message):
     with pytest.raises(ValueError) as refused:
         LLMEngine(EngineConfig(model=str(model_dir), warmup=False))
     assert str(refused.value) == message
+
+
+def test_gemma3s_rope_per_layer_type_reads_as_transformers_4_wrote_it():
+    full = {"rope_theta": 1e6, "rope_type": "linear", "factor": 8.0}
+    read = hf_config({"rope_parameters": {"full_attention": full,
+                                          "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}})
+    assert read == {"rope_theta": 1e6, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                    "rope_local_base_freq": 1e4}
 
 
 def test_transformers_4_rope_scaling_of_an_unknown_type_is_refused_too():

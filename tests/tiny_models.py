@@ -99,8 +99,8 @@ def make_checkpoint(
     tokenizer_vocab: int = 512,
     pad_tokenizer_vocab: bool = False,
 ) -> Path:
-    """Write a random `family` checkpoint (llama, qwen2, qwen3, mistral, mixtral, olmo2, gemma2)
-    with a tokenizer.
+    """Write a random `family` checkpoint (llama, qwen2, qwen3, mistral, mixtral, olmo2, gemma2,
+    gemma3: its text model) with a tokenizer.
 
     `pad_tokenizer_vocab` pads the tokenizer to exactly `tokenizer_vocab` ids (see make_tokenizer).
 
@@ -146,10 +146,16 @@ def make_checkpoint(
         config = transformers.Gemma2Config(**common, head_dim=hidden_size // num_heads, rope_theta=10000.0,
                                            sliding_window=16, query_pre_attn_scalar=12, attn_logit_softcapping=4.0,
                                            final_logit_softcapping=8.0, hidden_activation="gelu_pytorch_tanh")
+    elif family == "gemma3":  # text only; every other layer slides over 16 tokens with its own RoPE base
+        config = transformers.Gemma3TextConfig(**common, head_dim=hidden_size // num_heads, rope_theta=100000.0,
+                                               rope_local_base_freq=10000.0, sliding_window=16,
+                                               layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+                                               query_pre_attn_scalar=12, rope_scaling={"rope_type": "linear",
+                                                                                       "factor": 2.0})
     elif family == "olmo2":
         config = transformers.Olmo2Config(**common, rope_theta=10000.0)
     else:
-        raise ValueError(f"unknown family {family!r}; use llama, mistral, mixtral, qwen2, qwen3, olmo2 or gemma2")
+        raise ValueError(f"unknown family {family!r}; use llama, mistral, mixtral, qwen2, qwen3, olmo2, gemma2 or gemma3")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     _randomize_biases(model, initializer_range)

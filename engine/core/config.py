@@ -17,7 +17,7 @@ class EngineConfig:
 
     model: str
     """Local Hugging Face checkpoint directory (absolute or relative) of a Llama, Qwen2, Qwen3,
-    Mistral, Mixtral, OLMo 2 or Gemma 2 model (LLMEngine), or of a BERT sentence encoder (EmbeddingEngine: it reads `dtype`,
+    Mistral, Mixtral, OLMo 2, Gemma 2 or Gemma 3 (text) model (LLMEngine), or of a BERT sentence encoder (EmbeddingEngine: it reads `dtype`,
     `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, `warmup`, `compilation_cache_dir`,
     `step_timeout_s`)."""
     source: Optional[ModelSource] = None

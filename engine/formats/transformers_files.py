@@ -33,8 +33,7 @@ def hf_config(config: dict) -> dict:
     if isinstance(config.get("rope_parameters"), dict):
         rope = dict(config.pop("rope_parameters"))
         if "rope_theta" not in rope and all(isinstance(v, dict) for v in rope.values()):
-            raise ValueError(f"config.json sets RoPE per layer type ({', '.join(rope)}); the engine runs one RoPE "
-                             "for every layer")
+            rope = _rope_per_layer_type(config, rope)
         if "rope_theta" in rope:
             config["rope_theta"] = rope.pop("rope_theta")
         if "partial_rotary_factor" in rope:
@@ -50,6 +49,19 @@ def hf_config(config: dict) -> dict:
         raise ValueError(f"config.json sets partial_rotary_factor={config['partial_rotary_factor']}; the engine "
                          "rotates whole heads only")
     return config
+
+
+def _rope_per_layer_type(config: dict, rope: dict) -> dict:
+    """transformers 5's RoPE per layer type (Gemma 3): the full layers' is the model's; the sliding
+    layers' is Gemma 3's `rope_local_base_freq`, which the engine runs unscaled only."""
+    sliding = rope.get("sliding_attention", {})
+    if set(rope) - {"full_attention", "sliding_attention"} or "full_attention" not in rope or (
+            sliding and sliding.get("rope_type", "default") != "default"):
+        raise ValueError(f"config.json sets RoPE per layer type ({json.dumps(rope)}); the engine runs one RoPE for "
+                         "full-attention layers and an unscaled one (Gemma 3's local) for sliding layers")
+    if "rope_theta" in sliding:
+        config["rope_local_base_freq"] = sliding["rope_theta"]
+    return dict(rope["full_attention"])
 
 
 def load_tokenizer(model_dir: str | Path):

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def _families() -> dict:
-    from levanter.models.gemma import Gemma2Config
+    from levanter.models.gemma import Gemma2Config, Gemma3Config
     from levanter.models.llama import LlamaConfig
     from levanter.models.mistral import MistralConfig
     from levanter.models.mixtral import MixtralConfig
@@ -30,10 +30,10 @@ def _families() -> dict:
     from levanter.models.qwen import Qwen3Config, QwenConfig
 
     return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": QwenConfig, "qwen3": Qwen3Config,
-            "olmo2": Olmo2Config, "mixtral": MixtralConfig, "gemma2": Gemma2Config}
+            "olmo2": Olmo2Config, "mixtral": MixtralConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3Config}
 
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "gemma2")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "gemma2", "gemma3_text")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +165,10 @@ def _levanter_config(info: ModelInfo, hf_config: dict):
 
     if info.family == "qwen2":  # levanter's Qwen2 reader takes biases from `no_bias`
         hf_config = {"no_bias": False, **hf_config}
-    return _families()[info.family].from_hf_config(AutoConfig.for_model(**_hf_kwargs(hf_config)))
+    family, hf = _families()[info.family], AutoConfig.for_model(**_hf_kwargs(hf_config))
+    if info.family == "gemma3_text":  # levanter's Gemma3Config.from_hf_config lacks its @classmethod
+        return family.from_hf_config(family, hf)
+    return family.from_hf_config(hf)
 
 
 def _fill_missing_qwen2_biases(converter, hf_config: dict) -> None:

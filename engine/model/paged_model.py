@@ -1,5 +1,6 @@
-"""One forward pass of a levanter Llama-family model (Llama, Mistral, Mixtral, Qwen 2 / 3, OLMo 2)
-over a step's tokens, with a paged KV cache.
+"""One forward pass of a levanter Llama-family model (Llama, Mistral, Mixtral, Qwen 2 / 3, OLMo 2,
+Gemma 2 / 3) over a step's tokens, with a paged KV cache; what a family changes beyond Llama's pass
+comes from config.json (engine.model.variant).
 
 The weights and per-layer modules (norms, projections, MLP) are levanter's; the
 attention backend (engine.backends) owns the q/k/v projection, the cache write and attention
@@ -79,17 +80,21 @@ def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepI
     if model.variant.embed_scale is not None:  # in the embeddings' dtype, as transformers rounds it
         x = x * jnp.asarray(model.variant.embed_scale, x.dtype)
     x = x.astype(backend.activation_dtype(x.dtype))
-    rope = model.rope.tables(hax.named(inputs.positions, Pos))
+    positions = hax.named(inputs.positions, Pos)
+    rope = model.rope.tables(positions)
+    local_rope = None if model.variant.local_rope is None else model.variant.local_rope.tables(positions)
     step = backend.begin_step(inputs)
     if isinstance(model.layers, tuple):
         for index, layer in enumerate(model.layers):
-            x, cache = _decoder_layer(layer, x, cache, index, rope, backend, step, model.variant)
+            layer_rope = model.variant.rope_tables(index, rope, local_rope)
+            x, cache = _decoder_layer(layer, x, cache, index, layer_rope, backend, step, model.variant)
     else:
         Block, stacked = model.layers.Block, model.layers.stacked
 
         def layer_step(index, carry):
             x, cache = carry
-            return _decoder_layer(layer_at(stacked, Block, index), x, cache, index, rope, backend, step,
+            layer_rope = model.variant.rope_tables(index, rope, local_rope)
+            return _decoder_layer(layer_at(stacked, Block, index), x, cache, index, layer_rope, backend, step,
                                   model.variant)
 
         x, cache = jax.lax.fori_loop(0, Block.size, layer_step, (x, cache))
@@ -130,7 +135,7 @@ def _decoder_layer(layer, x, cache, index, rope, backend: AttentionBackend, step
         attn_out, cache = attend(x)
         x = x + layer.post_attention_layernorm(attn_out)
         return x + layer.post_feedforward_layernorm(_feed_forward(layer, x)), cache
-    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 2: each block's input and output normed
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 2 / 3: each block's input and output normed
         attn_out, cache = attend(layer.input_layernorm(x))
         x = x + layer.post_attention_layernorm(attn_out)
         return x + layer.post_feedforward_layernorm(_feed_forward(layer, layer.pre_feedforward_layernorm(x))), cache

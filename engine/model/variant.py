@@ -4,6 +4,8 @@ it (levanter's configs drop some of it: Gemma 2's soft-caps, query scale and sli
 - Gemma 2: embeddings scaled by sqrt(hidden_size), attention scores scaled by
   query_pre_attn_scalar ** -0.5 and soft-capped (cap * tanh(s / cap)), the final logits
   soft-capped, every other layer attending over a sliding window (`layer_types`).
+- Gemma 3 (text): as Gemma 2 without the soft-caps; five of every six layers slide, and those
+  rotate with their own RoPE (`rope_local_base_freq`, unscaled).
 - Mistral, Mixtral (and Qwen 2 / 3 with `use_sliding_window`): layers over a sliding window.
 
 A token at position i attends to the keys at positions j with i - window < j <= i in a sliding
@@ -15,7 +17,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import haliax as hax
 import jax.numpy as jnp
+
+from engine.model.rope import Rope
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -30,6 +35,9 @@ def layer_types(hf: dict) -> list[str]:
         family, window = hf["model_type"], hf.get("sliding_window")
         if family == "gemma2":
             kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        elif family == "gemma3_text":
+            pattern = hf.get("sliding_window_pattern", 6)
+            kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         elif family in ("mistral", "mixtral") and window is not None:
             kinds = ["sliding_attention"] * layers
         elif family in ("qwen2", "qwen3") and hf.get("use_sliding_window") and window is not None:
@@ -58,19 +66,34 @@ class Variant:
     """Keys a query of a sliding layer sees (itself included); None: no layer slides."""
     sliding_layers: tuple[bool, ...] = ()
     """Per layer: whether it slides."""
+    local_rope: Optional[Rope] = None
+    """The sliding layers' RoPE where it is not the model's (Gemma 3)."""
 
     @staticmethod
-    def from_hf_config(hf: dict) -> "Variant":
+    def from_hf_config(hf: dict, head_dim: int) -> "Variant":
         """The variant of a config.json (as engine.formats.transformers_files reads it); ValueError
         for layer types the engine does not implement."""
         sliding = tuple(kind == "sliding_attention" for kind in layer_types(hf))
         windows = {"sliding_window": hf["sliding_window"], "sliding_layers": sliding} if any(sliding) else {}
-        if hf["model_type"] != "gemma2":
+        if hf["model_type"] not in ("gemma2", "gemma3_text"):
             return Variant(**windows)
+        if hf["model_type"] == "gemma3_text" and "rope_local_base_freq" in hf:
+            local = {"rope_theta": hf["rope_local_base_freq"], "rope_scaling": None}
+            windows["local_rope"] = Rope.from_hf_config({**hf, **local}, head_dim)
         scalar = hf.get("query_pre_attn_scalar")
         return Variant(embed_scale=hf["hidden_size"] ** 0.5, query_scale=None if scalar is None else scalar ** -0.5,
                        attn_softcap=hf.get("attn_logit_softcapping"), final_softcap=hf.get("final_logit_softcapping"),
                        **windows)
+
+    def rope_tables(self, index, tables, local_tables):
+        """Layer `index`'s (cos, sin): the sliding layers' own where the model has them."""
+        if self.local_rope is None:
+            return tables
+        slides = self.slides(index)
+        if isinstance(slides, bool):
+            return local_tables if slides else tables
+        return tuple(hax.named(jnp.where(slides, local.array, full.array), full.axes)
+                     for local, full in zip(local_tables, tables))
 
     def slides(self, index):
         """Whether layer `index` (an int, or a traced index in a scanned loop) slides."""

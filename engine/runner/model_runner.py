@@ -388,7 +388,7 @@ def serving_model(model, model_dir: str, info, layout: sharding.TensorParallelLa
     model = quantize_model(model, quantization)
     hf = read_hf_config(model_dir)
     rope = Rope.from_hf_config(hf, info.head_dim)
-    return place(ServingModel.from_levanter(model, rope, scan_layers, place, Variant.from_hf_config(hf)))
+    return place(ServingModel.from_levanter(model, rope, scan_layers, place, Variant.from_hf_config(hf, info.head_dim)))
 
 
 def _to_host(tree: Any) -> Any:
