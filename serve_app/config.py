@@ -202,7 +202,7 @@ def detect_task(spec: str) -> str:
 def default_model_id(spec: str) -> str:
     """A Hub repo id itself, a checkpoint directory's name (a URI's last part), a .gguf file's stem,
     or the alias itself."""
-    if hub.is_repo_id(spec) and not Path(spec).expanduser().exists():
+    if hub.names_repo(spec):
         return spec
     path = Path(spec.rstrip("/"))
     return path.stem if path.suffix.lower() == ".gguf" else path.name

@@ -34,6 +34,11 @@ def is_repo_id(spec: str) -> bool:
     return bool(_REPO_ID.match(spec)) and ".." not in spec and "--" not in spec and not spec.lower().endswith(".gguf")
 
 
+def names_repo(spec: str) -> bool:
+    """Whether `spec` means a Hub repo here: a repo id's shape, and no local path of that name."""
+    return is_repo_id(spec) and not Path(spec).expanduser().exists()
+
+
 def fetch(repo_id: str, revision: Optional[str] = None, tokenizer_only: bool = False) -> Path:
     """The local snapshot directory of `repo_id` at `revision` (default: main), downloaded if needed:
     the checkpoint, or only its tokenizer files."""

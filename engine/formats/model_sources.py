@@ -118,7 +118,7 @@ class ModelSource:
         """The source in one line, e.g. "Qwen/Qwen3-0.6B@main" or "s3://bucket/ckpt"."""
         if self.levanter_model is not None:
             return f"levanter:{self.model}"
-        if hub.is_repo_id(self.model) and not Path(self.model).expanduser().exists():
+        if hub.names_repo(self.model):
             return f"{self.model}@{self.revision or 'main'}"
         return self.model
 

@@ -40,10 +40,10 @@ from engine.core.config import EngineConfig
 from engine.core.grammar import mask_words
 from engine.core.step_plan import WARM_SAMPLER_SWITCHES, SamplerSwitches, StepOutput, StepPlan, empty_step_plan
 from engine.model.loading import load_model, model_info, read_hf_config, resolve_dtype
-from engine.model.quantize import quantize_model
-from engine.model.variant import Variant
 from engine.model.paged_model import ServingModel, forward, logits_at, unembed
+from engine.model.quantize import quantize_model
 from engine.model.rope import Rope
+from engine.model.variant import Variant
 from engine.runner import capacity, sharding
 from engine.runner.compilation_cache import enable_compilation_cache
 from engine.runner.programs import StepCompiler
@@ -387,8 +387,8 @@ def serving_model(model, model_dir: str, info, layout: sharding.TensorParallelLa
         model = sharding.repeat_kv_heads(model, layout.kv_repeats)
     model = quantize_model(model, quantization)
     hf = read_hf_config(model_dir)
-    rope = Rope.from_hf_config(hf, info.head_dim)
-    return place(ServingModel.from_levanter(model, rope, scan_layers, place, Variant.from_hf_config(hf, info.head_dim)))
+    rope, variant = Rope.from_hf_config(hf, info.head_dim), Variant.from_hf_config(hf, info.head_dim)
+    return place(ServingModel.from_levanter(model, rope, scan_layers, place, variant))
 
 
 def _to_host(tree: Any) -> Any:
