@@ -51,6 +51,8 @@ def test_loading_with_repeated_kv_heads_is_counted(tiny_dir):
     assert plan.problem() == ("loading takes 0.00 GiB per device at tensor_parallel_size=4 (the k and v projections "
                               "load whole, then are repeated for the devices), more than the 0.00 GiB a device has")
     assert capacity.plan(config, 4, 2**20).problem() is None
+    int8 = EngineConfig(model=str(tiny_dir), quantization="int8")  # made on the host, placed as served
+    assert capacity.plan(int8, 4, 2**20).loading_extra_bytes == 0
 
 
 def test_the_pool_is_what_the_memory_left_after_the_weights_holds(tiny_dir):

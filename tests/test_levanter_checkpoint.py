@@ -93,6 +93,28 @@ def test_the_engine_serves_the_converted_checkpoint_as_transformers_does(convert
         engine.shutdown()
 
 
+def test_a_vocabulary_padded_for_the_training_mesh_is_read_from_the_checkpoint(levanter_run, tmp_path):
+    """levanter's training rounds the tokenizer's vocabulary up to split over its mesh: the stored
+    embedding's size wins, and the engine serves the padded model as transformers does."""
+    from engine.formats.transformers_files import load_tokenizer
+    from engine.llm_engine import LLMEngine
+
+    _, _, tokenizer = levanter_run
+    padded = 128 * (len(load_tokenizer(str(tokenizer))) // 128 + 1)
+    run = tmp_path / "run"
+    write_levanter_run(run, MODEL_SECTION, padded, steps=(2,))
+    converted = resolve_model(ModelSource(str(run), tokenizer=str(tokenizer), levanter_model=MODEL_SECTION,
+                                          cache_dir=str(tmp_path / "cache")))
+    assert json.loads((converted / "config.json").read_text())["vocab_size"] == padded
+    engine = LLMEngine(EngineConfig(model=str(converted), max_num_seqs=2, max_model_len=128, warmup=False))
+    try:
+        prompt = make_prompts([9], seed=5)[0]
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert tokens_of(run_to_completion(engine, {"a": (prompt, params)})["a"]) == hf_greedy(converted, prompt, 8)[0]
+    finally:
+        engine.shutdown()
+
+
 def test_a_training_yaml_names_the_same_model_and_hits_the_cache(levanter_run, converted, tmp_path):
     run, _, tokenizer = levanter_run
     train = tmp_path / "train.yaml"

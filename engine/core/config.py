@@ -29,9 +29,11 @@ class EngineConfig:
     attention backend, activations stay float32 whatever the weights' dtype."""
     quantization: Optional[Literal["int8"]] = None
     """Weight-only quantization made at load time from the checkpoint's float weights. int8: every
-    linear layer's weight (and the token embedding) as int8 with a float32 scale per output channel
-    (engine/model/quantize.py): about half of bfloat16's weight memory and of the bytes a decode
-    step reads. Activations, norms and the KV cache keep `dtype`. None: the weights as loaded."""
+    linear layer's weight, each expert's (a router's stays float) and the token embedding as int8
+    with a float32 scale per output channel (engine/model/quantize.py): about half of bfloat16's
+    weight memory and of the bytes a decode step reads. Where the host's CPU is not a replica device
+    (TPUs, GPUs), the weights are made on the host and the devices only ever hold the int8 ones.
+    Activations, norms and the KV cache keep `dtype`. None: the weights as loaded."""
     kv_cache_dtype: Optional[DType] = None
     """The KV cache's dtype; None: the weights' dtype. bfloat16 halves the cache (twice the
     tokens in the same memory) and the bytes attention reads per cached token; scores and sums

@@ -82,8 +82,9 @@ def _convert(step_dir: str, model_section: dict, tokenizer_spec: str, out: Path)
     except Exception as exc:
         raise ValueError(f"levanter_model is not a levanter model config: {exc}") from None
     tokenizer = load_tokenizer(str(_tokenizer_dir(tokenizer_spec)))
-    Vocab = hax.Axis("vocab", len(tokenizer))  # as levanter's training and export size it
-    logger.info("converting levanter checkpoint %s (%s, vocabulary %d)", step_dir, type(config).__name__, Vocab.size)
+    Vocab = hax.Axis("vocab", _stored_vocab(step_dir) or len(tokenizer))
+    logger.info("converting levanter checkpoint %s (%s, vocabulary %d, tokenizer %d)", step_dir,
+                type(config).__name__, Vocab.size, len(tokenizer))
     with local_cpu_mesh():
         shapes = eqx.filter_eval_shape(config.build, Vocab, key=jax.random.PRNGKey(0))
         trainable, rest = eqx.partition(shapes, is_inexact_arrayish)
@@ -91,10 +92,26 @@ def _convert(step_dir: str, model_section: dict, tokenizer_spec: str, out: Path)
             trainable = load_checkpoint(trainable, step_dir, subpath="model", discover_latest=False)
         except Exception as exc:
             raise ValueError(f"{step_dir} does not hold a {type(config).__name__} of these sizes with a vocabulary "
-                             f"of {Vocab.size} (the tokenizer's): {exc}. Check levanter_model and tokenizer against "
+                             f"of {Vocab.size}: {exc}. Check levanter_model and tokenizer against "
                              "the training config") from exc
         model = eqx.combine(trainable, rest)
         _save_hf(model, tokenizer, out)
+
+
+def _stored_vocab(step_dir: str) -> int | None:
+    """The vocabulary the run trained with, from the stored token embedding's array metadata (zarr 2
+    or 3): levanter rounds the tokenizer's up so that it splits over the training mesh. None where
+    the checkpoint lays it out otherwise (the tokenizer's length is then levanter's export default)."""
+    import fsspec
+
+    weight = f"{step_dir.rstrip('/')}/model/embeddings/token_embeddings/weight"
+    for name in (".zarray", "zarr.json"):
+        try:
+            with fsspec.open(f"{weight}/{name}", "r") as f:
+                return int(json.load(f)["shape"][0])
+        except (FileNotFoundError, KeyError, IndexError, ValueError):
+            continue
+    return None
 
 
 def _save_hf(model, tokenizer, out: Path) -> None:

@@ -1,16 +1,18 @@
 """Weight-only int8 quantization, made at load time from a checkpoint's float weights.
 
-Every linear layer's weight becomes int8 with one float32 scale per output channel (symmetric:
-scale = max |w| over the inputs / 127), and the token embedding int8 with one scale per vocabulary
-row, which serves both the lookup and a tied LM head (a row of the embedding is an output channel
-of the unembedding). Activations, norms, biases and the KV cache keep their dtype; a product
-converts the int8 weight to the activations' dtype (exact: |q| <= 127 fits bfloat16's mantissa),
-sums in float32 and scales its output before rounding it to the activations' dtype once. Weight
-memory and the bytes a decode step streams are about half of bfloat16's.
+Every linear layer's weight becomes int8 with one float32 scale per output channel (symmetric: scale
+= max |w| over the inputs / 127), each expert of a mixture of experts with its own scales, and the
+token embedding int8 with one scale per vocabulary row, which serves both the lookup and a tied LM
+head (a row of the embedding is an output channel of the unembedding). A router (which picks a
+token's experts) keeps its float weights: a flipped choice costs more than its few bytes save.
+Activations, norms, biases and the KV cache keep their dtype; a product converts the int8 weight to
+the activations' dtype (exact: |q| <= 127 fits bfloat16's mantissa), sums in float32 and scales its
+output before rounding it to the activations' dtype once. Weight memory and the bytes a decode step
+streams are about half of bfloat16's.
 
-The modules keep the axes of the ones they replace (haliax's `Linear`, `Embedding`), so sharding,
-scanned layers and the backends treat them as any weight; the cpu backend packs them for its int8
-kernel (engine.backends.cpu.kernels).
+The modules keep the axes of the ones they replace (haliax's `Linear`, `MoELinear`, `Embedding`), so
+sharding, scanned layers and the backends treat them as any weight; the cpu backend packs them for
+its int8 kernel (engine.backends.cpu.kernels).
 """
 
 from __future__ import annotations
@@ -46,6 +48,38 @@ class Int8Linear(eqx.Module):
         del key
         out = hax.dot(inputs, self.weight.astype(inputs.dtype), axis=self.In, preferred_element_type=jnp.float32)
         out = (out * self.scale).astype(inputs.dtype)
+        return out if self.bias is None else out + self.bias
+
+
+class Int8MoELinear(eqx.Module):
+    """haliax's `MoELinear` over int8 expert weights (Experts, ..., In, Out) and float32 scales
+    (Experts, Out). Its rows come grouped by expert (`group_sizes`, in expert order); each row's
+    output is scaled by its own expert's scales. haliax's grouped product rounds to the
+    activations' dtype before the scales apply (one rounding more than `Int8Linear`'s)."""
+
+    weight: NamedArray
+    scale: NamedArray
+    bias: NamedArray | None
+    Experts: hax.Axis = eqx.field(static=True)
+    In: hax.Axis = eqx.field(static=True)
+    Out: hax.Axis = eqx.field(static=True)
+    use_gmm: bool = eqx.field(static=True)
+
+    @staticmethod
+    def from_moe_linear(linear: hnn.MoELinear) -> "Int8MoELinear":
+        weight, scale = quantize(linear.weight, linear.In)
+        return Int8MoELinear(weight, scale.rearrange((..., linear.Experts, linear.Out)), linear.bias, linear.Experts,
+                             linear.In, linear.Out, linear.use_gmm)
+
+    def __call__(self, inputs: NamedArray, group_sizes: NamedArray, *, key=None) -> NamedArray:
+        del key
+        widened = hnn.MoELinear(self.weight.astype(inputs.dtype), None, self.Experts, self.In, self.Out,
+                                use_gmm=self.use_gmm)
+        out = widened(inputs, group_sizes)
+        Rows = out.resolve_axis(hax.axis.without_axes(out.axes, self.Out)[0].name)
+        expert = jnp.repeat(jnp.arange(self.Experts.size), group_sizes.array, total_repeat_length=Rows.size)
+        scale = hax.named(self.scale.rearrange((self.Experts, self.Out)).array[expert], (Rows, self.Out))
+        out = (out.astype(jnp.float32) * scale).astype(inputs.dtype)
         return out if self.bias is None else out + self.bias
 
 
@@ -86,6 +120,25 @@ def quantize(weight: NamedArray, In) -> tuple[NamedArray, NamedArray]:
     return q, scale
 
 
+def _quantize_modules(tree):
+    """`tree` with every linear layer and mixture of experts quantized, routers kept as they are."""
+    def quantized(module):
+        if isinstance(module, hnn.Linear):
+            return Int8Linear.from_linear(module)
+        if isinstance(module, hnn.MoELinear):
+            return Int8MoELinear.from_moe_linear(module)
+        if _is_routed(module):  # levanter's sparse MoE block: a `gate` (the router) over `experts`
+            return dataclasses.replace(module, experts=_quantize_modules(module.experts))
+        return module
+
+    return jax.tree_util.tree_map(quantized, tree, is_leaf=lambda m: isinstance(m, (hnn.Linear, hnn.MoELinear))
+                                  or _is_routed(m))
+
+
+def _is_routed(module) -> bool:
+    return isinstance(module, eqx.Module) and hasattr(module, "gate") and hasattr(module, "experts")
+
+
 def quantize_model(model, quantization: str | None):
     """`model` (levanter's LM-head model) with its linear layers and token embedding quantized as
     `quantization` says (None: unchanged)."""
@@ -93,8 +146,7 @@ def quantize_model(model, quantization: str | None):
         return model
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported; use one of {QUANTIZATIONS} or none")
-    model = jax.tree_util.tree_map(lambda m: Int8Linear.from_linear(m) if isinstance(m, hnn.Linear) else m,
-                                   model, is_leaf=lambda m: isinstance(m, hnn.Linear))
+    model = _quantize_modules(model)
     embeddings = model.embeddings
     if isinstance(getattr(embeddings, "token_embeddings", None), hnn.Embedding):
         quantized = Int8Embedding.from_embedding(embeddings.token_embeddings)

@@ -159,26 +159,23 @@ def plan(config, tensor_parallel_size: int, memory_bytes: int, cache_bytes_per_p
 
     shape = cache_shape(info, layout, config.page_size, 1, config.kv_cache_dtype or dtype)
     per_page = (cache_bytes_per_page or AttentionBackend().cache_bytes_per_page)(shape) // layout.size
-    extra, why = _loading_extra(info, layout, dtype, weights(None) if config.quantization else 0)
+    extra, why = _loading_extra(info, layout, dtype, config.quantization is not None)
     return CapacityPlan(layout.size, weights(config.quantization), per_page, memory_bytes, config.page_size,
                         max_model_len(config, info), config.kv_cache_memory_fraction, config.num_pages, extra, why)
 
 
-def _loading_extra(info, layout, dtype, unquantized_bytes: int) -> tuple[int, str]:
+def _loading_extra(info, layout, dtype, quantized: bool) -> tuple[int, str]:
     """(bytes a device holds while loading beyond its share of the served weights, why): with KV
     heads repeated, the k and v projections load whole on every device and are repeated whole
-    before they split; quantized weights are made from the checkpoint's, loaded first."""
+    before they split. Quantized weights are made on the host CPU and placed as served (ModelRunner.
+    _load_on_host): the devices hold nothing more."""
     import numpy as np
 
-    extra, why = 0, []
-    if layout.kv_repeats > 1:
-        whole = info.num_layers * 2 * info.hidden_size * info.num_kv_heads * info.head_dim * np.dtype(dtype).itemsize
-        extra += (1 + layout.kv_repeats) * whole - layout.kv_repeats * whole // layout.size
-        why.append("the k and v projections load whole, then are repeated for the devices")
-    if unquantized_bytes:
-        extra += unquantized_bytes
-        why.append(f"the weights load in {dtype} before they are quantized")
-    return extra, "; ".join(why)
+    if quantized or layout.kv_repeats == 1:
+        return 0, ""
+    whole = info.num_layers * 2 * info.hidden_size * info.num_kv_heads * info.head_dim * np.dtype(dtype).itemsize
+    return ((1 + layout.kv_repeats) * whole - layout.kv_repeats * whole // layout.size,
+            "the k and v projections load whole, then are repeated for the devices")
 
 
 def tensor_parallel_sizes(config, devices: int) -> list[int]:

@@ -311,12 +311,34 @@ class ModelRunner:
     def _load(self, config: EngineConfig):
         """(the serving model, ModelInfo). Nothing of the model as loaded outlives this call: the
         KV pool is sized from the memory the serving model leaves."""
+        host = self._weights_host(config)
+        if host is not None:
+            return self._load_on_host(config, host)
         with self._device_context(self._load_mapping()):
             model, info = load_model(config.model, self.dtype)
             place = functools.partial(sharding.place, layout=self.layout, mesh=self.mesh)
             serving = serving_model(model, config.model, info, self.layout, self.scan_layers, place,
                                     config.quantization)
             return self.backend.prepare(serving, self.buckets, measure=config.warmup), info
+
+    def _load_on_host(self, config: EngineConfig, host: jax.Device):
+        """`_load` with the checkpoint loaded and the serving model made on `host`, each weight then
+        placed on the devices: they never hold the checkpoint's float weights beside the served ones."""
+        with _MeshContext(Mesh(np.array([host]).reshape(1, 1), self.mesh.axis_names), {}), jax.default_device(host):
+            model, info = load_model(config.model, self.dtype)
+            place = functools.partial(sharding.to_mesh, layout=self.layout, mesh=self.mesh)
+            serving = serving_model(model, config.model, info, self.layout, self.scan_layers, place,
+                                    config.quantization)
+        logger.info("weights made %s on %s, then placed on the devices", config.quantization, host)
+        with self._device_context():
+            return self.backend.prepare(serving, self.buckets, measure=config.warmup), info
+
+    def _weights_host(self, config: EngineConfig) -> Optional[jax.Device]:
+        """The host CPU device that quantized weights are made on before they go to the devices
+        (so loading never holds the checkpoint's float weights on them); None: the weights are made
+        on the devices themselves (no quantization, or the devices are the host's)."""
+        host = sharding.host_device() if config.quantization else None
+        return None if host is None or host in self.mesh.devices.flat else host
 
     def _load_mapping(self) -> dict[str, str]:
         """The axis mapping to load weights under: the layout's, but KV heads that are to be

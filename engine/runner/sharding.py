@@ -92,6 +92,34 @@ def place(tree, layout: TensorParallelLayout, mesh: Mesh):
     return tree if layout.size == 1 else hax.shard(tree, layout.axis_mapping, mesh)
 
 
+def host_device() -> Optional[jax.Device]:
+    """This process's first CPU device, or None where JAX runs without its CPU platform."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
+
+
+def to_mesh(tree, layout: TensorParallelLayout, mesh: Mesh):
+    """`tree` made of global arrays on `mesh`, split as the layout says, wherever its arrays are now
+    (the host's CPU, say). Every process passes its own whole copy and each device takes its shard
+    from its own process's copy, so nothing crosses hosts; arrays already placed so stay as they are."""
+    def put(x):
+        named = isinstance(x, hax.NamedArray)
+        array = x.array if named else x
+        if not isinstance(array, jax.Array):
+            return x
+        spec = hax.partitioning.pspec_for_axis(x.axes, layout.axis_mapping) if named else PartitionSpec()
+        target = NamedSharding(mesh, spec)
+        if array.sharding == target:
+            return x
+        host = np.asarray(array)
+        placed = jax.make_array_from_callback(host.shape, target, lambda index: host[index])
+        return hax.named(placed, x.axes) if named else placed
+
+    return jax.tree_util.tree_map(put, tree, is_leaf=lambda x: isinstance(x, hax.NamedArray))
+
+
 def repeat_kv_heads(model, repeats: int):
     """Every levanter `Attention` of `model` with each KV head repeated `repeats` times; query
     heads regroup so that each still meets its own KV head (see the module docstring)."""

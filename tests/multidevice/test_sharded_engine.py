@@ -105,12 +105,51 @@ def test_int8_weights_split_like_their_float_originals_and_answer_as_on_one_devi
     assert shard_shapes(down.weight.array) == [(64, 128)] * 4 and shard_shapes(down.scale.array) == [(128,)] * 4
 
 
-def test_mixtral_experts_split_over_the_devices(checkpoint_factory):
+def test_int8_weights_made_on_the_host_reach_the_devices_as_served(checkpoint_factory, monkeypatch):
+    """Where the host's CPU is not one of the replica's devices (a TPU VM), the checkpoint loads and
+    is quantized there and each device receives only its int8 share. Here device 3 stands in for the
+    host of a TP 2 replica on devices 0 and 1: the tokens equal those of the weights made in place,
+    and nothing of the model stays on device 3."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from parity import make_prompts, run_to_completion, tokens_of
+
+    from engine.core.request import SamplingParams
+    from engine.runner import sharding
+
+    config = EngineConfig(model=str(checkpoint_factory("qwen3", **EIGHT_HEADS)), quantization="int8",
+                          attention_backend="xla", tensor_parallel_size=2, **TIGHT)
+    prompts = make_prompts([5, 30, 12], seed=4)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    answers = []
+    for host in (None, jax.devices()[3]):
+        monkeypatch.setattr(sharding, "host_device", lambda host=host: host)
+        engine = LLMEngine(dataclasses.replace(config))
+        assert engine.executor.runner._weights_host(config) == host
+        deltas = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+        answers.append([tokens_of(deltas[str(i)]) for i in range(len(prompts))])
+    assert answers[0] == answers[1]
+    model = engine.executor.runner.model
+    placed = {device for leaf in jax.tree_util.tree_leaves(model) if isinstance(leaf, jax.Array)
+              for device in leaf.devices()}
+    assert placed == set(jax.devices()[:2])
+    q = model.layers[0].self_attn.q_proj
+    assert q.weight.dtype == jnp.int8 and shard_shapes(q.weight.array) == [(128, 1, 4, 16)] * 2
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_mixtral_experts_split_over_the_devices(checkpoint_factory, quantization):
     """Every expert's MLP splits by its intermediate dimension (as a dense MLP does): each device
-    holds a quarter of each of the 4 experts; the router is replicated."""
+    holds a quarter of each of the 4 experts (int8: and of their scales); the router is replicated
+    (and kept in float)."""
     engine = LLMEngine(EngineConfig(model=str(checkpoint_factory("mixtral", **EIGHT_HEADS)), tensor_parallel_size=4,
-                                    **TIGHT))
+                                    quantization=quantization, **TIGHT))
     moe = engine.executor.runner.model.layers[0].block_sparse_moe
+    if quantization:
+        assert moe.experts.w1.weight.dtype == "int8" and moe.gate.weight.dtype == "float32"
+        assert shard_shapes(moe.experts.w1.scale.array) == [(4, 64)] * 4
+        assert shard_shapes(moe.experts.w2.scale.array) == [(4, 128)] * 4
     assert [(ax.name, ax.size) for ax in moe.experts.w1.weight.axes] == [("experts", 4), ("embed", 128), ("mlp", 256)]
     assert shard_shapes(moe.experts.w1.weight.array) == shard_shapes(moe.experts.w3.weight.array) == [(4, 128, 64)] * 4
     assert shard_shapes(moe.experts.w2.weight.array) == [(4, 64, 128)] * 4
