@@ -82,7 +82,8 @@ def served_weight_bytes(engine, model: Path) -> int:
     runner = getattr(engine.executor, "runner", None)
     if runner is None:
         return sum(f.stat().st_size for f in model.glob("*.safetensors"))
-    return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(runner.model) if isinstance(leaf, jax.Array))
+    arrays = {id(leaf): leaf for leaf in jax.tree_util.tree_leaves(runner.model) if isinstance(leaf, jax.Array)}
+    return sum(leaf.nbytes for leaf in arrays.values())  # a tied LM head's plain matrix is the embedding itself
 
 
 BENCH_SCHEMA = '{"type": "array", "items": {"type": "string"}, "minItems": 100000}'

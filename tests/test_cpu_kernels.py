@@ -35,15 +35,17 @@ def test_matmul_equals_numpy(m, k, n, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_xla_matmul_reads_the_same_packed_weights(dtype):
-    """XLA's path (what matmul_choice may pick per shape) multiplies x in the weights' dtype."""
+def test_xla_matmul_reads_the_plain_matrix_either_way_round(dtype):
+    """XLA's path (what matmul_choice may pick per shape) multiplies x in the weights' dtype, by
+    w[K, N] or, out first, w[N, K] (a tied LM head's embedding table)."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((37, 300)).astype(np.float32)
     w = (rng.standard_normal((300, 96)) * 0.05).astype(np.float32)
-    got = np.asarray(jax.jit(xla_matmul)(jnp.asarray(x), pack(jnp.asarray(w), dtype)))
     rounded = [np.asarray(jnp.asarray(a).astype(dtype).astype(jnp.float32), np.float64) for a in (x, w)]
-    assert got.shape == (37, 96) and got.dtype == np.float32
-    np.testing.assert_allclose(got, rounded[0] @ rounded[1], rtol=1e-4, atol=1e-4)
+    for got in (jax.jit(xla_matmul)(jnp.asarray(x), jnp.asarray(w, dtype)),
+                jax.jit(xla_matmul, static_argnums=2)(jnp.asarray(x), jnp.asarray(w.T, dtype), True)):
+        assert got.shape == (37, 96) and got.dtype == np.float32
+        np.testing.assert_allclose(np.asarray(got), rounded[0] @ rounded[1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (1, 1027, 32), (5, 100, 48), (7, 1030, 256), (100, 600, 96)])
@@ -56,7 +58,7 @@ def test_int8_matmul_equals_numpy_on_both_paths(m, k, n):
     want = x.astype(np.float64) @ w.astype(np.float64)
     np.testing.assert_allclose(np.asarray(jax.jit(matmul)(jnp.asarray(x), packed)), want, rtol=1e-4, atol=1e-2)
     x_rounded = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
-    got = np.asarray(jax.jit(xla_matmul)(jnp.asarray(x), packed))  # x in bfloat16, as for bfloat16 weights
+    got = np.asarray(jax.jit(xla_matmul)(jnp.asarray(x), jnp.asarray(w)))  # x in bfloat16, as for bfloat16 weights
     np.testing.assert_allclose(got, x_rounded @ w.astype(np.float64), rtol=1e-4, atol=1e-2)
 
 
@@ -94,6 +96,40 @@ def test_packed_linear_equals_haliax_linear_with_multi_axis_in_and_out():
     got = PackedLinear.from_linear(linear, jnp.float32)(x)
     assert got.axes == want.axes
     np.testing.assert_allclose(np.asarray(got.array), np.asarray(want.array), rtol=1e-5, atol=1e-5)
+
+
+def test_xla_path_reads_the_plain_matrix_and_keeps_only_it():
+    """With every row count on XLA's dot, a module holds no panels and computes what the kernel
+    does: multi-axis inputs and outputs, fused int8 parts, a tied LM head over the embedding table
+    (its plain matrix is the table itself, no copy)."""
+    from engine.backends.cpu.kernels import keep_read_layouts
+    from engine.model.quantize import Int8Linear
+
+    def on_xla(module, rows):
+        xla = keep_read_layouts(module, frozenset({rows}), [rows])
+        assert xla.weight is None and xla.plain is not None
+        return xla
+
+    Pos, Heads, HeadSize = hax.Axis("position", 5), hax.Axis("heads", 3), hax.Axis("head_size", 8)
+    KV, Group = hax.Axis("kv_head", 2), hax.Axis("q_heads_per_group", 16)
+    linear = hnn.Linear.init(In=(Heads, HeadSize), Out=(KV, Group), key=jax.random.PRNGKey(0), use_bias=True)
+    x = hax.random.normal(jax.random.PRNGKey(2), (Pos, Heads, HeadSize))
+    packed = PackedLinear.from_linear(linear, jnp.float32)
+    np.testing.assert_allclose(np.asarray(on_xla(packed, 5)(x).array), np.asarray(packed(x).array), rtol=1e-5,
+                               atol=1e-5)
+
+    Embed, Vocab = hax.Axis("embed", 40), hax.Axis("vocab", 64)
+    parts = [PackedLinear.from_linear(Int8Linear.from_linear(hnn.Linear.init(In=Embed, Out=Out, key=key)),
+                                      jnp.float32)
+             for Out, key in ((Group, jax.random.PRNGKey(3)), (Vocab, jax.random.PRNGKey(4)))]
+    fused, h = FusedLinear.fuse(parts), hax.random.normal(jax.random.PRNGKey(5), (Pos, Embed))
+    for got, want in zip(on_xla(fused, 5)(h), fused(h)):
+        np.testing.assert_allclose(np.asarray(got.array), np.asarray(want.array), rtol=1e-2, atol=1e-2)
+
+    table = hax.random.normal(jax.random.PRNGKey(6), (Vocab, Embed)).astype(jnp.bfloat16)
+    head = PackedLinear.from_weight(table, Embed, Vocab, None, jnp.bfloat16)
+    assert head.plain_out_first and head.plain.array is table.array
+    np.testing.assert_allclose(np.asarray(on_xla(head, 5)(h).array), np.asarray(head(h).array), rtol=2e-2, atol=5e-2)
 
 
 def test_fused_linear_returns_each_parts_output():

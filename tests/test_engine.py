@@ -274,7 +274,8 @@ def test_step_plans_carry_everything_the_device_side_needs(llama_dir, llama_engi
 def test_dtype_auto_serves_a_checkpoint_in_its_own_dtype(checkpoint_factory, llama_engine):
     bf16 = LLMEngine(EngineConfig(model=str(checkpoint_factory("llama", dtype="bfloat16")), **TIGHT))
     assert bf16.describe()["dtype"] == bf16.describe()["kv_cache_dtype"] == "bfloat16"
-    assert bf16.executor.runner.model.first_layer.mlp.down_proj.weight.dtype == jnp.bfloat16
+    down = bf16.executor.runner.model.first_layer.mlp.down_proj
+    assert {layout.dtype for layout in (down.weight, down.plain) if layout is not None} == {jnp.dtype(jnp.bfloat16)}
     assert llama_engine.describe()["dtype"] == "float32"  # the float32 checkpoint
     tokens = tokens_of(run_to_completion(bf16, {"b": (make_prompts([9], seed=16)[0], SamplingParams(max_tokens=4))})["b"])
     assert len(tokens) == 4
@@ -315,8 +316,8 @@ def test_the_kv_pool_takes_its_share_of_the_memory_the_weights_leave(llama_dir, 
 def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monkeypatch, cpu_matmul):
     """kernel / xla force one path for every product; auto, with a fake timer that makes XLA's dot
     faster from 16 rows on, mixes them: the layers of the 16- and 24-token buckets on XLA's dot, the
-    1- and 8-token buckets and the LM head (at most 4 rows) on the kernel. (A vocabulary of 512
-    ids, so that the LM head is packed too.)"""
+    1- and 8-token buckets and the LM head (at most 4 rows) on the kernel; each module then holds
+    the layouts its products read. (A vocabulary of 512 ids, so that the LM head is packed too.)"""
     from engine.backends.cpu import matmul_choice
 
     llama_dir = checkpoint_factory("llama", vocab_size=512)
@@ -331,8 +332,12 @@ def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monke
     layer = engine.executor.runner.model.first_layer
     assert layer_rows == {1, 8, 16, 24}
     assert layer.self_attn.q_proj.xla_rows == layer.self_attn.o_proj.xla_rows == layer.mlp.gate_up.xla_rows == want
-    head = engine.executor.runner.model.lm_head.xla_rows
-    assert head == (frozenset({b.rows for b in engine.executor.buckets.all()}) if cpu_matmul == "xla" else frozenset())
+    head = engine.executor.runner.model.lm_head
+    assert head.xla_rows == (frozenset({b.rows for b in engine.executor.buckets.all()}) if cpu_matmul == "xla"
+                             else frozenset())
+    # each module holds the layouts its products read: panels (kernel), the plain matrix (XLA), or both
+    for module in (layer.self_attn.q_proj, layer.mlp.gate_up, head):
+        assert (module.weight is not None, module.plain is not None) == (cpu_matmul != "xla", bool(module.xla_rows))
     assert_greedy_parity(engine, llama_dir)
 
 

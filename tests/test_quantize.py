@@ -162,8 +162,8 @@ def test_int8_default_model_agrees_with_bfloat16_and_halves_its_weights(smollm2)
     logprob over prompt + continuation) agrees on >= 95% of them (245 of 256 here; float32 weights:
     255). The int8 model still answers Paris."""
     path, prompts = smollm2
-    base = EngineConfig(model=str(path), dtype="bfloat16", attention_backend="cpu", max_num_seqs=8,
-                        max_model_len=256, warmup=False)
+    base = EngineConfig(model=str(path), dtype="bfloat16", attention_backend="cpu", cpu_matmul="kernel",
+                        max_num_seqs=8, max_model_len=256, warmup=False)  # one layout per weight, whatever is cached
     continuations, bf16_bytes = greedy_continuations(base, prompts)
     engine = LLMEngine(dataclasses.replace(base, quantization="int8"))
     try:

@@ -79,7 +79,9 @@ class EngineConfig:
     """On the cpu backend: which matmul each product runs. auto: per shape (rows of a bucket x
     weight), the faster of the project's kernel and XLA's dot, timed at warm-up on this machine and
     cached with the compiled buckets (XLA's dot wins many-row products on CPUs with AMX or AVX-512
-    bf16; the kernel wins decoding). kernel / xla: that one for every product."""
+    bf16; the kernel wins decoding). Each path reads its own layout (the kernel packed panels, XLA a
+    plain matrix); a weight whose row counts split between the paths holds both (the log says how
+    much memory that takes). kernel / xla: that one for every product, one layout per weight."""
     num_hosts: int = 1
     """Processes (hosts) the replica spans: 1 runs the model in this process; N > 1 starts one
     `EngineWorker` per host (engine/executor/multihost.py) that together hold the model, split over

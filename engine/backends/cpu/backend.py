@@ -22,6 +22,7 @@ on CPU. One device only: the FFI calls have no partitioning rule.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import equinox as eqx
 import haliax as hax
@@ -38,6 +39,8 @@ from engine.backends.cpu.matmul_choice import XLA, MatmulChooser, Product
 from engine.backends.xla import SplitKVCache, XlaBackend
 from engine.core.buckets import ShapeBuckets
 from engine.model.quantize import Int8Embedding, Int8Linear
+
+logger = logging.getLogger(__name__)
 
 
 class CpuBackend(XlaBackend):
@@ -58,15 +61,42 @@ class CpuBackend(XlaBackend):
 
     def prepare(self, model, buckets: ShapeBuckets, measure: bool):
         """Pack the linear layers and the LM head, fuse q/k/v and gate/up (see the module
-        docstring), and give every packed product its matmul (`measure`: time the shapes)."""
+        docstring), and give every packed product its matmul (`measure`: time the shapes). The
+        products are read off the packed model's shapes first, so each module is made once, with
+        only the layouts its chosen paths read."""
+        shapes = buckets.all()
+        rows = {"layers": sorted({b.tokens for b in shapes}), "lm_head": sorted({b.rows for b in shapes})}
+        abstract = eqx.filter_eval_shape(lambda m: self._packed(m, rows, lambda module, _: module), model)
+        products = [p for m, at in _packed_modules(abstract, rows) for p in _products(m, at)]
+        choices = self.chooser.choose(products, measure)
+
+        def keep(module, at):
+            xla_rows = frozenset(p.rows for p in _products(module, at) if choices[p] == XLA)
+            return kernels.keep_read_layouts(module, xla_rows, at)
+
+        packed = self._packed(model, rows, keep)
+        both = [m for m, _ in _packed_modules(packed, rows) if m.weight is not None and m.plain is not None]
+        if both:
+            logger.info("%d weights are read by both the kernel and XLA's dot: holding both layouts takes "
+                        "%.1f MiB more than one", len(both), sum(m.weight.array.nbytes for m in both) / 2**20)
+        return packed
+
+    def _packed(self, model, rows: dict[str, list[int]], keep):
+        """`model` with its packable layers packed and fused, each packed module then passed
+        through `keep(module, row counts)`, layer by layer (at most one layer's transient copies)."""
         pack = lambda m: PackedLinear.from_linear(m, self.weight_dtype) if _packable(m) else m  # noqa: E731
-        layers = jax.tree_util.tree_map(pack, model.layers, is_leaf=_packable)
+
+        def packed_layer(layer):
+            layer = _fuse(jax.tree_util.tree_map(pack, layer, is_leaf=_packable))
+            return jax.tree_util.tree_map(lambda m: keep(m, rows["layers"]) if _is_packed(m) else m, layer,
+                                          is_leaf=_is_packed)
+
+        layers = model.layers
         if isinstance(layers, tuple):
-            layers = tuple(_fuse(layer) for layer in layers)
+            layers = tuple(packed_layer(layer) for layer in layers)
         else:
-            layers = eqx.tree_at(lambda s: s.stacked, layers, _fuse(layers.stacked))
-        lm_head = model.lm_head
-        Vocab = model.Vocab
+            layers = eqx.tree_at(lambda s: s.stacked, layers, packed_layer(layers.stacked))
+        lm_head, Vocab = model.lm_head, model.Vocab
         if lm_head is None and Vocab.size % PANEL == 0:  # tied: unembed with the embedding matrix
             table = model.embeddings.token_embeddings
             if isinstance(table, Int8Embedding):
@@ -75,25 +105,8 @@ class CpuBackend(XlaBackend):
                 lm_head = PackedLinear.from_weight(table.weight, table.Embed, Vocab, None, self.weight_dtype)
         elif lm_head is not None:
             lm_head = pack(lm_head)
-        return self._choose_matmuls(dataclasses.replace(model, layers=layers, lm_head=lm_head), buckets, measure)
-
-    def _choose_matmuls(self, model, buckets: ShapeBuckets, measure: bool):
-        """Layers multiply every token of a step (the bucket's tokens), the LM head its rows."""
-        shapes = buckets.all()
-        layer_rows, head_rows = sorted({b.tokens for b in shapes}), sorted({b.rows for b in shapes})
-        modules = [(m, layer_rows) for m in jax.tree_util.tree_leaves(model.layers, is_leaf=_is_packed)
-                   if _is_packed(m)]
-        if _is_packed(model.lm_head):
-            modules.append((model.lm_head, head_rows))
-        choices = self.chooser.choose([p for m, rows in modules for p in _products(m, rows)], measure)
-
-        def choose(module, rows):
-            return dataclasses.replace(module, xla_rows=frozenset(p.rows for p in _products(module, rows)
-                                                                  if choices[p] == XLA))
-
-        layers = jax.tree_util.tree_map(lambda m: choose(m, layer_rows) if _is_packed(m) else m, model.layers,
-                                        is_leaf=_is_packed)
-        lm_head = choose(model.lm_head, head_rows) if _is_packed(model.lm_head) else model.lm_head
+        if _is_packed(lm_head):
+            lm_head = keep(lm_head, rows["lm_head"])
         return dataclasses.replace(model, layers=layers, lm_head=lm_head)
 
     def activation_dtype(self, weight_dtype) -> jnp.dtype:
@@ -154,10 +167,17 @@ def _is_packed(module) -> bool:
     return isinstance(module, (PackedLinear, FusedLinear))
 
 
+def _packed_modules(model, rows: dict[str, list[int]]) -> list[tuple]:
+    """(packed module, the row counts its products run at) for every packed module of `model`."""
+    modules = [(m, rows["layers"]) for m in jax.tree_util.tree_leaves(model.layers, is_leaf=_is_packed)
+               if _is_packed(m)]
+    return modules + ([(model.lm_head, rows["lm_head"])] if _is_packed(model.lm_head) else [])
+
+
 def _products(module, rows: list[int]) -> list[Product]:
-    weight = module.weight
-    width, depth = weight.resolve_axis("panel").size * PANEL, weight.resolve_axis("in").size
-    return [Product(r, depth, width, str(weight.dtype)) for r in rows]
+    width = sum(hax.axis_size(Out) for Out in (module.Outs if isinstance(module, FusedLinear) else (module.Out,)))
+    dtype = (module.weight if module.weight is not None else module.plain).dtype
+    return [Product(r, hax.axis_size(module.In), width, str(dtype)) for r in rows]
 
 
 def _packable(module) -> bool:

@@ -2,7 +2,8 @@
 
 - `matmul` / `PackedLinear`: XLA's CPU dot is slow on the few-row products of decoding and has no
   fast bfloat16 path; this kernel streams packed weights (float32, bfloat16, or int8 with a scale
-  per output column) and accumulates in float32.
+  per output column) and accumulates in float32. Many-row products may run on XLA's dot instead,
+  over the plain matrix (`xla_matmul`).
 - `paged_attention`: each query token against its sequence's pages, read in place from the KV pool
   (XLA would gather every row's pages into a padded copy first). A prompt token is a query with its
   own visible length, so the same kernel runs causal prefill attention.
@@ -68,34 +69,38 @@ def matmul(x: jax.Array, packed: jax.Array, layer=None) -> jax.Array:
     return call(x.astype(jnp.float32), packed, jnp.asarray(0 if layer is None else layer, jnp.int32))
 
 
-def xla_matmul(x: jax.Array, packed: jax.Array, layer=None) -> jax.Array:
-    """`matmul` on XLA's dot, reading the same packed weights (x in their dtype, int8 weights widened
-    to bfloat16, float32 sums)."""
-    if layer is not None:
-        packed = packed[layer]
-    if packed.dtype == jnp.int8:
-        packed = packed.astype(jnp.bfloat16)  # exact: |q| <= 127
-    y = jnp.einsum("mk,pkl->mpl", x.astype(packed.dtype), packed, preferred_element_type=jnp.float32)
-    return y.reshape(x.shape[0], -1)
+def xla_matmul(x: jax.Array, w: jax.Array, out_first: bool = False) -> jax.Array:
+    """f32[M, K] @ w[K, N] (w[N, K] when `out_first`) on XLA's dot, which reads either layout as it
+    is: x in w's dtype (int8 weights widened to bfloat16, exact), float32 sums."""
+    if w.dtype == jnp.int8:
+        w = w.astype(jnp.bfloat16)
+    dims = (((1,), (1 if out_first else 0,)), ((), ()))
+    return jax.lax.dot_general(x.astype(w.dtype), w, dims, preferred_element_type=jnp.float32)
 
 
 class PackedLinear(eqx.Module):
-    """A drop-in for haliax's `Linear` that runs on the kernel: same axes, same math, float32
-    output (inputs are cast to float32). The weight is named (..., panel, in, lane); a stacked
-    layer's leading `layers` axis is scanned away like any other named weight. Products of a row
-    count in `xla_rows` run on XLA's dot instead (engine.backends.cpu.matmul_choice).
+    """A drop-in for haliax's `Linear` on the CPU: same axes, same math, float32 output (inputs are
+    cast to float32). Each product runs on the kernel, over `weight` in its panel layout, or on
+    XLA's dot (the row counts in `xla_rows`, engine.backends.cpu.matmul_choice), over `plain`, the
+    same weight as a [K, N] matrix: XLA's CPU dot (oneDNN) is fast on that, and reading the panels
+    cost it a transpose of the whole weight per product. A module keeps only the layouts its
+    products read (`keep_read_layouts`): both only where the two paths split the row counts.
 
-    A scanned layer loop reads a stacked weight in place: `at_layer(i)` keeps the whole stack
-    (layers, panel, in, lane) and the layer index, which the kernel reads from, instead of a
-    sliced copy of the layer's weight."""
+    A scanned layer loop reads a stacked packed weight in place: `at_layer(i)` keeps the whole
+    stack (layers, panel, in, lane) and the layer index, which the kernel reads from, instead of a
+    sliced copy of the layer's weight (XLA's dot gets the layer's slice of `plain`)."""
 
-    weight: NamedArray  # dtype[..., panel = N / 16, in = K, lane = 16], N = prod(Out), K = prod(In)
+    weight: NamedArray | None  # dtype[..., panel = N / 16, in = K, lane = 16], N = prod(Out), K = prod(In)
+    plain: NamedArray | None
+    """The weight as (..., *In, *Out), or (..., Out, In) with `plain_out_first` (a tied LM head
+    reads the embedding table)."""
     bias: NamedArray | None
     scale: NamedArray | None
     """With int8 weights: f32[..., out = N], each output column's scale (engine.model.quantize)."""
     In: tuple[hax.Axis, ...] = eqx.field(static=True)
     Out: tuple[hax.Axis, ...] = eqx.field(static=True)
     xla_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
+    plain_out_first: bool = eqx.field(static=True, default=False)
     layer: jax.Array | None = None
     """With a stacked weight: the layer this module computes (an i32 scalar)."""
 
@@ -108,40 +113,51 @@ class PackedLinear(eqx.Module):
         """A haliax `Linear` packed in `dtype`, or an `Int8Linear` packed as int8 with its scales."""
         if isinstance(linear, Int8Linear):
             return PackedLinear.from_weight(linear.weight, linear.In, linear.Out, linear.bias, jnp.int8, linear.scale)
-        return PackedLinear.from_weight(linear.weight * linear.reparam.active_scale, linear.In, linear.Out,
-                                        linear.bias, dtype)
+        scale = linear.reparam.active_scale
+        weight = linear.weight if isinstance(scale, (int, float)) and scale == 1 else linear.weight * scale
+        return PackedLinear.from_weight(weight, linear.In, linear.Out, linear.bias, dtype)
 
     @staticmethod
     def from_weight(weight: NamedArray, In, Out, bias: NamedArray | None, dtype,
                     scale: NamedArray | None = None) -> "PackedLinear":
+        """Both layouts of `weight` (named, any axis order). `plain` is the weight itself wherever
+        it is already [..., In, Out] or, with one axis each, [..., Out, In] (an embedding table) in
+        `dtype`: no copy."""
         In, Out = hax.axis_spec_to_tuple(In), hax.axis_spec_to_tuple(Out)
-        weight = weight.rearrange((..., *In, *Out))
-        lead = weight.axes[: weight.ndim - len(In) - len(Out)]
-        w = weight.array.reshape(*(ax.size for ax in lead), hax.axis_size(In), hax.axis_size(Out))
+        out_first = len(In) == len(Out) == 1 and weight.axes[-2:] == (*Out, *In)
+        plain = weight.astype(dtype).rearrange((..., *Out, *In) if out_first else (..., *In, *Out))
+        lead = plain.axes[: plain.ndim - len(In) - len(Out)]
+        w = plain.rearrange((..., *In, *Out)).array
+        w = w.reshape(*(ax.size for ax in lead), hax.axis_size(In), hax.axis_size(Out))
         packed = hax.named(pack(w, dtype), (*lead, "panel", "in", "lane"))
         if scale is not None:
             flat = scale.rearrange((*lead, *Out)).array.astype(jnp.float32)
             scale = hax.named(flat.reshape(*(ax.size for ax in lead), hax.axis_size(Out)), (*lead, "out"))
-        return PackedLinear(packed, None if bias is None else bias.astype(jnp.float32), scale, In, Out)
+        return PackedLinear(packed, plain, None if bias is None else bias.astype(jnp.float32), scale, In, Out,
+                            plain_out_first=out_first)
 
     def at_layer(self, Block: hax.Axis, index) -> "PackedLinear":
         bias = None if self.bias is None else self.bias[Block, index]
         scale = None if self.scale is None else self.scale[Block, index]
-        return dataclasses.replace(self, bias=bias, scale=scale, layer=index)
+        plain = None if self.plain is None else self.plain[Block, index]
+        return dataclasses.replace(self, bias=bias, scale=scale, plain=plain, layer=index)
 
     def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
         del key
-        batch, y = _packed_matmul(inputs, self.In, self.weight.array, self.scale, self.xla_rows, self.layer)
+        batch, y = _product(self, inputs)
         out = unflatten_rows(y, batch, self.Out)
         return out if self.bias is None else out + self.bias
 
 
 class FusedLinear(eqx.Module):
-    """Several `PackedLinear`s over the same input as one kernel call (attention's q/k/v, a SwiGLU
-    MLP's gate/up): their panels concatenated, so a decode step streams them in one pass and wakes
-    the thread pool once. Calling it returns each layer's output, as the layers would."""
+    """Several `PackedLinear`s over the same input as one product (attention's q/k/v, a SwiGLU
+    MLP's gate/up): their panels (and plain matrices) concatenated, so a decode step streams them
+    in one pass and wakes the thread pool once. Calling it returns each layer's output, as the
+    layers would."""
 
-    weight: NamedArray  # dtype[..., panel, in, lane]: the parts' panels, in order
+    weight: NamedArray | None  # dtype[..., panel, in, lane]: the parts' panels, in order
+    plain: NamedArray | None
+    """(..., *In, "out"): the parts' plain matrices side by side, each output flattened."""
     biases: tuple[NamedArray | None, ...]
     scale: NamedArray | None
     """With int8 weights: the parts' output scales, concatenated (as PackedLinear's)."""
@@ -151,6 +167,7 @@ class FusedLinear(eqx.Module):
     """Row counts whose product runs on XLA's dot (as PackedLinear's)."""
     layer: jax.Array | None = None
     """With a stacked weight: the layer this module computes (as PackedLinear's)."""
+    plain_out_first = False
 
     @staticmethod
     def fuse(parts) -> "FusedLinear":
@@ -158,13 +175,16 @@ class FusedLinear(eqx.Module):
         if len({p.In for p in parts}) != 1 or len({p.weight.dtype for p in parts}) != 1:
             raise ValueError("FusedLinear.fuse: the parts must share input axes and weight dtype")
         weight = hax.concatenate("panel", [p.weight for p in parts])
+        plain = hax.concatenate("out", [p.plain.rearrange((..., *p.In, *p.Out)).flatten_axes(p.Out, "out")
+                                        for p in parts])
         scale = None if parts[0].scale is None else hax.concatenate("out", [p.scale for p in parts])
-        return FusedLinear(weight, tuple(p.bias for p in parts), scale, parts[0].In, tuple(p.Out for p in parts))
+        return FusedLinear(weight, plain, tuple(p.bias for p in parts), scale, parts[0].In, tuple(p.Out for p in parts))
 
     def at_layer(self, Block: hax.Axis, index) -> "FusedLinear":
         biases = tuple(None if b is None else b[Block, index] for b in self.biases)
         scale = None if self.scale is None else self.scale[Block, index]
-        return dataclasses.replace(self, biases=biases, scale=scale, layer=index)
+        plain = None if self.plain is None else self.plain[Block, index]
+        return dataclasses.replace(self, biases=biases, scale=scale, plain=plain, layer=index)
 
     def __call__(self, inputs: NamedArray, *, key=None) -> tuple[NamedArray, ...]:
         del key
@@ -178,7 +198,7 @@ class FusedLinear(eqx.Module):
 
     def concatenated(self, inputs: NamedArray) -> tuple[list[hax.Axis], jax.Array]:
         """inputs' batch axes, and the parts' outputs side by side: f32[prod(batch), sum of sizes]."""
-        batch, y = _packed_matmul(inputs, self.In, self.weight.array, self.scale, self.xla_rows, self.layer)
+        batch, y = _product(self, inputs)
         if any(bias is not None for bias in self.biases):
             y = y + jnp.concatenate([jnp.zeros(hax.axis_size(Out), jnp.float32) if bias is None
                                      else bias.rearrange(Out).array.reshape(-1)
@@ -186,20 +206,33 @@ class FusedLinear(eqx.Module):
         return batch, y
 
 
+def keep_read_layouts(module, xla_rows: frozenset[int], rows) -> "PackedLinear | FusedLinear":
+    """`module` with its products at `xla_rows` on XLA's dot and the rest of `rows` on the kernel,
+    holding only the layouts those read."""
+    kernel_rows = set(rows) - set(xla_rows)
+    return dataclasses.replace(module, xla_rows=frozenset(xla_rows), weight=module.weight if kernel_rows else None,
+                               plain=module.plain if xla_rows else None)
+
+
 def unflatten_rows(y: jax.Array, batch, Out) -> NamedArray:
-    """y f[prod(batch), prod(Out)] as the NamedArray (*batch, *Out): `_packed_matmul`'s inverse."""
+    """y f[prod(batch), prod(Out)] as the NamedArray (*batch, *Out): `_product`'s inverse."""
     return hax.named(y.reshape(*(ax.size for ax in batch), *(ax.size for ax in Out)), (*batch, *Out))
 
 
-def _packed_matmul(inputs: NamedArray, In, packed: jax.Array, scale: NamedArray | None, xla_rows: frozenset[int],
-                   layer) -> tuple[list[hax.Axis], jax.Array]:
-    """inputs' axes other than `In` (the batch), and f32[prod(batch), N] = inputs @ packed (at
-    `layer` of a stacked weight) times the column scales (int8 weights), on XLA's dot when the row
-    count is in `xla_rows`, else on the kernel."""
+def _product(module, inputs: NamedArray) -> tuple[list[hax.Axis], jax.Array]:
+    """inputs' axes other than the module's `In` (the batch), and f32[prod(batch), N] = inputs @
+    the module's weight times its column scales (int8 weights): on XLA's dot over `plain` when the
+    row count is in `xla_rows`, else on the kernel over the panels (at `layer` of a stack)."""
+    In = module.In
     batch = [ax for ax in inputs.axes if ax.name not in {a.name for a in In}]
     x = inputs.rearrange((*batch, *In)).array.reshape(-1, hax.axis_size(In))
-    y = (xla_matmul if x.shape[0] in xla_rows else matmul)(x, packed, layer)
-    return batch, y if scale is None else y * scale.array
+    if x.shape[0] in module.xla_rows:
+        plain = module.plain.array  # a reshape of its trailing axes: free in a jitted step
+        w = plain.reshape(-1, plain.shape[-1]) if module.plain_out_first else plain.reshape(x.shape[1], -1)
+        y = xla_matmul(x, w, module.plain_out_first)
+    else:
+        y = matmul(x, module.weight.array, module.layer)
+    return batch, y if module.scale is None else y * module.scale.array
 
 
 def paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pages: jax.Array, rows: jax.Array,

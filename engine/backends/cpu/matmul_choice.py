@@ -4,11 +4,13 @@ The project's kernel (engine/backends/cpu/kernels.cc) streams packed weights and
 products of decoding everywhere; XLA's dot is slow there, but on CPUs with AMX or AVX-512 bf16 it
 wins many-row products (prompt chunks, large decode batches), by up to ~10x with AMX. No list of
 CPU models decides: every product a step can run (the rows of each shape bucket times each packed
-weight) is timed both ways at warm-up, a few milliseconds each, and the faster wins. Both paths
-read the same packed weights (XLA's through an einsum over the panels; its timing includes the
-transpose that costs it), so no weight is kept twice. XLA's path multiplies activations rounded to
-the weights' dtype (bf16 activations with bf16 weights, as accelerators run them); the kernel keeps
-them float32.
+weight) is timed both ways at warm-up, a few milliseconds each, and the faster wins. Each path
+reads the layout it is fast on: the kernel its 16-column panels, XLA's dot (oneDNN) the plain
+[K, N] matrix (reading the panels cost it a transpose of the weight per product, 3-4x at the LM
+head). A weight keeps only the layouts its chosen products read: one where one path wins all its
+row counts, both (the memory cost is logged) where they split. XLA's path multiplies activations
+rounded to the weights' dtype (bf16 activations with bf16 weights, as accelerators run them); the
+kernel keeps them float32.
 
 The timings are cached as JSON beside XLA's compiled buckets, under a key of this machine (CPU
 model, flags and core count), jax's version and the kernel source, so a restarted replica reuses
@@ -61,13 +63,16 @@ def time_product(product: Product, path: str, repeats: int = 5) -> float:
     """The fastest of `repeats` runs after one that compiles and warms up (the least disturbed by
     whatever else shares the cores; a median of 3 flipped choices near the crossover)."""
     x = jnp.ones((product.rows, product.depth), jnp.float32)
-    packed = jnp.full((product.width // kernels.PANEL, product.depth, kernels.PANEL), 0.01, product.dtype)
-    run = jax.jit(kernels.matmul if path == KERNEL else kernels.xla_matmul)
-    run(x, packed).block_until_ready()
+    if path == KERNEL:
+        run, w = jax.jit(kernels.matmul), jnp.full((product.width // kernels.PANEL, product.depth, kernels.PANEL),
+                                                   0.01, product.dtype)
+    else:
+        run, w = jax.jit(kernels.xla_matmul), jnp.full((product.depth, product.width), 0.01, product.dtype)
+    run(x, w).block_until_ready()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        run(x, packed).block_until_ready()
+        run(x, w).block_until_ready()
         times.append(time.perf_counter() - start)
     return min(times)
 
@@ -122,15 +127,20 @@ class MatmulChooser:
         os.replace(tmp, self.cache_file)  # atomic: replicas starting together race harmlessly
 
 
+LAYOUTS = "kernel: 16-column panels; xla: the plain [K, N] matrix"
+"""What each path's timing reads: part of the cache key, so that timings of other layouts never apply."""
+
+
 @functools.cache
 def machine_key() -> str:
-    """What the timings depend on: the CPU (model, flags, cores), jax's version, the kernel source."""
+    """What the timings depend on: the CPU (model, flags, cores), jax's version, the kernel source,
+    the layouts each path reads."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         cpuinfo = []
     cpu = [line for line in cpuinfo if line.startswith(("model name", "flags"))][:2]
-    parts = [*cpu, str(os.cpu_count()), jax.__version__, kernels.source_digest()]
+    parts = [*cpu, str(os.cpu_count()), jax.__version__, kernels.source_digest(), LAYOUTS]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
