@@ -66,6 +66,11 @@ class ModelConfig(BaseModel):
     (`<tool_call>{...}</tool_call>`: Hermes, Qwen2.5, Qwen3) or llama3_json (`{"name": ...,
     "parameters": ...}`: Llama 3.1 / 3.2). None: from the chat template (hermes unless it is
     Llama 3's)."""
+    reasoning_parser: Optional[Literal["qwen3", "deepseek_r1", "none"]] = None
+    """How a reasoning model's thinking is read from its chat answers into `reasoning_content`:
+    qwen3 / deepseek_r1 (both `<think> ... </think>`; whether the prompt opened the block is read
+    from the rendered prompt) or none (thinking stays in `content`). None: from the chat template
+    (qwen3 where it closes a `<think>` block)."""
     engine: dict[str, Any] = {}
     """EngineConfig fields other than `model` (dtype, attention_backend, tensor_parallel_size,
     page_size, num_pages, max_num_seqs, max_num_batched_tokens, prefill_chunk, max_model_len,

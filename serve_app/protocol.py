@@ -438,6 +438,11 @@ def _arguments_object(arguments: str) -> Any:
         raise invalid("tool_calls", f"tool call arguments must be JSON text, got {arguments[:80]!r}") from None
 
 
+TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                "continue_final_message", "tokenize", "return_dict", "chat_template"})
+"""apply_chat_template's own arguments: the request's fields set them, chat_template_kwargs may not."""
+
+
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -460,7 +465,12 @@ class ChatCompletionRequest(SamplingRequest):
     """Whether one answer may call several tools (false: at most one call)."""
     prediction: Any = None
     presence_penalty: float = 0.0
-    reasoning_effort: Any = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+    """Passed to the chat template as `reasoning_effort`: templates that read it (gpt-oss style)
+    think as much as it says; others render as without it."""
+    chat_template_kwargs: dict[str, Any] = {}
+    """More variables for the chat template (vLLM's field), e.g. {"enable_thinking": false} for
+    Qwen3."""
     seed: Optional[int] = None
     """Choice i samples with seed + i."""
     service_tier: Any = None
@@ -490,12 +500,20 @@ class ChatCompletionRequest(SamplingRequest):
             "metadata": (),
             "modalities": (["text"],),
             "prediction": (),
-            "reasoning_effort": (),
             "service_tier": ("auto", "default"),
             "store": (False,),
             "web_search_options": (),
         }
     )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(value) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise invalid("chat_template_kwargs", f"chat_template_kwargs must not set {taken}: the server renders "
+                          "those from the request's own fields")
+        return value
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "ChatCompletionRequest":
@@ -504,6 +522,13 @@ class ChatCompletionRequest(SamplingRequest):
         self._check_stream_options()
         self._check_tools()
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort if set."""
+        extra = dict(self.chat_template_kwargs)
+        if self.reasoning_effort is not None:
+            extra["reasoning_effort"] = self.reasoning_effort
+        return extra
 
     def _check_tools(self) -> None:
         names = [t.function.name for t in self.tools]
@@ -650,6 +675,8 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     """Null when the answer is tool calls only."""
+    reasoning_content: Optional[str] = None
+    """A reasoning model's thinking (vLLM's field); left out for a model that does not think."""
     tool_calls: list[dict[str, Any]] = []
     """{"id", "type": "function", "function": {"name", "arguments"}} per call; left out when none
     (as OpenAI does)."""
@@ -659,6 +686,8 @@ class ChatResponseMessage(BaseModel):
         data = handler(self)
         if not data.get("tool_calls"):
             data.pop("tool_calls", None)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
         return data
 
 
@@ -681,6 +710,8 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    """New thinking of a reasoning model; left out when none."""
     tool_calls: Optional[list[dict[str, Any]]] = None
     """A call's first delta: {"index", "id", "type": "function", "function": {"name", "arguments": ""}};
     then {"index", "function": {"arguments": <fragment>}}. Left out when none."""
@@ -688,8 +719,9 @@ class ChatDelta(BaseModel):
     @model_serializer(mode="wrap")
     def _without_empty_calls(self, handler) -> dict[str, Any]:
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for optional in ("tool_calls", "reasoning_content"):
+            if data.get(optional) is None:
+                data.pop(optional, None)
         return data
 
 

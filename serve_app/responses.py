@@ -62,9 +62,12 @@ class ChoiceUpdate:
     counts: Optional[ChoiceCounts] = None
     tool_calls: list[ToolCallDelta] = dataclasses.field(default_factory=list)
     """Tool-call deltas (chat with tools), in order."""
+    reasoning: str = ""
+    """A reasoning model's new thinking (serve_app.reasoning)."""
 
     def extend(self, later: "ChoiceUpdate") -> None:
         self.text += later.text
+        self.reasoning += later.reasoning
         self.tokens += later.tokens
         self.tool_calls += later.tool_calls
         self.finish_reason = later.finish_reason or self.finish_reason
@@ -142,11 +145,12 @@ def _joined(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
 
 
 def _message(choice: ChoiceUpdate) -> ChatResponseMessage:
-    """A whole answer: its text, and its tool calls joined from their deltas (a call's deltas
-    come together, in call order; content null when the answer is calls only)."""
+    """A whole answer: its text, its thinking, and its tool calls joined from their deltas (a
+    call's deltas come together, in call order; content null when the answer is calls or thinking
+    only)."""
     calls = [ToolCall(d.id, d.name, d.arguments).to_openai() for d in _joined(choice.tool_calls)]
-    content = choice.text if choice.text or not calls else None
-    return ChatResponseMessage(content=content, tool_calls=calls)
+    content = choice.text if choice.text or not (calls or choice.reasoning) else None
+    return ChatResponseMessage(content=content, reasoning_content=choice.reasoning or None, tool_calls=calls)
 
 
 class ChatFormatter:
@@ -163,7 +167,8 @@ class ChatFormatter:
         calls = [d.to_openai() for d in _joined(update.tool_calls)] or None
         choice = ChatChunkChoice(
             index=update.index,
-            delta=ChatDelta(role=role, content=update.text if update.text or not calls else None, tool_calls=calls),
+            delta=ChatDelta(role=role, content=update.text if update.text or not (calls or update.reasoning) else None,
+                            reasoning_content=update.reasoning or None, tool_calls=calls),
             logprobs=self._chat_logprobs(update.tokens),
             finish_reason=update.finish_reason,
         )

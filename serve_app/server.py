@@ -26,7 +26,9 @@ from serve_app.config import ModelConfig
 from serve_app.detokenize import TextStream, TokenStrings, special_ids
 from serve_app.errors import to_api_error
 from serve_app.metrics import ServerMetrics
+from serve_app import reasoning
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.reasoning import ReasoningStream
 from serve_app.replica import Replica, replica_name
 from serve_app.responses import (
     ChatFormatter,
@@ -80,7 +82,9 @@ class Job:
     calls: Optional[Callable[[], CallStream]] = None
     """Chat with tools: makes each choice's reader of tool calls out of its text."""
     keep_special: frozenset[int] = frozenset()
-    """Special tokens the text keeps (the tool-call parser's tags, under `tool_choice: auto`)."""
+    """Special tokens the text keeps (the tool-call and reasoning parsers' tags)."""
+    reasoning: Optional[Callable[[], ReasoningStream]] = None
+    """A reasoning model's chat: makes each choice's reader of its thinking."""
 
 
 class ModelServer(Replica):
@@ -93,6 +97,9 @@ class ModelServer(Replica):
         self.tokenizer = self.prompts.hf
         self._tool_parser = config.tool_call_parser or default_parser(self.tokenizer.chat_template)
         self._tool_tags = _special_tags(self.tokenizer, PARSER_TAGS[self._tool_parser])
+        parser = config.reasoning_parser or reasoning.default_parser(self.tokenizer.chat_template)
+        self._thinks = parser not in (None, "none")
+        self._think_tags = _special_tags(self.tokenizer, reasoning.TAGS) if self._thinks else frozenset()
         self._strings = TokenStrings(self.tokenizer)
         self.engine = AsyncEngine(core, watchdog_s=engine_config.step_timeout_s)
         self.metrics = ServerMetrics(config.model_id, replica_name(), self.engine.stats, self.engine.describe())
@@ -152,11 +159,14 @@ class ModelServer(Replica):
 
     def _job(self, request: OpenAIRequest) -> Job:
         chat = isinstance(request, ChatCompletionRequest)
-        calls = None
+        calls = thinking = None
         if chat:
-            prompts = [self.prompts.chat(request.messages, request.tools if request.tool_mode != "none" else ())]
+            prompts = [self.prompts.chat(request.messages, request.tools if request.tool_mode != "none" else (),
+                                         template_kwargs=request.template_kwargs())]
             params = request.to_sampling_params(default_max_tokens=self._room_after(prompts[0]))
             params, calls = self._tool_plan(request, params)
+            if self._thinks:
+                thinking = functools.partial(reasoning.ReasoningStream, reasoning.opened_by(prompts[0].rendered))
         else:
             prompts = [self.prompts.prompt(p) for p in request.prompts]
             params = request.to_sampling_params()
@@ -180,7 +190,9 @@ class ModelServer(Replica):
             logprobs=params.logprobs is not None,
             formatter=formatter_cls(request_id, self.model_id, self._strings, params.logprobs is not None),
             calls=calls,
-            keep_special=self._tool_tags if chat and request.tool_mode == "auto" else frozenset(),
+            keep_special=((self._tool_tags if chat and request.tool_mode == "auto" else frozenset())
+                          | (self._think_tags if chat else frozenset())),
+            reasoning=thinking,
         )
 
     def _tool_plan(self, request: ChatCompletionRequest,
@@ -220,6 +232,7 @@ class ModelServer(Replica):
         text = TextStream(self.tokenizer, sample.prompt.ids, job.stops, start_offset=len(echo_text),
                           keep_special=job.keep_special)
         calls = job.calls() if job.calls is not None else None
+        thinking = job.reasoning() if job.reasoning is not None else None
         called = False
         reason, counts = "abort", ChoiceCounts(0, 0, 0)
         try:
@@ -240,6 +253,8 @@ class ModelServer(Replica):
                     ending = text.stopped or delta.finished
                     if delta.finished and not text.stopped:
                         new_text += text.finish()
+                    if thinking is not None:
+                        new_text = _read_thoughts(update, thinking, new_text, ending)
                     if calls is None:
                         update.text += new_text
                     else:
@@ -250,7 +265,7 @@ class ModelServer(Replica):
                         update.finish_reason, update.counts = reason, counts
                         yield update
                         return
-                    if update.text or update.tool_calls or (job.logprobs and update.tokens):
+                    if update.text or update.reasoning or update.tool_calls or (job.logprobs and update.tokens):
                         yield update
         finally:
             tracker.finish(reason, counts.prompt_tokens, counts.completion_tokens, counts.cached_tokens)
@@ -267,6 +282,14 @@ def _special_tags(tokenizer, tags: tuple[str, ...]) -> frozenset[int]:
     """The ids of `tags` that `tokenizer` has as special tokens (decoding would drop them)."""
     vocab = tokenizer.get_vocab()
     return frozenset(vocab[t] for t in tags if t in vocab) & special_ids(tokenizer)
+
+
+def _read_thoughts(update: ChoiceUpdate, thinking: ReasoningStream, text: str, ending: bool) -> str:
+    """Route a choice's new text through its reasoning reader: thinking into `update`, the answer's
+    text returned."""
+    events = thinking.push(text) + (thinking.finish() if ending else [])
+    update.reasoning += "".join(e.text for e in events if isinstance(e, reasoning.Thought))
+    return "".join(e for e in events if isinstance(e, str))
 
 
 def _read_calls(update: ChoiceUpdate, calls: CallStream, text: str, ending: bool) -> bool:

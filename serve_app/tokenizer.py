@@ -22,6 +22,8 @@ class PromptInput:
     ids: list[int]
     text: Optional[str] = None
     """The prompt as the client sent it, when it was text (echoed as is)."""
+    rendered: Optional[str] = None
+    """A chat's prompt as its template rendered it."""
 
 
 class PromptTokenizer:
@@ -43,18 +45,19 @@ class PromptTokenizer:
         return PromptInput(list(prompt))
 
     def chat(self, messages: list[ChatMessage], tools: Sequence[Tool] = (), add_generation_prompt: bool = True,
-             add_special_tokens: bool = False) -> PromptInput:
-        """The conversation (and the tools, if any) rendered by the model's chat template."""
+             add_special_tokens: bool = False, template_kwargs: Optional[dict[str, Any]] = None) -> PromptInput:
+        """The conversation (and the tools, if any) rendered by the model's chat template, with
+        `template_kwargs` as more template variables."""
         if not self.hf.chat_template:
             raise BadRequest(f"model {self.model_id!r} has no chat template; use /v1/completions", "messages")
         rendered = [m.template_dict() for m in messages]
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] or None
         try:
             text = self.hf.apply_chat_template(rendered, tools=tool_dicts, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+                                               add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
         except jinja2.TemplateError as exc:
             raise BadRequest(f"the model's chat template rejected the messages: {exc}", "messages") from None
-        return PromptInput(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        return PromptInput(self.hf.encode(text, add_special_tokens=add_special_tokens), rendered=text)
 
     def check_token_ids(self, ids: Any, param: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

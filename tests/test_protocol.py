@@ -341,7 +341,8 @@ def test_chat_max_tokens_and_logprobs_mapping():
             "modalities",
         ),
         ({"prediction": {"type": "content"}}, "'prediction' is not supported yet", "prediction"),
-        ({"reasoning_effort": "low"}, "'reasoning_effort' is not supported yet", "reasoning_effort"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort: Input should be 'none', 'minimal', 'low', 'medium' or "
+         "'high'", "reasoning_effort"),
         ({"store": True}, "'store' is not supported yet; only False is accepted", "store"),
         ({"metadata": {"a": "b"}}, "'metadata' is not supported yet", "metadata"),
         (
