@@ -18,7 +18,12 @@ Invariants of `ReasoningStream`, for any split of a text into pushes:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Optional
+
+from engine.core.grammar import JSON_DEFAULTS
+from engine.core.request import Grammar
 
 PARSERS = ("qwen3", "deepseek_r1")
 """Names of the reasoning formats (vLLM's); both read `<think> ... </think>`."""
@@ -43,6 +48,45 @@ def default_parser(chat_template: str | None) -> str | None:
 def opened_by(prompt_text: str) -> bool:
     """Whether the rendered prompt leaves a `<think>` block open for the output to continue."""
     return prompt_text.rfind(OPEN) > prompt_text.rfind(CLOSE)
+
+
+def closed_by(prompt_text: str) -> bool:
+    """Whether the rendered prompt ends on a closed block (Qwen3's `enable_thinking: false`): the
+    model answers at once."""
+    return prompt_text.rstrip().endswith(CLOSE)
+
+
+def after_thinking(grammar: Optional[Grammar], prompt_text: str) -> tuple[Optional[Grammar], bool]:
+    """(the constraint of a reasoning model's output, whether the output starts inside a block).
+
+    A JSON schema or regular expression constrains the answer only: the grammar lets the thinking
+    (any text up to `</think>`; opened by the prompt, or optionally by the model) and whitespace
+    come first. Where the prompt closed the block, or the constraint is a Lark grammar (which
+    cannot be nested), it applies from the first token and the output is all answer."""
+    inside = opened_by(prompt_text)
+    if grammar is None:
+        return None, inside
+    body = _body(grammar)
+    if body is None or closed_by(prompt_text):
+        return grammar, False
+    thinking = "thought ws?" if inside else '("<think>" thought ws?)?'
+    source = (f"start: {thinking} answer\n"
+              f'thought[stop="{CLOSE}"]: /(?s:.*)/\n'
+              "ws: /[ \\t\\r\\n]+/\n"
+              f"answer: {body}\n")
+    return Grammar("lark", source, grammar.param), inside
+
+
+def _body(grammar: Grammar) -> Optional[str]:
+    """The Lark form of a JSON schema or regular expression grammar (None for a Lark grammar)."""
+    if grammar.kind == "json_schema":
+        schema = json.loads(grammar.source)
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {**JSON_DEFAULTS, **schema.get("x-guidance", {})}}
+        return "%json " + json.dumps(schema)
+    if grammar.kind == "regex":
+        return "/" + grammar.source.replace("/", "\\/") + "/"
+    return None
 
 
 class ReasoningStream:

@@ -165,8 +165,10 @@ class ModelServer(Replica):
                                          template_kwargs=request.template_kwargs())]
             params = request.to_sampling_params(default_max_tokens=self._room_after(prompts[0]))
             params, calls = self._tool_plan(request, params)
-            if self._thinks:
-                thinking = functools.partial(reasoning.ReasoningStream, reasoning.opened_by(prompts[0].rendered))
+            if self._thinks:  # a constraint applies to the answer, after the thinking
+                grammar, inside = reasoning.after_thinking(params.grammar, prompts[0].rendered)
+                params = dataclasses.replace(params, grammar=grammar)
+                thinking = functools.partial(reasoning.ReasoningStream, inside)
         else:
             prompts = [self.prompts.prompt(p) for p in request.prompts]
             params = request.to_sampling_params()

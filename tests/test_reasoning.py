@@ -3,11 +3,12 @@ text; where the prompt opened the block; the default parser of a chat template."
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
-from serve_app.reasoning import ReasoningStream, Thought, default_parser, opened_by, split_reasoning
+from serve_app.reasoning import ReasoningStream, Thought, after_thinking, default_parser, opened_by, split_reasoning
 
 CASES = [
     # (output, the prompt opened the block, reasoning, content)
@@ -75,3 +76,51 @@ def test_the_prompt_says_whether_the_output_starts_inside(prompt, inside):
 ])
 def test_default_parser(template, parser):
     assert default_parser(template) == parser
+
+
+# ---- structured output after thinking: the composed grammar on llguidance and a real tokenizer ----
+
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}
+
+
+@pytest.fixture(scope="module")
+def compiler(llama_dir):
+    from engine.core.grammar import GrammarCompiler
+    from engine.formats.transformers_files import load_tokenizer
+
+    tokenizer = load_tokenizer(str(llama_dir))
+    return GrammarCompiler(llama_dir, len(tokenizer), (tokenizer.eos_token_id,)), tokenizer
+
+
+def accepts(compiler, grammar, text: str) -> tuple[bool, bool]:
+    """(whether the grammar takes every token of `text`, whether it is then complete)."""
+    compiler, tokenizer = compiler
+    state = compiler.state(grammar)
+    ok = all(state.matcher.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+    return ok, ok and state.complete
+
+
+@pytest.mark.parametrize("prompt,inside,text,verdict", [
+    ("<|im_start|>assistant\n<think>\n", True, 'Paris or Oslo? </thi no.</think>\n\n{"city": "Oslo"}', (True, True)),
+    ("<|im_start|>assistant\n<think>\n", True, '{"city": "Oslo"}', (True, False)),  # JSON as thinking: unclosed
+    ("<|im_start|>assistant\n", False, '<think>hmm</think>{"city": "Paris"}', (True, True)),
+    ("<|im_start|>assistant\n", False, '{"city": "Paris"}', (True, True)),  # answering without thinking
+    ("<|im_start|>assistant\n", False, "<think>hmm</think>Paris", (False, False)),  # the answer is constrained
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False, '<think>', (False, False)),  # thinking disabled
+])
+def test_a_json_schema_constrains_the_answer_after_the_thinking(compiler, prompt, inside, text, verdict):
+    from engine.core.request import Grammar
+
+    grammar, starts_inside = after_thinking(Grammar("json_schema", json.dumps(SCHEMA)), prompt)
+    assert starts_inside is inside
+    assert accepts(compiler, grammar, text) == verdict
+
+
+def test_a_regex_follows_thinking_and_a_lark_grammar_applies_from_the_first_token(compiler):
+    from engine.core.request import Grammar
+
+    regex, _ = after_thinking(Grammar("regex", r"(yes|no)/maybe"), "<think>\n")
+    assert accepts(compiler, regex, "a/b</think>no/maybe") == (True, True)
+    lark = Grammar("lark", 'start: "yes" | "no"', "structured_outputs")
+    assert after_thinking(lark, "<think>\n") == (lark, False)  # the forced answer is no thinking
+    assert after_thinking(None, "<think>\n") == (None, True)

@@ -157,3 +157,28 @@ def test_tool_calls_are_read_from_the_answer_after_thinking(llama_dir, tmp_path_
         "tool_calls", THOUGHT, None)
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
         ("get_time", '{"zone":"UTC"}')]
+
+
+def test_a_json_schema_waits_for_the_thinking_on_the_real_engine(llama_dir, tmp_path_factory):
+    """Structured output on a reasoning model constrains the answer only: the real engine compiles
+    the composed grammar, and the random model (which never closes its thought within 12 tokens)
+    is left free to think (in valid UTF-8: the thought is text, so byte tokens that make no
+    character are masked); a lark grammar instead applies from the first token (no thinking)."""
+    checkpoint = thinking_checkpoint(llama_dir, tmp_path_factory, R1_TEMPLATE)
+    config = AppConfig.from_args({"model": str(checkpoint), "model_id": MODEL, "max_num_seqs": 4, "warmup": False})
+    server = ModelServer(config.models[0])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with TestClient(create_app({MODEL: LocalBackend(server)})) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+        free = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, temperature=0.0)
+        constrained = client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=12, temperature=0.0,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+        forced = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, temperature=0.0,
+                                                extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    server.engine.shutdown()
+    free_text = free.choices[0].message.reasoning_content
+    assert constrained.choices[0].message.reasoning_content.startswith(free_text.split("\ufffd")[0])
+    assert constrained.choices[0].finish_reason == "length" and constrained.choices[0].message.content is None
+    assert forced.choices[0].message.content in ("yes", "no")
+    assert getattr(forced.choices[0].message, "reasoning_content", None) is None
