@@ -24,9 +24,9 @@ from engine.async_embedder import AsyncEmbedder
 from engine.core.request import EngineStats
 from serve_app.config import ModelConfig
 from serve_app.errors import BadRequest, to_api_error
-from serve_app.metrics import ServerMetrics
+from serve_app.metrics import ServerMetrics, replica_name
 from serve_app.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from serve_app.replica import Replica, replica_name
+from serve_app.replica import Replica
 
 logger = logging.getLogger(__name__)
 

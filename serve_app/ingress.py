@@ -28,7 +28,12 @@ from typing import Any, AsyncIterator, Optional, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, SecretStr
@@ -50,7 +55,7 @@ from serve_app.errors import (
 )
 from serve_app.limits import BodySizeLimit, check_limits
 from serve_app.logs import route_logs_to_replica_log
-from serve_app.metrics import render
+from serve_app.metrics import CountResponses, HttpResponses, render, replica_name
 from serve_app.model_states import READY, ModelState, ModelStates, serve_status
 from serve_app.protocol import (
     ChatCompletionChunk,
@@ -235,6 +240,8 @@ def create_app(
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, lambda _, exc: error_response(to_api_error(exc)))  # no traceback
     _add_middleware(app, limits, cors)
+    responses = HttpResponses(replica_name())
+    app.add_middleware(CountResponses, responses=responses)
     security = [Security(BEARER)] if api_key is not None else []
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorizer(api_key)), *security], responses=ERRORS)
 
@@ -317,7 +324,7 @@ def create_app(
     @app.get("/metrics", response_class=PlainTextResponse, responses=ERRORS)  # Prometheus' text format
     async def metrics() -> Response:
         families = [f for backend in backends.values() for f in await backend.metric_families()]
-        return Response(render(families), media_type=CONTENT_TYPE_LATEST)
+        return Response(render([*families, responses.families()]), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(v1)
     app.include_router(utilities)

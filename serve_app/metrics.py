@@ -6,7 +6,8 @@ Each `ServerMetrics` owns its registry (no process-global state). Request metric
 `RequestTracker` per engine request (one per choice); engine gauges and counters are read from
 `EngineStats` at scrape time. The ingress's /metrics asks every server replica for its families
 (`handle.broadcast`) and renders them together with `render`; every sample carries `model_name`
-and `replica` labels, so series from different replicas never collide.
+and `replica` labels, so series from different replicas never collide. The ingress adds its own
+`HttpResponses` (every HTTP answer by route and status, labelled with its ingress replica).
 """
 
 from __future__ import annotations
@@ -15,8 +16,20 @@ import logging
 import time
 from typing import Callable, Iterable, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+)
+from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from engine.core.request import EngineStats
 
@@ -24,6 +37,14 @@ logger = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def replica_name() -> str:
+    """The Serve replica this process is (the `replica` / `ingress` label), or "local" outside one."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:  # not inside a Serve replica (tests, a single process)
+        return "local"
 
 
 class ServerMetrics:
@@ -156,6 +177,48 @@ class _EngineStatsCollector:
             family = CounterMetricFamily(name, doc, labels=names)
             family.add_metric(values, value)
             yield family
+
+
+class HttpResponses:
+    """`jax_serve:http_responses`: the ingress's HTTP answers by route (the matched route's path,
+    or "unmatched") and status code, so that error rates are one query. One per ingress replica,
+    labelled with it; `CountResponses` records into it."""
+
+    def __init__(self, replica: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._counter = Counter("jax_serve:http_responses", "HTTP responses of the ingress, by route and status.",
+                                ["route", "status", "ingress"], registry=self.registry)
+        self._replica = replica
+
+    def count(self, route: str, status: int) -> None:
+        self._counter.labels(route, str(status), self._replica).inc()
+
+    def families(self) -> list[Metric]:
+        return list(self.registry.collect())
+
+
+class CountResponses:
+    """ASGI middleware counting every HTTP response into `responses` (outermost, so that it sees
+    the answers of the other middleware too)."""
+
+    def __init__(self, app, responses: HttpResponses):
+        self.app, self.responses = app, responses
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500  # an app that raises before it answers gets Starlette's 500
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        finally:
+            self.responses.count(getattr(scope.get("route"), "path", "unmatched"), status)
 
 
 class _Families:

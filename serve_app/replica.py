@@ -11,9 +11,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ray import serve
-from ray.serve.exceptions import RayServeException
-
 from engine.core.config import EngineConfig
 from engine.core.request import EngineDeadError
 from serve_app.config import ModelConfig
@@ -120,9 +117,3 @@ def import_engine_class(path: str) -> type:
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"engine_cls {path!r} cannot be imported ({exc}); set engine_cls to 'module:Class'") from exc
 
-
-def replica_name() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except RayServeException:  # not inside a Serve replica (tests, a single process)
-        return "local"

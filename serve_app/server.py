@@ -22,14 +22,14 @@ from typing import AsyncIterator, Callable, Optional, Union
 
 from engine.async_engine import AsyncEngine
 from engine.core.request import Grammar, SamplingParams, TokenDelta
+from serve_app import reasoning
 from serve_app.config import ModelConfig
 from serve_app.detokenize import TextStream, TokenStrings, special_ids
 from serve_app.errors import to_api_error
-from serve_app.metrics import ServerMetrics
-from serve_app import reasoning
+from serve_app.metrics import ServerMetrics, replica_name
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.reasoning import ReasoningStream
-from serve_app.replica import Replica, replica_name
+from serve_app.replica import Replica
 from serve_app.responses import (
     ChatFormatter,
     ChoiceCounts,

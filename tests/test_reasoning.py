@@ -8,7 +8,14 @@ import random
 
 import pytest
 
-from serve_app.reasoning import ReasoningStream, Thought, after_thinking, default_parser, opened_by, split_reasoning
+from serve_app.reasoning import (
+    ReasoningStream,
+    Thought,
+    after_thinking,
+    default_parser,
+    opened_by,
+    split_reasoning,
+)
 
 CASES = [
     # (output, the prompt opened the block, reasoning, content)
