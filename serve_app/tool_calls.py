@@ -179,13 +179,19 @@ class CallStream:
 
 
 class NamedCallStream(CallStream):
-    """The constrained output of a named function: a header delta, then the text as arguments."""
+    """The constrained output of a named function: a header delta, then the text as arguments
+    (whitespace before the object, which a reasoning model's grammar allows after its thinking,
+    left out)."""
 
     def __init__(self, name: str):
         super().__init__()
         self._header: Optional[ToolCallDelta] = ToolCallDelta(0, new_call_id(), name, "")
+        self._started = False
 
     def push(self, delta: str) -> list[StreamEvent]:
+        if not self._started:
+            delta = delta.lstrip()
+            self._started = bool(delta)
         return self.finish() + ([ToolCallDelta(0, None, None, delta)] if delta else [])
 
     def finish(self) -> list[StreamEvent]:

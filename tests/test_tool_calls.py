@@ -368,6 +368,7 @@ def test_named_stream_and_call():
     assert stream.push('"Oslo"}') == [ToolCallDelta(0, None, None, '"Oslo"}')]
     assert stream.finish() == []
     assert streamed(NamedCallStream("now"), []) == ("", [("now", "")])
+    assert streamed(NamedCallStream("now"), ["\n", "\n {", '"a": 1}']) == ("", [("now", '{"a": 1}')])  # after thinking
     named = call_from_named("get_weather", '{"city": "Oslo"}')
     assert (named.name, named.arguments) == ("get_weather", '{"city": "Oslo"}') and named.id.startswith("call_")
 
