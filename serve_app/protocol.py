@@ -14,6 +14,7 @@ checked by the ingress (`serve_app.limits`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any, Literal, Optional, Union
@@ -164,6 +165,10 @@ class StructuredOutputs(OpenAIModel):
         return Grammar("lark", self.grammar, param)
 
 
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+"""vLLM's older structured-output fields and the structured_outputs key each means."""
+
+
 class SamplingRequest(OpenAIModel):
     """The base of both request models: this server's extensions beyond OpenAI's fields (vLLM's
     names and meanings), and what both endpoints share."""
@@ -180,19 +185,58 @@ class SamplingRequest(OpenAIModel):
     """Constrain the output to JSON (an OpenAI field on chat; an extension on completions)."""
     structured_outputs: Optional[StructuredOutputs] = None
     """vLLM's extension: constrain the output to a JSON schema, a regex, a choice or a grammar."""
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    """vLLM's older name of structured_outputs.json (still sent by many clients)."""
+    guided_regex: Optional[str] = None
+    """vLLM's older name of structured_outputs.regex."""
+    guided_choice: Optional[list[str]] = None
+    """vLLM's older name of structured_outputs.choice."""
+    guided_grammar: Optional[str] = None
+    """vLLM's older name of structured_outputs.grammar."""
+    # vLLM fields accepted at their defaults only (what this server does); another value is a 400.
+    skip_special_tokens: bool = True
+    """Special tokens are left out of the text (only true is accepted)."""
+    spaces_between_special_tokens: bool = True
+    """(only true is accepted)"""
+    include_stop_str_in_output: bool = False
+    """A matched stop string is left out of the text (only false is accepted)."""
+    use_beam_search: bool = False
+    """(only false is accepted: sampling or greedy decoding)"""
+    priority: int = 0
+    """(only 0 is accepted: requests are served first come, first served)"""
+
+    _neutral = _unsupported({"skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+                             "include_stop_str_in_output": (False,), "use_beam_search": (False,), "priority": (0,)})
 
     @model_validator(mode="after")
     def _one_constraint(self) -> "SamplingRequest":
-        if self.structured_outputs is not None and self.response_format is not None \
-                and self.response_format.type != "text":
-            raise invalid("structured_outputs", "send either response_format or structured_outputs, not both")
+        given = [name for name in ("structured_outputs", *GUIDED) if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise invalid(given[1], f"send one constraint on the output, not {' and '.join(given)}")
+        if given and given[0] in GUIDED:
+            self._guided()  # checked now: a bad one is a 400 naming its field
         return self
+
+    def _guided(self) -> Optional[Grammar]:
+        """The grammar of the guided_* field that is set (vLLM's older names), naming that field."""
+        name = next((n for n in GUIDED if getattr(self, n) is not None), None)
+        if name is None:
+            return None
+        try:
+            spec = StructuredOutputs.model_validate({GUIDED[name]: getattr(self, name)}).grammar_spec()
+        except ValidationError as exc:
+            raise invalid(name, f"{name}: {exc.errors()[0]['msg']}") from None
+        return dataclasses.replace(spec, param=name)
 
     def grammar(self) -> Optional[Grammar]:
         """The constraint on the output, if the request sets one."""
         if self.structured_outputs is not None:
             return self.structured_outputs.grammar_spec()
-        return self.response_format.grammar() if self.response_format is not None else None
+        if self.response_format is not None and self.response_format.type != "text":
+            return self.response_format.grammar()
+        return self._guided()
 
     _stop = field_validator("stop", check_fields=False)(classmethod(lambda cls, v: _check_stop(v)))
     _logit_bias = field_validator("logit_bias", check_fields=False)(classmethod(lambda cls, v: _check_logit_bias(v)))

@@ -271,6 +271,44 @@ def test_response_format_becomes_a_grammar():
     assert grammar({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}, CompletionRequest) == expected
 
 
+@pytest.mark.parametrize("field,value,grammar", [
+    ("guided_json", {"type": "object"}, Grammar("json_schema", '{"type": "object"}', "guided_json")),
+    ("guided_json", '{"type": "object"}', Grammar("json_schema", '{"type": "object"}', "guided_json")),
+    ("guided_regex", "[0-9]+", Grammar("regex", "[0-9]+", "guided_regex")),
+    ("guided_choice", ["yes", "no"], Grammar("lark", 'start: "yes" | "no"', "guided_choice")),
+    ("guided_grammar", 'start: "a"', Grammar("lark", 'start: "a"', "guided_grammar")),
+])
+def test_vllms_older_guided_fields_are_structured_outputs(field, value, grammar):
+    assert parse(CompletionRequest, model="m", prompt="x", **{field: value}).to_sampling_params().grammar == grammar
+    chat = parse(ChatCompletionRequest, model="m", messages=MESSAGES, **{field: value})
+    assert chat.to_sampling_params(9).grammar == grammar
+
+
+@pytest.mark.parametrize("body,message,param", [
+    ({"guided_regex": "a", "structured_outputs": {"regex": "b"}},
+     "send one constraint on the output, not structured_outputs and guided_regex", "guided_regex"),
+    ({"guided_json": {}, "response_format": {"type": "json_object"}},
+     "send one constraint on the output, not guided_json and response_format", "response_format"),
+    ({"guided_choice": []}, "guided_choice: List should have at least 1 item after validation, not 0",
+     "guided_choice"),
+    ({"skip_special_tokens": False}, "'skip_special_tokens' is not supported yet; only True is accepted",
+     "skip_special_tokens"),
+    ({"include_stop_str_in_output": True},
+     "'include_stop_str_in_output' is not supported yet; only False is accepted", "include_stop_str_in_output"),
+    ({"use_beam_search": True}, "'use_beam_search' is not supported yet; only False is accepted", "use_beam_search"),
+    ({"priority": 2}, "'priority' is not supported yet; only 0 is accepted", "priority"),
+    ({"best_of_n": 2}, "'best_of_n' is not a supported field; remove it", "best_of_n"),
+])
+def test_vllm_extras_at_other_values_are_400s(body, message, param):
+    assert rejected(CompletionRequest, model="m", prompt="x", **body) == error(message, param)
+
+
+def test_vllm_extras_at_their_defaults_are_accepted():
+    neutral = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
+               "include_stop_str_in_output": False, "use_beam_search": False, "priority": 0}
+    assert parse(ChatCompletionRequest, model="m", messages=MESSAGES, **neutral).to_sampling_params(9).grammar is None
+
+
 def test_tool_messages_render_for_templates():
     request = parse(ChatCompletionRequest, model="m", tools=[TOOL], messages=[
         {"role": "user", "content": "Weather in Paris?"},

@@ -362,3 +362,16 @@ def test_auto_reads_tags_the_tokenizer_makes_special(long_llama, tmp_path_factor
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
         ("get_time", '{"zone":"UTC"}')]
     assert plain.choices[0].message.content == "Checking." + call  # without tools, specials are dropped
+
+
+def test_vllms_older_guided_fields_constrain_the_real_engine(client):
+    """guided_choice / guided_regex (vLLM's older names, still sent by many clients) constrain as
+    structured_outputs does: a random model's free text is garbage, so only the constraint makes
+    these answers."""
+    colors = ["red", "green", "blue"]
+    response = client.completions.create(model=MODEL, prompt="Pick a color:", max_tokens=8, n=3, seed=2,
+                                         temperature=1.0, extra_body={"guided_choice": colors})
+    assert all(c.text in colors and c.finish_reason == "stop" for c in response.choices)
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, seed=3, temperature=1.0,
+                                          extra_body={"guided_regex": "[0-9]{3}"})
+    assert chat.choices[0].message.content.isdigit() and len(chat.choices[0].message.content) == 3
