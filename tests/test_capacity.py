@@ -75,14 +75,23 @@ def test_a_config_that_cannot_fit_is_refused_with_what_to_change(tiny_dir):
     with pytest.raises(ValueError) as refused:
         capacity.check_fits(config, 200_000, 4)
     pages = int((200_000 - 107136) * 0.9) // 2048
+    int8 = capacity.plan(EngineConfig(model=str(tiny_dir), quantization="int8"), 1, 200_000)
+    assert int8.problem() is None and int8.kv_tokens == 288  # int8 weights at tensor_parallel_size 1 fit too
     assert str(refused.value) == (
         "the model does not fit: the weights take 0.00 GiB per device at tensor_parallel_size=1, more than the "
-        f"0.00 GiB a device has; set tensor_parallel_size: 2 (it fits {(pages - 1) * 16} KV tokens)")
+        f"0.00 GiB a device has; set tensor_parallel_size: 2 (it fits {(pages - 1) * 16} KV tokens); or set "
+        "quantization: int8 (it fits 288 KV tokens)")
     with pytest.raises(ValueError) as refused:
-        capacity.check_fits(config, 213632 + 3 * 4096 * 10 // 9 + 1, 1)
+        capacity.check_fits(EngineConfig(model=str(tiny_dir), quantization="int8"), 50_000, 1)
+    assert str(refused.value).endswith("; use more devices (no tensor_parallel_size up to the 1 here fits)")  # no int8 advice
+    memory = 213632 + 3 * 4096 * 10 // 9 + 1
+    with pytest.raises(ValueError) as refused:
+        capacity.check_fits(config, memory, 1)
+    int8 = capacity.plan(EngineConfig(model=str(tiny_dir), quantization="int8"), 1, memory)
     assert str(refused.value).endswith(
         "the KV pool holds 3 pages of 16 tokens, fewer than one sequence of max_model_len=256 needs (17); lower "
-        "max_model_len or use more devices (no tensor_parallel_size up to the 1 here fits)")
+        "max_model_len or use more devices (no tensor_parallel_size up to the 1 here fits); or set quantization: "
+        f"int8 (it fits {int8.kv_tokens} KV tokens)") and int8.kv_tokens == 384
     with pytest.raises(ValueError, match=r"; lower max_model_len, set kv_cache_dtype: bfloat16 or use more devices"):
         capacity.check_fits(EngineConfig(model=str(tiny_dir), kv_cache_dtype="float32"), 213632 + 3 * 8192, 1)
 

@@ -221,4 +221,9 @@ def check_fits(config, memory_bytes: int, devices: int, cache_bytes_per_page=Non
             options.append("set kv_cache_dtype: bfloat16")
         options.append(f"use more devices (no tensor_parallel_size up to the {devices} here fits)")
         advice = ", ".join(options[:-1]) + (" or " if len(options) > 1 else "") + options[-1]
+    if config.quantization is None:  # int8 weights at the same size, about half the bytes
+        int8 = plan(dataclasses.replace(config, quantization="int8"), config.tensor_parallel_size, memory_bytes,
+                    cache_bytes_per_page)
+        if int8.problem() is None:
+            advice += f"; or set quantization: int8 (it fits {int8.kv_tokens} KV tokens)"
     raise ValueError(f"the model does not fit: {problem}; {advice}")
