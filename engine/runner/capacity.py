@@ -168,7 +168,7 @@ def _loading_extra(info, layout, dtype, quantized: bool) -> tuple[int, str]:
     """(bytes a device holds while loading beyond its share of the served weights, why): with KV
     heads repeated, the k and v projections load whole on every device and are repeated whole
     before they split. Quantized weights are made on the host CPU and placed as served (ModelRunner.
-    _load_on_host): the devices hold nothing more."""
+    _load): the devices hold nothing more."""
     import numpy as np
 
     if quantized or layout.kv_repeats == 1:

@@ -310,26 +310,22 @@ class ModelRunner:
 
     def _load(self, config: EngineConfig):
         """(the serving model, ModelInfo). Nothing of the model as loaded outlives this call: the
-        KV pool is sized from the memory the serving model leaves."""
+        KV pool is sized from the memory the serving model leaves. The serving model is made on the
+        devices, each layer placed as it is made, or (`_weights_host`) on the host's CPU and then
+        placed: the devices never hold the checkpoint's float weights beside quantized ones."""
         host = self._weights_host(config)
-        if host is not None:
-            return self._load_on_host(config, host)
-        with self._device_context(self._load_mapping()):
-            model, info = load_model(config.model, self.dtype)
+        if host is None:
+            context = self._device_context(self._load_mapping())
             place = functools.partial(sharding.place, layout=self.layout, mesh=self.mesh)
-            serving = serving_model(model, config.model, info, self.layout, self.scan_layers, place,
-                                    config.quantization)
-            return self.backend.prepare(serving, self.buckets, measure=config.warmup), info
-
-    def _load_on_host(self, config: EngineConfig, host: jax.Device):
-        """`_load` with the checkpoint loaded and the serving model made on `host`, each weight then
-        placed on the devices: they never hold the checkpoint's float weights beside the served ones."""
-        with _MeshContext(Mesh(np.array([host]).reshape(1, 1), self.mesh.axis_names), {}), jax.default_device(host):
-            model, info = load_model(config.model, self.dtype)
+        else:
+            context = _MeshContext(Mesh(np.array([host]).reshape(1, 1), self.mesh.axis_names), {})
             place = functools.partial(sharding.to_mesh, layout=self.layout, mesh=self.mesh)
+        with context, jax.default_device(host):  # None: JAX's default device
+            model, info = load_model(config.model, self.dtype)
             serving = serving_model(model, config.model, info, self.layout, self.scan_layers, place,
                                     config.quantization)
-        logger.info("weights made %s on %s, then placed on the devices", config.quantization, host)
+        if host is not None:
+            logger.info("weights made %s on %s, then placed on the devices", config.quantization, host)
         with self._device_context():
             return self.backend.prepare(serving, self.buckets, measure=config.warmup), info
 
