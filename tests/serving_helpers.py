@@ -1,11 +1,14 @@
-"""Helpers shared by the serving tests: waiting on a condition, reading server-sent events, and
-finding the Ray processes a test started."""
+"""Helpers shared by the serving tests: waiting on a condition, reading server-sent events,
+finding the Ray processes a test started, and serving a checkpoint in this process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import shutil
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 
@@ -54,3 +57,36 @@ def engine_worker_processes() -> list:
 def model_server_processes(model_id: str) -> list:
     """The processes of the Ray Serve replicas of `model_id`'s server (app "llm")."""
     return ray_processes(rf"ray::ServeReplica:llm:ModelServer-{re.escape(model_id)}(\.|\s|$)")
+
+
+def templated_checkpoint(model_dir, out: Path, template: str, fixed_output: list[int] | None = None) -> Path:
+    """A copy of the checkpoint in `out` with `template` as its chat template (chat_template.jinja
+    wins over tokenizer_config.json's) and, for fake_engine's FixedOutputEngine, `fixed_output` as
+    the token ids it says."""
+    from fake_engine import FIXED_OUTPUT_FILE
+
+    shutil.copytree(model_dir, out, dirs_exist_ok=True)
+    (out / "chat_template.jinja").write_text(template)
+    if fixed_output is not None:
+        (out / FIXED_OUTPUT_FILE).write_text(json.dumps(fixed_output))
+    return out
+
+
+@contextlib.contextmanager
+def app_in_process(checkpoint, model_id: str, **args):
+    """(server, http, openai client): the OpenAI app over one ModelServer in this process, the
+    official client talking to it through FastAPI's test client; the engine shut down after."""
+    import openai
+    from fastapi.testclient import TestClient
+
+    from serve_app.config import AppConfig
+    from serve_app.ingress import LocalBackend, create_app
+    from serve_app.server import ModelServer
+
+    config = AppConfig.from_args({"model": str(checkpoint), "model_id": model_id, "warmup": False, **args})
+    server = ModelServer(config.models[0])
+    try:
+        with TestClient(create_app({model_id: LocalBackend(server)})) as http:
+            yield server, http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+    finally:
+        server.engine.shutdown()

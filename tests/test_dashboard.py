@@ -8,12 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-
-from serve_app.config import AppConfig
-from serve_app.ingress import LocalBackend, create_app
-from serve_app.server import ModelServer
+from serving_helpers import app_in_process
 
 DASHBOARD = Path(__file__).parents[1] / "deploy" / "grafana" / "jax-serve.json"
 METRIC = re.compile(r"\b(?:vllm|jax_serve):[A-Za-z0-9_:]+")
@@ -27,15 +23,12 @@ def queries(dashboard: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def scraped(llama_dir) -> list:
     """The samples of /metrics after a served request, a refused one and an unknown route."""
-    config = AppConfig.from_args({"model": str(llama_dir), "model_id": "tiny", "engine_cls": "fake_engine:FakeEngine",
-                                  "max_num_seqs": 4})
-    server = ModelServer(config.models[0])
-    with TestClient(create_app({"tiny": LocalBackend(server)})) as http:
-        assert http.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3}).status_code == 200
+    with app_in_process(llama_dir, "tiny", engine_cls="fake_engine:FakeEngine", max_num_seqs=4) as (_, http, _):
+        served = http.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3})
+        assert served.status_code == 200
         assert http.post("/v1/completions", json={"model": "tiny", "prompt": ""}).status_code == 400
         assert http.get("/v1/nowhere").status_code == 404
         text = http.get("/metrics").text
-    server.engine.shutdown()
     return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
 
 

@@ -5,18 +5,9 @@ DeepSeek-R1 style prompt that opens the block, on the real engine."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
-import openai
 import pytest
-from fake_engine import FIXED_OUTPUT_FILE
-from fastapi.testclient import TestClient
+from serving_helpers import app_in_process, templated_checkpoint
 from transformers import AutoTokenizer
-
-from serve_app.config import AppConfig
-from serve_app.ingress import LocalBackend, create_app
-from serve_app.server import ModelServer
 
 MODEL = "thinker"
 HISTORY = ("{%- for message in messages %}<|im_start|>{{ message.role }}\n"
@@ -34,27 +25,25 @@ THOUGHT, ANSWER = "\nThe capital of France is Paris.\n", "\n\nParis."
 def thinking_checkpoint(model_dir, tmp_path_factory, template: str, output: str | None = None):
     """The tiny checkpoint with `template` as its chat template (and, for FixedOutputEngine,
     `output` then end-of-turn as what it says)."""
-    out = tmp_path_factory.mktemp("thinker")
-    shutil.copytree(model_dir, out, dirs_exist_ok=True)
-    (out / "chat_template.jinja").write_text(template)
+    ids = None
     if output is not None:
-        tokenizer = AutoTokenizer.from_pretrained(out)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
         ids = tokenizer.encode(output, add_special_tokens=False) + [tokenizer.eos_token_id]
-        (out / FIXED_OUTPUT_FILE).write_text(json.dumps(ids))
-    return out
+    return templated_checkpoint(model_dir, tmp_path_factory.mktemp("thinker"), template, ids)
+
+
+def serve(checkpoint, engine_cls: str | None = "fake_engine:FixedOutputEngine"):
+    """The app over `checkpoint` (a model that says its fixed output; None: the real engine)."""
+    engine = {} if engine_cls is None else {"engine_cls": engine_cls}
+    return app_in_process(checkpoint, MODEL, max_num_seqs=4, **engine)
 
 
 @pytest.fixture(scope="module")
 def app(llama_dir, tmp_path_factory):
     """A Qwen3-style model that always says <think>THOUGHT</think>ANSWER."""
-    checkpoint = thinking_checkpoint(llama_dir, tmp_path_factory, QWEN3_TEMPLATE, f"<think>{THOUGHT}</think>{ANSWER}")
-    config = AppConfig.from_args({"model": str(checkpoint), "model_id": MODEL, "max_num_seqs": 4, "warmup": False,
-                                  "engine_cls": "fake_engine:FixedOutputEngine"})
-    server = ModelServer(config.models[0])
-    http = TestClient(create_app({MODEL: LocalBackend(server)}))
-    with http:
-        yield server, http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
-    server.engine.shutdown()
+    with serve(thinking_checkpoint(llama_dir, tmp_path_factory, QWEN3_TEMPLATE,
+                                   f"<think>{THOUGHT}</think>{ANSWER}")) as app:
+        yield app
 
 
 def test_thinking_comes_apart_from_the_answer(app):
@@ -98,14 +87,9 @@ def test_with_thinking_closed_in_the_prompt_the_output_is_all_answer(llama_dir, 
     """Qwen3's `enable_thinking: false` closes an empty block in the prompt; a `<think>` the model
     then writes mid-answer is text."""
     checkpoint = thinking_checkpoint(llama_dir, tmp_path_factory, QWEN3_TEMPLATE, "Paris <think> x </think>")
-    config = AppConfig.from_args({"model": str(checkpoint), "model_id": MODEL, "max_num_seqs": 4, "warmup": False,
-                                  "engine_cls": "fake_engine:FixedOutputEngine"})
-    server = ModelServer(config.models[0])
-    with TestClient(create_app({MODEL: LocalBackend(server)})) as http:
-        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+    with serve(checkpoint) as (_, _, client):
         message = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=100, extra_body={
             "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
-    server.engine.shutdown()
     assert (getattr(message, "reasoning_content", None), message.content) == (None, "Paris <think> x </think>")
 
 
@@ -127,15 +111,10 @@ def test_a_prompt_that_opens_the_block_is_read_as_thinking_on_the_real_engine(ll
     """DeepSeek-R1's template ends the prompt with <think>: the real engine's greedy answer (random
     weights: it never closes the block) is all reasoning, exactly the text /v1/completions gives for
     the rendered prompt; content is null."""
-    checkpoint = thinking_checkpoint(llama_dir, tmp_path_factory, R1_TEMPLATE)
-    config = AppConfig.from_args({"model": str(checkpoint), "model_id": MODEL, "max_num_seqs": 4, "warmup": False})
-    server = ModelServer(config.models[0])
-    with TestClient(create_app({MODEL: LocalBackend(server)})) as http:
-        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+    with serve(thinking_checkpoint(llama_dir, tmp_path_factory, R1_TEMPLATE), engine_cls=None) as (server, _, client):
         chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, temperature=0.0)
         prompt = server.prompts.hf.apply_chat_template(ASK, add_generation_prompt=True)
         completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.0)
-    server.engine.shutdown()
     message = chat.choices[0].message
     assert "</think>" not in completion.choices[0].text
     assert (message.reasoning_content, message.content) == (completion.choices[0].text, None)
@@ -145,14 +124,9 @@ def test_a_prompt_that_opens_the_block_is_read_as_thinking_on_the_real_engine(ll
 def test_tool_calls_are_read_from_the_answer_after_thinking(llama_dir, tmp_path_factory):
     call = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
     checkpoint = thinking_checkpoint(llama_dir, tmp_path_factory, QWEN3_TEMPLATE, f"<think>{THOUGHT}</think>{call}")
-    config = AppConfig.from_args({"model": str(checkpoint), "model_id": MODEL, "max_num_seqs": 4, "warmup": False,
-                                  "engine_cls": "fake_engine:FixedOutputEngine"})
-    server = ModelServer(config.models[0])
     tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
-    with TestClient(create_app({MODEL: LocalBackend(server)})) as http:
-        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+    with serve(checkpoint) as (_, _, client):
         choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=[tool], max_tokens=100).choices[0]
-    server.engine.shutdown()
     assert (choice.finish_reason, choice.message.reasoning_content, choice.message.content) == (
         "tool_calls", THOUGHT, None)
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
@@ -164,19 +138,14 @@ def test_a_json_schema_waits_for_the_thinking_on_the_real_engine(llama_dir, tmp_
     the composed grammar, and the random model (which never closes its thought within 12 tokens)
     is left free to think (in valid UTF-8: the thought is text, so byte tokens that make no
     character are masked); a lark grammar instead applies from the first token (no thinking)."""
-    checkpoint = thinking_checkpoint(llama_dir, tmp_path_factory, R1_TEMPLATE)
-    config = AppConfig.from_args({"model": str(checkpoint), "model_id": MODEL, "max_num_seqs": 4, "warmup": False})
-    server = ModelServer(config.models[0])
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    with TestClient(create_app({MODEL: LocalBackend(server)})) as http:
-        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+    with serve(thinking_checkpoint(llama_dir, tmp_path_factory, R1_TEMPLATE), engine_cls=None) as (_, _, client):
         free = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, temperature=0.0)
         constrained = client.chat.completions.create(
             model=MODEL, messages=ASK, max_tokens=12, temperature=0.0,
             response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
         forced = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, temperature=0.0,
                                                 extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
-    server.engine.shutdown()
     free_text = free.choices[0].message.reasoning_content
     assert constrained.choices[0].message.reasoning_content.startswith(free_text.split("\ufffd")[0])
     assert constrained.choices[0].finish_reason == "length" and constrained.choices[0].message.content is None

@@ -7,17 +7,11 @@ test needs the model to say something exact (`tool_choice: auto`).
 from __future__ import annotations
 
 import json
-import shutil
 
 import jsonschema
-import openai
 import pytest
 from fake_engine import FIXED_OUTPUT_FILE
-from fastapi.testclient import TestClient
-
-from serve_app.config import AppConfig
-from serve_app.ingress import LocalBackend, create_app
-from serve_app.server import ModelServer
+from serving_helpers import app_in_process, templated_checkpoint
 
 MODEL = "tiny"
 TOOLS_TEMPLATE = (
@@ -64,28 +58,17 @@ def long_llama(checkpoint_factory):
 
 def tools_checkpoint(model_dir, tmp_path_factory, fixed_output: list[int] | None = None):
     """The tiny checkpoint with a chat template that renders tools (and `fixed_output.json`)."""
-    out = tmp_path_factory.mktemp("tools-ckpt")
-    shutil.copytree(model_dir, out, dirs_exist_ok=True)
-    (out / "chat_template.jinja").write_text(TOOLS_TEMPLATE)  # wins over tokenizer_config.json's
-    if fixed_output is not None:
-        (out / FIXED_OUTPUT_FILE).write_text(json.dumps(fixed_output))
-    return out
+    return templated_checkpoint(model_dir, tmp_path_factory.mktemp("tools-ckpt"), TOOLS_TEMPLATE, fixed_output)
 
 
 def serve(checkpoint, **args):
-    config = AppConfig.from_args({"model": str(checkpoint), "model_id": MODEL, "max_model_len": 1024,
-                                  "max_num_seqs": 8, "warmup": False, **args})
-    server = ModelServer(config.models[0])
-    http = TestClient(create_app({MODEL: LocalBackend(server)}))
-    return server, http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+    return app_in_process(checkpoint, MODEL, **{"max_model_len": 1024, "max_num_seqs": 8, **args})
 
 
 @pytest.fixture(scope="module")
 def served(long_llama, tmp_path_factory):
-    server, http, client = serve(tools_checkpoint(long_llama, tmp_path_factory))
-    with http:
-        yield server, http, client
-    server.engine.shutdown()
+    with serve(tools_checkpoint(long_llama, tmp_path_factory)) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -304,11 +287,9 @@ def fixed(long_llama, tmp_path_factory):
 
     tokenizer = AutoTokenizer.from_pretrained(long_llama)
     ids = tokenizer.encode(AUTO_OUTPUT, add_special_tokens=False) + [tokenizer.eos_token_id]
-    server, http, client = serve(tools_checkpoint(long_llama, tmp_path_factory, ids),
-                                 engine_cls="fake_engine:FixedOutputEngine")
-    with http:
+    with serve(tools_checkpoint(long_llama, tmp_path_factory, ids), engine_cls="fake_engine:FixedOutputEngine") as (
+            _, _, client):
         yield client
-    server.engine.shutdown()
 
 
 def test_auto_parses_the_models_tool_call_block(fixed):
@@ -352,11 +333,9 @@ def test_auto_reads_tags_the_tokenizer_makes_special(long_llama, tmp_path_factor
            + tokenizer.encode(call, add_special_tokens=False) + [end, tokenizer.eos_token_id])
     (out / FIXED_OUTPUT_FILE).write_text(json.dumps(ids))
     assert tokenizer.decode(ids, skip_special_tokens=True) == "Checking." + call
-    server, http, client = serve(out, engine_cls="fake_engine:FixedOutputEngine")
-    with http:
+    with serve(out, engine_cls="fake_engine:FixedOutputEngine") as (_, _, client):
         response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=100)
         plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=100)
-    server.engine.shutdown()
     choice = response.choices[0]
     assert (choice.finish_reason, choice.message.content) == ("tool_calls", "Checking.")
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
