@@ -31,10 +31,12 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore(Protocol):
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None) -> None:
         """Raise InvalidRequestError if the request can never be served. Thread-safe."""
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    adapter: Optional[str] = None) -> None:
+        """`adapter`: a LoRA adapter's name (None: the base model)."""
 
     def abort(self, request_id: str) -> None: ...
 
@@ -87,19 +89,19 @@ class AsyncEngine:
     # ---- request-facing API (any thread with an event loop) ----
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None
     ) -> AsyncIterator[TokenDelta]:
         """Stream the request's deltas until one has a finish reason. Raises InvalidRequestError
         before anything is queued if the request can never fit, EngineDeadError if the loop died."""
         self._raise_if_dead()
-        self.validate(prompt_ids, params)
+        self.validate(prompt_ids, params, adapter)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             self._raise_if_dead()  # a failure after the check above has not seen this stream
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
             self._streams[request_id] = stream
-        self._commands.put(("add", request_id, list(prompt_ids), params))
+        self._commands.put(("add", request_id, list(prompt_ids), params, adapter))
         finished = False
         try:
             while True:
@@ -116,9 +118,9 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None) -> None:
         """Raise InvalidRequestError if the engine could never serve this request (any thread)."""
-        self.core.validate(prompt_ids, params)
+        self.core.validate(prompt_ids, params, adapter)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with a delta whose finish reason is `abort`."""
@@ -208,13 +210,13 @@ class AsyncEngine:
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt_ids, params = command
+            _, request_id, prompt_ids, params, adapter = command
             with self._lock:
                 stream = self._streams.get(request_id)
             if stream is None:  # the caller gave up before the loop saw the request
                 return
             try:
-                self.core.add_request(request_id, prompt_ids, params)
+                self.core.add_request(request_id, prompt_ids, params, adapter)
             except InvalidRequestError as exc:
                 stream.put(exc)
         elif kind == "abort":

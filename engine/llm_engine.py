@@ -19,6 +19,11 @@ step N+1 is launched in two parts: its forward pass first (as any step, reading 
 device), then, once N is fetched and the grammars have taken its tokens, the masks are computed
 and N+1's sampling is launched. The masks overlap N+1's forward pass; what waits is the sampling.
 
+LoRA adapters (`max_loras`): `add_adapter` reads an adapter into host memory under a name (any
+thread); a request that names it runs with it. The scheduler admits it once its adapter has one of
+the devices' slots (engine.core.adapters), and the step that first reads a newly given slot loads
+the adapter into it first.
+
 Single-threaded by design: `AsyncEngine` drives it from one background thread.
 """
 
@@ -29,6 +34,7 @@ import logging
 import random
 from typing import Any, Optional
 
+from engine.core.adapters import Adapter, AdapterSlots
 from engine.core.config import EngineConfig
 from engine.core.grammar import GrammarCompiler
 from engine.core.pages import PageAllocator
@@ -85,7 +91,10 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
             ),
             self.allocator,
+            AdapterSlots(config.max_loras) if config.max_loras else None,
         )
+        self._adapters: dict[str, Adapter] = {}
+        """Adapters by name (written by any thread, one assignment at a time)."""
         self.eos_token_ids = frozenset(self.executor.info.eos_token_ids)
         self.vocab_size = self.executor.vocab_size
         self.grammars, self._no_grammars = _grammar_compiler(config.model, self.vocab_size, self.eos_token_ids)
@@ -103,10 +112,13 @@ class LLMEngine:
 
     # ---- the surface ----
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError if this request can never be served (an invalid grammar
-        included). Thread-safe."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None) -> None:
+        """Raise InvalidRequestError if this request can never be served (an invalid grammar or
+        an unknown adapter included). Thread-safe."""
         check_request(prompt_ids, params, self.vocab_size, self.max_model_len)
+        if adapter is not None and adapter not in self._adapters:
+            raise InvalidRequestError(f"LoRA adapter {adapter!r} is not loaded; loaded: "
+                                      f"{', '.join(sorted(self._adapters)) or 'none'}", "model")
         if params.grammar is not None:  # compiled once: `add_request` finds it compiled
             if self.grammars is None:
                 raise InvalidRequestError(f"this model cannot constrain its output ({self._no_grammars}); send "
@@ -114,12 +126,15 @@ class LLMEngine:
                                           params.grammar.param)
             self.grammars.compile(params.grammar)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.validate(prompt_ids, params)
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    adapter: Optional[str] = None) -> None:
+        """Queue a request; `adapter`: the name of a LoRA adapter to run it with (None: the base model)."""
+        self.validate(prompt_ids, params, adapter)
         if request_id in self._sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         seq = Sequence(request_id, list(prompt_ids), params, seed)
+        seq.adapter = None if adapter is None else self._adapters[adapter]
         seq.prompt_logprobs = [None] * len(prompt_ids)
         if params.grammar is not None:
             seq.grammar = self.grammars.state(params.grammar)
@@ -132,6 +147,25 @@ class LLMEngine:
         if seq is not None:
             self.scheduler.finish(seq)
             self._aborted.append(request_id)
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Read the PEFT LoRA adapter at `path` and serve it as `name` (replacing an adapter of that
+        name; requests already running keep the one they started with). ValueError if the
+        engine cannot serve it (the message says why). Any thread."""
+        if self.scheduler.adapters is None:
+            raise ValueError("this engine serves no LoRA adapters; set max_loras to the number to hold at once")
+        from engine.formats.peft import read_adapter
+
+        weights = read_adapter(path, self.executor.info, self.config.max_lora_rank, self.executor.lora_targets)
+        self._adapters[name] = Adapter(name, weights)
+        logger.info("LoRA adapter %s: rank %d on %s from %s", name, weights.rank, ", ".join(weights.targets), path)
+
+    def remove_adapter(self, name: str) -> bool:
+        """Stop serving adapter `name` (requests running with it finish with it); False if unknown."""
+        return self._adapters.pop(name, None) is not None
+
+    def adapters(self) -> list[str]:
+        return sorted(self._adapters)
 
     def has_work(self) -> bool:
         return bool(self._aborted) or self._in_flight is not None or self.scheduler.has_work()
@@ -203,6 +237,8 @@ class LLMEngine:
         plan = self.scheduler.schedule(max_tokens=ready[-1].tokens)
         if not plan.rows:
             return None
+        for slot, adapter in plan.loads:
+            self.executor.load_adapter(slot, adapter.weights)
         step, slots = self.planner.build(plan, self._num_steps, previous.slots if previous is not None else None,
                                          defer_masks=previous is not None, ready=ready)
         masks_pending = step.switches.constrain and step.sampling.allowed is None

@@ -66,18 +66,34 @@ class FakeEngine:
         self.aborted: list[str] = []
         """Ids of requests aborted while running or waiting (for tests)."""
         self._steps = self._last_batch = self._max_batch = self._queries = 0
+        self._adapters: dict[str, str] = {}
 
     # ---- EngineCore ----
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None) -> None:
         """The real engine's checks, so that serving tests see its messages."""
         check_request(prompt_ids, params, self.vocab_size, self.max_model_len)
+        if adapter is not None and adapter not in self._adapters:
+            raise InvalidRequestError(f"LoRA adapter {adapter!r} is not loaded", "model")
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.validate(prompt_ids, params)
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    adapter: Optional[str] = None) -> None:
+        self.validate(prompt_ids, params, adapter)
         seed = params.seed if params.seed is not None else self._random.randrange(1 << 30)
         shift = 0 if params.greedy else seed
         self._waiting.append(_Seq(request_id, list(prompt_ids), params, shift))
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """The real engine's refusal of a directory that is no PEFT adapter; nothing is read."""
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise ValueError(f"{path} is not a PEFT LoRA adapter: it has no adapter_config.json")
+        self._adapters[name] = path
+
+    def remove_adapter(self, name: str) -> bool:
+        return self._adapters.pop(name, None) is not None
+
+    def adapters(self) -> list[str]:
+        return sorted(self._adapters)
 
     def abort(self, request_id: str) -> None:
         before = len(self._waiting) + len(self._running)

@@ -91,3 +91,12 @@ def assert_greedy_parity(engine: LLMEngine, model_dir) -> None:
         assert [d.finish_reason for d in got[:-1]] == [None] * (NEW_TOKENS - 1)
         assert got[0].num_prompt_tokens == len(prompt)
     assert_all_pages_free(engine)
+
+
+def peft_greedy(model_dir, adapter_dir, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers + peft's greedy tokens for `prompt` with the LoRA adapter at `adapter_dir`."""
+    from tiny_models import peft_model
+
+    out = peft_model(model_dir, adapter_dir).generate(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens,
+                                                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -134,10 +134,10 @@ class _DyingCore:
     def __init__(self):
         self.requests = []
 
-    def validate(self, prompt_ids, params):
+    def validate(self, prompt_ids, params, adapter=None):
         pass
 
-    def add_request(self, request_id, prompt_ids, params):
+    def add_request(self, request_id, prompt_ids, params, adapter=None):
         self.requests.append(request_id)
 
     def abort(self, request_id):
@@ -222,7 +222,7 @@ class _DiesDuringValidation(_DyingCore):
         super().__init__()
         self.engine = None
 
-    def validate(self, prompt_ids, params):
+    def validate(self, prompt_ids, params, adapter=None):
         if prompt_ids == [9]:
             deadline = time.monotonic() + 30
             while self.engine.is_alive() and time.monotonic() < deadline:

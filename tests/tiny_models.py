@@ -249,3 +249,34 @@ def make_bert_checkpoint(
     if max_seq_length is not None:
         (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
     return out
+
+
+def make_lora_adapter(model_dir: str | Path, out_dir: str | Path, *, rank: int = 4, alpha: float = 8.0,
+                      targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                      seed: int = 0, scale: float = 0.3, **config) -> Path:
+    """Write a random PEFT LoRA adapter of `model_dir`'s model (both factors random: PEFT starts B
+    at zero, which adapts nothing). `config`: more LoraConfig fields (use_rslora, rank_pattern, ...)."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
+                                                     lora_dropout=0.0, **config))
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, scale)
+    lora.save_pretrained(str(out_dir), safe_serialization=True)
+    return Path(out_dir)
+
+
+def peft_model(model_dir: str | Path, adapter_dir: str | Path):
+    """transformers + peft: the reference for an adapter's output (float32, eval mode)."""
+    import peft
+    import torch
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(base, str(adapter_dir)).eval()

@@ -116,6 +116,15 @@ class EngineConfig:
     disables it."""
     seed: int = 0
     """Seed for requests that bring none (each still gets its own stream of randomness)."""
+    max_loras: int = 0
+    """LoRA adapters the devices hold at once (engine/model/lora.py): the rows of one step may each
+    run a different one of them over the shared base weights; a request whose adapter is not among
+    them waits until a slot frees (least recently used adapters give way). 0: no adapters (the
+    step programs carry no LoRA work). Each slot costs rank x (in + out) per adapted projection
+    of every layer, in the weights' dtype."""
+    max_lora_rank: int = 16
+    """The largest rank of an adapter the engine takes (slots are this size; lower ranks are
+    zero-padded)."""
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -149,5 +158,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras must be non-negative and max_lora_rank at least 1, got {self.max_loras} "
+                             f"and {self.max_lora_rank}")
+        if self.max_loras and self.num_hosts > 1:
+            raise ValueError("LoRA adapters are not served on multi-host replicas yet; set max_loras: 0 or num_hosts: 1")
         if self.kv_cache_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be None, 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")

@@ -5,6 +5,11 @@ spends a token budget: first one token for every decoding sequence, then chunks 
 reading their prompt, then new sequences from the waiting queue (chunked prefill), all in one ragged
 batch. A row whose chunk reaches the end of the sequence's tokens samples the next token.
 
+A sequence with a LoRA adapter is admitted only when its adapter has a device slot (or one can be
+given to it: engine.core.adapters); the plan lists the adapters to load before the step runs.
+Others behind it in the queue may go first. Its pages' prefix hashes start from its adapter's, so
+it shares cached pages only with sequences of the same adapter.
+
 When a running sequence needs a page and none is free, the newest running sequence is preempted:
 its pages are freed, any row it already had in the plan is dropped, and it goes back to the front
 of the queue, to be recomputed (prompt and output so far) later. Waiting sequences never preempt
@@ -26,6 +31,7 @@ import enum
 from collections import deque
 from typing import TYPE_CHECKING, Optional
 
+from engine.core.adapters import Adapter, AdapterSlots
 from engine.core.pages import PageAllocator, prefix_hashes
 from engine.core.request import SamplingParams, TokenLogprob
 
@@ -71,6 +77,15 @@ class Sequence:
     prompt_logprobs: list[Optional[TokenLogprob]] = dataclasses.field(default_factory=list)
     grammar: Optional[GrammarState] = None
     """Where the output stands in the request's grammar (structured output), or None."""
+    adapter: Optional[Adapter] = None
+    """The LoRA adapter the request runs with (None: the base model)."""
+    adapter_slot: int = -1
+    """The device slot of `adapter` while the sequence runs (-1: none)."""
+
+    @property
+    def hash_root(self) -> int:
+        """The prefix hash before the first page: the base model's, or one per adapter."""
+        return 0 if self.adapter is None else hash(("lora", self.adapter.uid))
 
     @property
     def token_ids(self) -> list[int]:
@@ -116,6 +131,8 @@ class Plan:
     """Rows of several tokens (at most the prefill chunk)."""
     preempted: list[Sequence]
     """Sequences preempted while planning; none of them has a row in this plan."""
+    loads: list[tuple[int, Adapter]] = dataclasses.field(default_factory=list)
+    """(slot, adapter) to load into the devices' LoRA slots before the step runs."""
 
     @property
     def rows(self) -> list[Row]:
@@ -144,7 +161,7 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, adapters: Optional[AdapterSlots] = None):
         pages_per_seq = -(-config.max_model_len // allocator.page_size)
         if pages_per_seq > allocator.num_pages - 1:
             # Otherwise a long sequence preempts itself forever.
@@ -155,6 +172,8 @@ class Scheduler:
             )
         self.config = config
         self.allocator = allocator
+        self.adapters = adapters
+        """The devices' LoRA slots (None: the engine serves no adapters)."""
         self.page_size = allocator.page_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -172,6 +191,7 @@ class Scheduler:
         """Remove a sequence (finished or aborted) and return its pages."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
+            self._unpin_adapter(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         self.allocator.free(seq.pages)
@@ -211,8 +231,12 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, plan: Plan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[index]
+            if seq.adapter is not None and not self.adapters.can_acquire(seq.adapter):
+                index += 1  # its adapter waits for a slot; the sequences behind it may go
+                continue
             fresh = not seq.pages
             if fresh:
                 self._match_prefix(seq)
@@ -230,7 +254,8 @@ class Scheduler:
                 if self._uses_prefix_cache(seq):
                     self.prefix_queries += seq.num_tokens
                     self.prefix_hits += seq.num_computed
-            self.waiting.popleft()
+            del self.waiting[index]
+            self._pin_adapter(seq, plan)
             seq.status = Status.RUNNING
             self.running.append(seq)
             self._add_row(plan, Row(seq, seq.num_computed, length))
@@ -270,12 +295,26 @@ class Scheduler:
         plan.decode = [row for row in plan.decode if row.seq is not seq]
         plan.prefill = [row for row in plan.prefill if row.seq is not seq]
         self.running.remove(seq)
+        self._unpin_adapter(seq)
         self.allocator.free(seq.pages)
         seq.pages, seq.num_computed, seq.num_registered_pages = [], 0, 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         plan.preempted.append(seq)
         self.num_preemptions += 1
+
+    def _pin_adapter(self, seq: Sequence, plan: Plan) -> None:
+        """Give a sequence being admitted its adapter's slot; a slot newly given is loaded first."""
+        if seq.adapter is None:
+            return
+        seq.adapter_slot, load = self.adapters.acquire(seq.adapter)
+        if load:
+            plan.loads.append((seq.adapter_slot, seq.adapter))
+
+    def _unpin_adapter(self, seq: Sequence) -> None:
+        if seq.adapter is not None:
+            self.adapters.release(seq.adapter)
+            seq.adapter_slot = -1
 
     def _pages_needed(self, seq: Sequence, length: int) -> int:
         total = -(-(seq.num_computed + length) // self.page_size)
@@ -304,7 +343,7 @@ class Scheduler:
         """Prefix hashes of the first `num_pages` full pages, extending the sequence's memo."""
         known = len(seq.page_hashes)
         if num_pages > known:
-            parent = seq.page_hashes[-1] if known else 0
+            parent = seq.page_hashes[-1] if known else seq.hash_root
             start = known * self.page_size
             tokens = seq.token_ids[start : num_pages * self.page_size]
             seq.page_hashes += prefix_hashes(tokens, self.page_size, parent)

@@ -49,6 +49,7 @@ class StepInputs(NamedTuple):
     q_start: np.ndarray  # i32[S] first token of the row
     q_lens: np.ndarray  # i32[S] tokens of the row in this step (0 for padding rows)
     sample_index: np.ndarray  # i32[S] token whose logits the row samples from (the head reads rows [0, R))
+    adapter: np.ndarray  # i32[S] LoRA slot of the row's adapter (-1: the base model; padding rows too)
 
 
 class SamplingInputs(NamedTuple):
@@ -203,6 +204,7 @@ class StepPlanner:
         inputs.page_table[slot, : len(seq.pages)] = seq.pages
         inputs.kv_lens[slot], inputs.q_start[slot], inputs.q_lens[slot] = end, offset, row.length
         inputs.sample_index[slot] = offset + row.length - 1
+        inputs.adapter[slot] = seq.adapter_slot
         if end <= seq.num_known_tokens:
             return False
         # the row's last token is the one `previous` is sampling
@@ -317,4 +319,5 @@ def _empty_inputs(bucket: Bucket, buckets: ShapeBuckets) -> StepInputs:
         q_start=np.zeros(r, np.int32),
         q_lens=np.zeros(r, np.int32),
         sample_index=np.zeros(r, np.int32),
+        adapter=np.full(r, -1, np.int32),
     )

@@ -24,6 +24,8 @@ class Executor(Protocol):
     vocab_size: int
     info: Any
     """engine.model.loading.ModelInfo of the checkpoint (EOS ids, sizes)."""
+    lora_targets: tuple[str, ...]
+    """The projections LoRA adapters may adapt (empty: the executor holds no adapter slots)."""
 
     def warmup(self, background: bool = True) -> float:
         """Compile the first step program (all with `background=False`); the rest compile in the
@@ -45,6 +47,10 @@ class Executor(Protocol):
     def sample(self, handle: Any, allowed) -> None:
         """Dispatch the deferred sampling of the step last launched under the token bitmask
         `allowed` (i32[R, ceil(V / 32)])."""
+
+    def load_adapter(self, slot: int, adapter: Any) -> None:
+        """Put an adapter's factors (engine.formats.peft.LoraAdapter) into LoRA slot `slot`,
+        after the steps launched so far."""
 
     def fetch(self, handle: Any) -> StepOutput:
         """Wait for a launched step and read its results."""

@@ -17,6 +17,7 @@ class LocalExecutor:
         r = self.runner
         self.buckets, self.num_pages, self.max_model_len = r.buckets, r.num_pages, r.max_model_len
         self.vocab_size, self.info = r.vocab_size, r.info
+        self.lora_targets = () if r.lora is None else tuple(r.lora.a)
 
     def warmup(self, background: bool = True) -> float:
         return self.runner.warmup(background)
@@ -35,6 +36,9 @@ class LocalExecutor:
 
     def sample(self, handle: StepHandle, allowed) -> None:
         self.runner.sample(handle, allowed)
+
+    def load_adapter(self, slot: int, adapter) -> None:
+        self.runner.load_adapter(slot, adapter)
 
     def fetch(self, handle: StepHandle) -> StepOutput:
         return self.runner.fetch(handle)

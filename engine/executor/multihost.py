@@ -184,6 +184,7 @@ class MultiHostExecutor:
         """Each worker's node labels (a TPU host's slice name and worker id)."""
         self.buckets, self.num_pages = info["buckets"], info["num_pages"]
         self.max_model_len, self.vocab_size, self.info = info["max_model_len"], info["vocab_size"], info["info"]
+        self.lora_targets: tuple[str, ...] = ()  # EngineConfig refuses max_loras over several hosts
         self._describe = info["describe"]
         logger.info("%d engine workers started in %.1f s (worker 0: %s)", config.num_hosts,
                     time.perf_counter() - start, ", ".join(f"{k} {v:.1f}" for k, v in info["phases"].items()))
@@ -270,6 +271,9 @@ class MultiHostExecutor:
 
         ref = ray.put(allowed)
         self._samplings[step_id] = [w.sample.remote(step_id, ref) for w in self.workers]
+
+    def load_adapter(self, slot: int, adapter) -> None:
+        raise RuntimeError("a multi-host replica holds no LoRA slots (engine bug: EngineConfig refuses max_loras)")
 
     def fetch(self, step_id: int) -> StepOutput:
         """Worker 0's outputs; raises if any worker failed the step or it took over step_timeout_s."""

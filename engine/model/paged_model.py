@@ -19,11 +19,16 @@ Two layer loops (`ServingModel.from_levanter(model, rope, scan_layers)`):
 - unrolled: each layer keeps its own weight buffers; compile time grows with depth.
 Each backend says which it runs by default (`AttentionBackend.scan_layers`). The cache is donated
 and updated in place either way.
+
+LoRA (engine.model.lora): with a pool of adapters, each adaptable projection's output gets its
+tokens' updates (each token its own row's adapter); an adapted gated MLP then runs its three
+projections one by one.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import equinox as eqx
 import haliax as hax
@@ -33,6 +38,7 @@ from haliax import NamedArray
 
 from engine.backends.base import KV_AXES, Q_AXES, AttentionBackend, LayerAttention
 from engine.core.step_plan import StepInputs
+from engine.model.lora import LayerLora, LoraPool
 from engine.model.rope import Rope, rotate
 from engine.model.variant import Variant
 
@@ -72,10 +78,13 @@ class ServingModel(eqx.Module):
         return self.layers[0] if isinstance(self.layers, tuple) else self.layers.stacked
 
 
-def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepInputs) -> tuple[NamedArray, object]:
-    """Run every layer over the step's tokens. Returns the final hidden states (position, embed)
-    and the updated cache."""
+def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepInputs,
+            lora: Optional[LoraPool] = None) -> tuple[NamedArray, object]:
+    """Run every layer over the step's tokens (with `lora`: each adapted by its row's adapter).
+    Returns the final hidden states (position, embed) and the updated cache."""
     Pos = hax.Axis("position", inputs.tokens.shape[0])
+    token_slot = None if lora is None else hax.named(inputs.adapter[inputs.token_row], Pos)
+    adapters = lambda index: None if lora is None else lora.for_step(index, token_slot)  # noqa: E731
     x = model.embeddings.embed(hax.named(inputs.tokens, Pos))
     if model.variant.embed_scale is not None:  # in the embeddings' dtype, as transformers rounds it
         x = x * jnp.asarray(model.variant.embed_scale, x.dtype)
@@ -87,7 +96,8 @@ def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepI
     if isinstance(model.layers, tuple):
         for index, layer in enumerate(model.layers):
             layer_rope = model.variant.rope_tables(index, rope, local_rope)
-            x, cache = _decoder_layer(layer, x, cache, index, layer_rope, backend, step, model.variant)
+            x, cache = _decoder_layer(layer, x, cache, index, layer_rope, backend, step, model.variant,
+                                      adapters(index))
     else:
         Block, stacked = model.layers.Block, model.layers.stacked
 
@@ -95,7 +105,7 @@ def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepI
             x, cache = carry
             layer_rope = model.variant.rope_tables(index, rope, local_rope)
             return _decoder_layer(layer_at(stacked, Block, index), x, cache, index, layer_rope, backend, step,
-                                  model.variant)
+                                  model.variant, adapters(index))
 
         x, cache = jax.lax.fori_loop(0, Block.size, layer_step, (x, cache))
     return model.norm(x), cache
@@ -128,52 +138,70 @@ def unembed(model: ServingModel, rows: NamedArray) -> NamedArray:
     return logits if cap is None else hax.tanh(logits / cap) * cap
 
 
-def _decoder_layer(layer, x, cache, index, rope, backend: AttentionBackend, step, variant: Variant):
+def _decoder_layer(layer, x, cache, index, rope, backend: AttentionBackend, step, variant: Variant,
+                   lora: Optional[LayerLora]):
     attend = functools.partial(_attention, layer.self_attn, cache=cache, index=index, rope=rope, backend=backend,
-                               step=step, variant=variant)
+                               step=step, variant=variant, lora=lora)
+    feed_forward = functools.partial(_feed_forward, lora=lora)
     if getattr(layer, "input_layernorm", None) is None:  # OLMo 2: each block's output normed, not its input
         attn_out, cache = attend(x)
         x = x + layer.post_attention_layernorm(attn_out)
-        return x + layer.post_feedforward_layernorm(_feed_forward(layer, x)), cache
+        return x + layer.post_feedforward_layernorm(feed_forward(layer, x)), cache
     if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 2 / 3: each block's input and output normed
         attn_out, cache = attend(layer.input_layernorm(x))
         x = x + layer.post_attention_layernorm(attn_out)
-        return x + layer.post_feedforward_layernorm(_feed_forward(layer, layer.pre_feedforward_layernorm(x))), cache
+        return x + layer.post_feedforward_layernorm(feed_forward(layer, layer.pre_feedforward_layernorm(x))), cache
     residual = x
     h = layer.input_layernorm(x)
     attn_out, cache = attend(h)
     if getattr(layer, "post_attn_layernorm", None) is not None:
         attn_out = layer.post_attn_layernorm(attn_out)
     x = residual + attn_out
-    mlp_out = _feed_forward(layer, layer.post_attention_layernorm(x))
+    mlp_out = feed_forward(layer, layer.post_attention_layernorm(x))
     if getattr(layer, "post_mlp_layernorm", None) is not None:
         mlp_out = layer.post_mlp_layernorm(mlp_out)
     return x + mlp_out, cache
 
 
-def _feed_forward(layer, h):
+def _feed_forward(layer, h, lora: Optional[LayerLora]):
     """The layer's MLP; for a mixture of experts (Mixtral), levanter's top-k routed experts (every
     token of the step routed on its own) plus the shared MLP if there is one."""
     moe = getattr(layer, "block_sparse_moe", None)
+    if moe is None and lora is not None and lora.adapts("gate_proj"):
+        return _adapted_mlp(layer.mlp, h, lora)
     if moe is None:
         return layer.mlp(h, key=None)
     routed, _ = moe(h, key=None)  # (output, training statistics)
     return routed if layer.shared_mlp is None else routed + layer.shared_mlp(h, key=None)
 
 
-def _attention(attn, h, *, cache, index, rope, backend: AttentionBackend, step, variant: Variant):
-    q, k, v = _qkv(attn, h, rope, backend)
+def _adapted_mlp(mlp, h, lora: LayerLora):
+    """A gated MLP, down(act(gate(h)) * up(h)), each projection with its LoRA update."""
+    if hasattr(mlp, "gate_up"):  # gate and up fused into one SwiGLU module by the backend
+        (gate, up), act = mlp.gate_up(h), hax.nn.silu
+    else:
+        gate, up, act = mlp.gate_proj(h, key=None), mlp.up_proj(h, key=None), mlp.act
+    hidden = act(lora.add("gate_proj", gate, h)) * lora.add("up_proj", up, h)
+    return lora.add("down_proj", mlp.down_proj(hidden, key=None), hidden)
+
+
+def _attention(attn, h, *, cache, index, rope, backend: AttentionBackend, step, variant: Variant,
+               lora: Optional[LayerLora]):
+    q, k, v = _qkv(attn, h, rope, backend, lora)
     scale = variant.query_scale or attn.config.scaling_factor or 1.0 / (q.resolve_axis("head_size").size ** 0.5)
     how = LayerAttention(scale, variant.attn_softcap, variant.sliding_window, variant.slides(index))
     o, cache = backend.attend(cache, index, q.rearrange(Q_AXES), k.rearrange(KV_AXES), v.rearrange(KV_AXES),
                               how, step)
     o = o.flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(h.dtype)
-    return attn.o_proj(o, key=None), cache
+    out = attn.o_proj(o, key=None)
+    return (out if lora is None else lora.add("o_proj", out, o)), cache
 
 
-def _qkv(attn, h, rope, backend: AttentionBackend):
+def _qkv(attn, h, rope, backend: AttentionBackend, lora: Optional[LayerLora]):
     """levanter's `Attention._compute_qkv` with the step's rotary tables; the backend projects."""
     q, k, v = backend.project_qkv(attn, h)
+    if lora is not None:
+        q, k, v = (lora.add(name, y, h) for name, y in zip(("q_proj", "k_proj", "v_proj"), (q, k, v)))
     if attn.config.qk_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     Head = q.resolve_axis("head_size")

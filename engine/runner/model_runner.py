@@ -39,7 +39,9 @@ from engine.core.buckets import Bucket, ShapeBuckets
 from engine.core.config import EngineConfig
 from engine.core.grammar import mask_words
 from engine.core.step_plan import WARM_SAMPLER_SWITCHES, SamplerSwitches, StepOutput, StepPlan, empty_step_plan
+from engine.formats.peft import LoraAdapter
 from engine.model.loading import load_model, model_info, read_hf_config, resolve_dtype
+from engine.model.lora import LoraPool, LoraShape, load_slot, slot_arrays
 from engine.model.paged_model import ServingModel, forward, logits_at, unembed
 from engine.model.quantize import quantize_model
 from engine.model.rope import Rope
@@ -101,13 +103,13 @@ class _Steps:
             return constrain(constrain(logits, by_vocab), replicated)
 
         @functools.partial(jax.jit, donate_argnums=(1,))
-        def forward_step(weights, cache, inputs, prev_tokens):
+        def forward_step(weights, cache, inputs, prev_tokens, lora):
             """(hidden states f[max_rows, embed] of each row's sampled token, all final hidden
             states f[position, embed], updated cache)."""
             model = unflatten(weights)
             # tokens the previous step is sampling (placeholders on the host) come from its output
             tokens = jnp.where(inputs.prev_slot >= 0, prev_tokens[jnp.maximum(inputs.prev_slot, 0)], inputs.tokens)
-            hidden, cache = forward(model, backend, cache, inputs._replace(tokens=tokens))
+            hidden, cache = forward(model, backend, cache, inputs._replace(tokens=tokens), lora)
             # plain arrays leave: a NamedArray output is unflattened in Python per call
             rows = hidden.array[inputs.sample_index]
             return constrain(rows, replicated), constrain(hidden.array, replicated), constrain(cache, cache_sharding)
@@ -131,10 +133,10 @@ class _Steps:
 
         self._forward, self._sample, self._prompt_logprobs = forward_step, sample_step, prompt_logprobs_step
 
-    def forward(self, cache, inputs, prev_tokens):
+    def forward(self, cache, inputs, prev_tokens, lora: Optional[LoraPool] = None):
         """(the sampled tokens' hidden states f[max_rows, embed], final hidden states
-        f[position, embed], updated cache); donates `cache`."""
-        return self._forward(self.weights, cache, inputs, prev_tokens)
+        f[position, embed], updated cache); donates `cache`. `lora`: the adapters' pool, if any."""
+        return self._forward(self.weights, cache, inputs, prev_tokens, lora)
 
     def sample(self, rows, sampling, switches: SamplerSwitches) -> SampleOutput:
         return self._sample(self.head_weights, rows, sampling, switches=switches)
@@ -143,24 +145,24 @@ class _Steps:
         """`sample` lowered for these arguments' types (`rows` may be a ShapeDtypeStruct)."""
         return self._sample.lower(self.head_weights, rows, sampling, switches=switches)
 
-    def lower_forward(self, cache, inputs, prev_tokens):
+    def lower_forward(self, cache, inputs, prev_tokens, lora: Optional[LoraPool] = None):
         """`forward` lowered for these arguments' types (`cache` may be ShapeDtypeStructs)."""
-        return self._forward.lower(self.weights, cache, inputs, prev_tokens)
+        return self._forward.lower(self.weights, cache, inputs, prev_tokens, lora)
 
     def prompt_logprobs(self, hidden, index, targets):
         return self._prompt_logprobs(self.weights, hidden, index, targets)
 
     def compile_bucket(self, bucket: Bucket, buckets: ShapeBuckets, cache, prev_tokens, vocab_size: int,
-                       place, samplers: bool = True) -> list[CompiledProgram]:
+                       place, samplers: bool = True, lora: Optional[LoraPool] = None) -> list[CompiledProgram]:
         """Lower and compile (never run) one bucket's forward program and, with `samplers`, the
         common sampler variants for its rows, with a padding step's arguments: `place` turns its
-        host arrays into the step's arguments (or their types); `cache` and `prev_tokens` may be
-        types. Call under the mesh."""
+        host arrays into the step's arguments (or their types); `cache`, `prev_tokens` and `lora`
+        may be types. Call under the mesh."""
         plan = empty_step_plan(bucket, buckets, step_id=-1)
         every_token = np.full((bucket.rows, mask_words(vocab_size)), -1, np.int32)
         inputs, sampling, masked = place((plan.inputs, plan.sampling, plan.sampling._replace(allowed=every_token)))
         start = time.perf_counter()
-        lowered = self.lower_forward(cache, inputs, prev_tokens)
+        lowered = self.lower_forward(cache, inputs, prev_tokens, lora)
         forward = lowered.compile()
         programs = [CompiledProgram(f"forward T={bucket.tokens}", forward, time.perf_counter() - start)]
         if samplers:
@@ -200,6 +202,10 @@ class ModelRunner:
             capacity.check_fits(config, memory, len(jax.devices()), self.backend.cache_bytes_per_page)
         self.model, self.info = self._load(config)
         self.vocab_size = self.info.vocab_size
+        self.lora = self._lora_pool()
+        """The LoRA adapters' pool on the devices (engine.model.lora), or None without `max_loras`."""
+        self._lora_type = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                                 self.lora)
         self._cache_sharding = NamedSharding(self.mesh, self.backend.cache_partition(sharding.MODEL_AXIS))
         self.num_pages = self._pool_pages()
         self.cache = self._init_cache()
@@ -228,7 +234,7 @@ class ModelRunner:
         prev_tokens = self._last_tokens if plan.reads_step is not None else self._no_tokens
         inputs, sampling, prompt_inputs = self._global((plan.inputs, plan.sampling, plan.prompt_logprobs))
         with self._device_context():
-            rows, hidden, self.cache = self.steps.forward(self.cache, inputs, prev_tokens)
+            rows, hidden, self.cache = self.steps.forward(self.cache, inputs, prev_tokens, self.lora)
             out = self.steps.sample(rows, sampling, plan.switches) if sample else None
             prompt = None
             if prompt_inputs is not None:
@@ -247,6 +253,13 @@ class ModelRunner:
             handle.out = self.steps.sample(rows, sampling._replace(allowed=self._global(allowed)), switches)
         handle.unsampled = None
         self._last_tokens = handle.out.tokens
+
+    def load_adapter(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put `adapter`'s factors into LoRA slot `slot` (after the steps launched so far, which
+        read the slot's previous adapter)."""
+        arrays = slot_arrays(adapter, self._lora_shape, self.info.num_kv_heads)
+        with self._device_context():
+            self.lora = self._load_slot(self.lora, np.int32(slot), arrays)
 
     def fetch(self, handle: StepHandle) -> StepOutput:
         """Wait for a launched step and read its results."""
@@ -277,7 +290,8 @@ class ModelRunner:
         them, with the arguments' types of a real step (so the step finds them in jit's cache)."""
         with self._device_context():
             self.steps.compile_bucket(bucket, self.buckets, self._cache_type, self._no_tokens, self.vocab_size,
-                                      self._global, samplers=bucket.rows not in self._sampler_rows)
+                                      self._global, samplers=bucket.rows not in self._sampler_rows,
+                                      lora=self._lora_type)
         self._sampler_rows.add(bucket.rows)
 
     def describe(self) -> dict[str, str]:
@@ -324,6 +338,8 @@ class ModelRunner:
             model, info = load_model(config.model, self.dtype)
             serving = serving_model(model, config.model, info, self.layout, self.scan_layers, place,
                                     config.quantization)
+        self._lora_shape = LoraShape.of(serving.first_layer, info.num_layers, config.max_loras,
+                                        config.max_lora_rank) if config.max_loras else None
         if host is not None:
             logger.info("weights made %s on %s, then placed on the devices", config.quantization, host)
         with self._device_context():
@@ -370,6 +386,19 @@ class ModelRunner:
                     pages, self.page_size, pages * self.page_size, pages * per_device / 2**30,
                     100 * self.config.kv_cache_memory_fraction, free / 2**30)
         return pages
+
+    def _lora_pool(self) -> Optional[LoraPool]:
+        """The empty pool of `max_loras` slots, split over the mesh as the weights it adapts."""
+        if self._lora_shape is None:
+            return None
+        with self._device_context():
+            pool = sharding.place(LoraPool.zeros(self._lora_shape, jnp.dtype(self.dtype)), self.layout, self.mesh)
+        shardings = jax.tree_util.tree_map(lambda a: a.sharding, pool)
+        self._load_slot = jax.jit(load_slot, donate_argnums=(0,), out_shardings=shardings)
+        logger.info("LoRA: %d slots of rank %d for %s (%.1f MiB)", self._lora_shape.slots, self._lora_shape.rank,
+                    ", ".join(self._lora_shape.projections),
+                    sum(a.nbytes for a in jax.tree_util.tree_leaves(pool)) / 2**20)
+        return pool
 
     def _init_cache(self):
         init = jax.jit(lambda: self.backend.init_cache(self._cache_shape(self.num_pages)),
