@@ -122,6 +122,14 @@ class AsyncEngine:
         """Raise InvalidRequestError if the engine could never serve this request (any thread)."""
         self.core.validate(prompt_ids, params, adapter)
 
+    def add_adapter(self, name: str, path: str) -> None:
+        """Read a LoRA adapter and serve it as `name` (blocking; the core's `add_adapter` is
+        thread-safe). ValueError if the engine cannot serve it."""
+        self.core.add_adapter(name, path)
+
+    def remove_adapter(self, name: str) -> bool:
+        return self.core.remove_adapter(name)
+
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with a delta whose finish reason is `abort`."""
         self._commands.put(("abort", request_id))

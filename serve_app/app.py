@@ -35,7 +35,8 @@ def build_app(args: dict[str, Any]) -> Application:
     silence = {m.model_id: m.stream_silence_timeout_s for m in config.models}
     tasks = {m.model_id: m.task for m in config.models}
     roots = {m.model_id: m.source.describe() for m in config.models}
-    return ingress.bind(config.api_key, servers, config.limits, config.cors, silence, tasks, roots)
+    adapters = {m.model_id: m.lora_modules for m in config.models if m.lora_modules}
+    return ingress.bind(config.api_key, servers, config.limits, config.cors, silence, tasks, roots, adapters)
 
 
 def server_deployment(model: ModelConfig) -> serve.Deployment:

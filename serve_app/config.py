@@ -71,6 +71,16 @@ class ModelConfig(BaseModel):
     qwen3 / deepseek_r1 (both `<think> ... </think>`; whether the prompt opened the block is read
     from the rendered prompt) or none (thinking stays in `content`). None: from the chat template
     (qwen3 where it closes a `<think>` block)."""
+    lora_modules: dict[str, str] = {}
+    """LoRA adapters served over this model, by the name clients send as `model` (vLLM's
+    --lora-modules): local directories of PEFT adapters (adapter_config.json and
+    adapter_model.safetensors) readable on the replicas' hosts. More can be added at run time with
+    POST /v1/load_lora_adapter. The engine holds `max_loras` of them on the devices at once (set
+    to min(4, the number listed) when they are listed and it is not set)."""
+    max_cpu_loras: int = Field(8, ge=1)
+    """LoRA adapters one replica keeps read in host memory; the least recently used goes when
+    another is needed (through Ray Serve's model multiplexing, which sends an adapter's requests
+    to the replicas that hold it)."""
     engine: dict[str, Any] = {}
     """EngineConfig fields other than `model` (dtype, attention_backend, tensor_parallel_size,
     page_size, num_pages, max_num_seqs, max_num_batched_tokens, prefill_chunk, max_model_len,
@@ -132,7 +142,8 @@ class ModelConfig(BaseModel):
     """On shutdown or scale-down, a replica gets no new requests and its running ones have this long
     to finish; then what is left ends with an error event and the replica stops."""
 
-    _dict_args = field_validator("engine", "autoscaling_config", "resources", "env_vars", mode="before")(
+    _dict_args = field_validator("engine", "autoscaling_config", "resources", "env_vars", "lora_modules",
+                                 mode="before")(
         classmethod(lambda cls, v: _json_if_str(v))
     )
 
@@ -150,6 +161,8 @@ class ModelConfig(BaseModel):
         unknown = set(self.engine) - ENGINE_FIELDS
         if unknown:
             raise ValueError(f"unknown engine fields {sorted(unknown)}; known: {sorted(ENGINE_FIELDS)}")
+        if self.lora_modules and not self.engine.get("max_loras"):
+            self.engine["max_loras"] = min(4, len(self.lora_modules))
         self.engine = dataclasses.asdict(self.engine_config(self.model))  # validated and converted
         del self.engine["model"], self.engine["source"]
         if (self.levanter_model is None) != (self.tokenizer is None):
@@ -161,6 +174,8 @@ class ModelConfig(BaseModel):
             self.task = detect_task(self.model)
         if self.engine_cls is None:
             self.engine_cls = DEFAULT_ENGINES[self.task]
+        if self.lora_modules and self.task != "generate":
+            raise ValueError(f"lora_modules adapt a text generation model; {self.model_id!r} is a {self.task} model")
         if ":" not in self.engine_cls:
             raise ValueError(f"engine_cls must look like 'module:Class', got {self.engine_cls!r}")
         if self.stream_silence_timeout_s <= self.stream_keepalive_s:
@@ -327,6 +342,11 @@ class AppConfig(BaseModel):
         ids = [m.model_id for m in self.models]
         if len(set(ids)) != len(ids):
             raise ValueError(f"model ids must be unique, got {ids}; set model_id for each model")
+        names = [name for m in self.models for name in m.lora_modules]
+        taken = sorted(set(ids) & set(names)) or sorted({n for n in names if names.count(n) > 1})
+        if taken:
+            raise ValueError(f"LoRA adapter names must be unique and differ from the model ids; {taken} "
+                             "is used twice: rename it in lora_modules")
         return self
 
     @classmethod

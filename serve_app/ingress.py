@@ -14,6 +14,9 @@ one of `RequestLimits` (serve_app.limits) never reaches a model server; a stream
 before its first byte (a real HTTP status) or ends with `data: [DONE]` (after an error event if
 it failed mid-stream); a client that goes away closes its backend stream, which cancels the Ray
 call and so aborts its engine requests.
+
+LoRA adapters (serve_app.lora): a request whose `model` names an adapter goes to its base model's
+backend with the adapter's `LoraRef`; /v1/models lists adapters with their `parent`.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from serve_app.errors import (
 )
 from serve_app.limits import BodySizeLimit, check_limits
 from serve_app.logs import route_logs_to_replica_log
+from serve_app.lora import AdapterRoute, AdapterRoutes, LoraRef
 from serve_app.metrics import CountResponses, HttpResponses, render, replica_name
 from serve_app.model_states import READY, ModelState, ModelStates, serve_status
 from serve_app.protocol import (
@@ -68,17 +72,19 @@ from serve_app.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     ErrorResponse,
+    LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoraAdapterRequest,
     parse_request,
 )
 
 BROADCAST_TIMEOUT_S = 10.0
 REF_TEMPLATE = "#/components/schemas/{model}"
 SCHEMA_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest,
-                 ErrorResponse)
+                 LoadLoraAdapterRequest, UnloadLoraAdapterRequest, ErrorResponse)
 """The POST routes' bodies and the error body: `_publish_schema` adds them to the components."""
 BEARER = HTTPBearer(auto_error=False, description="the server's API key, as `Authorization: Bearer <key>`")
 """Declares the /v1 routes' security scheme in the schema when a key is set; it never refuses a
@@ -107,12 +113,14 @@ class ModelBackend(Protocol):
     root: Optional[str]
     """Where the model came from (engine.formats.model_sources.ModelSource.describe), if known."""
 
-    def stream(self, request: BaseModel, arrival_time: float) -> AsyncIterator[list[str]]: ...
+    def stream(self, request: BaseModel, arrival_time: float,
+               lora: Optional[LoraRef] = None) -> AsyncIterator[list[str]]: ...
 
-    async def respond(self, request: BaseModel, arrival_time: float) -> str: ...
+    async def respond(self, request: BaseModel, arrival_time: float, lora: Optional[LoraRef] = None) -> str: ...
 
-    async def call(self, method: str, *args: Any) -> str:
-        """The JSON answer of the servers' `method` (embed, tokenize, detokenize)."""
+    async def call(self, method: str, *args: Any, lora: Optional[LoraRef] = None) -> str:
+        """The JSON answer of the servers' `method` (embed, tokenize, detokenize, load_adapter);
+        with `lora`, from a replica that holds that adapter if one does."""
 
     async def state(self) -> ModelState:
         """Whether the model can take a request now: ready, starting or failed to start (and why)."""
@@ -137,8 +145,10 @@ class HandleBackend:
         self._streaming = handle.options(stream=True)
         self._silence_timeout_s = silence_timeout_s
 
-    async def stream(self, request: BaseModel, arrival_time: float) -> AsyncIterator[list[str]]:
-        response = self._streaming.stream_chunks.remote(request, arrival_time)
+    async def stream(self, request: BaseModel, arrival_time: float,
+                     lora: Optional[LoraRef] = None) -> AsyncIterator[list[str]]:
+        streaming = self._streaming if lora is None else self._streaming.options(multiplexed_model_id=lora.key)
+        response = streaming.stream_chunks.remote(request, arrival_time, lora)
         finished = False
         try:
             while True:
@@ -162,11 +172,12 @@ class HandleBackend:
             if not finished:  # closes the server's generator, which aborts its engine requests
                 response.cancel()
 
-    async def respond(self, request: BaseModel, arrival_time: float) -> str:
-        return await self.call("respond", request, arrival_time)
+    async def respond(self, request: BaseModel, arrival_time: float, lora: Optional[LoraRef] = None) -> str:
+        return await self.call("respond", request, arrival_time, lora, lora=lora)
 
-    async def call(self, method: str, *args: Any) -> str:
-        response = getattr(self._handle, method).remote(*args)
+    async def call(self, method: str, *args: Any, lora: Optional[LoraRef] = None) -> str:
+        handle = self._handle if lora is None else self._handle.options(multiplexed_model_id=lora.key)
+        response = getattr(handle, method).remote(*args)
         try:
             return await response
         except asyncio.CancelledError:
@@ -199,13 +210,14 @@ class LocalBackend:
         self.task = getattr(server, "task", "generate")
         self.root = getattr(server, "root", None)
 
-    def stream(self, request: BaseModel, arrival_time: float) -> AsyncIterator[list[str]]:
-        return self.server.stream_chunks(request, arrival_time)
+    def stream(self, request: BaseModel, arrival_time: float,
+               lora: Optional[LoraRef] = None) -> AsyncIterator[list[str]]:
+        return self.server.stream_chunks(request, arrival_time, lora)
 
-    async def respond(self, request: BaseModel, arrival_time: float) -> str:
-        return await self.server.respond(request, arrival_time)
+    async def respond(self, request: BaseModel, arrival_time: float, lora: Optional[LoraRef] = None) -> str:
+        return await self.server.respond(request, arrival_time, lora)
 
-    async def call(self, method: str, *args: Any) -> str:
+    async def call(self, method: str, *args: Any, lora: Optional[LoraRef] = None) -> str:
         answer = getattr(self.server, method)(*args)
         return await answer if asyncio.iscoroutine(answer) else answer
 
@@ -228,12 +240,14 @@ def create_app(
     api_key: Optional[str] = None,
     limits: Optional[RequestLimits] = None,
     cors: Optional[CorsConfig] = None,
+    adapters: Optional[dict[str, dict[str, str]]] = None,
 ) -> FastAPI:
     """The OpenAI-compatible app. /v1 routes need `Authorization: Bearer <api_key>` when a key is
     set; /health, /metrics and the schema (/openapi.json, /docs, /redoc) never do. `limits` bound
     each request (defaults: RequestLimits()); `cors` answers browsers' CORS requests when it allows
-    origins."""
+    origins; `adapters`: each model's `lora_modules`."""
     limits = limits if limits is not None else RequestLimits()
+    routes = AdapterRoutes(adapters or {}, list(backends))
     app = FastAPI(title="jax-serve", summary="OpenAI-compatible LLM server on Ray Serve and JAX")
     _publish_schema(app)
     app.add_exception_handler(APIError, lambda _, exc: error_response(exc))
@@ -249,8 +263,10 @@ def create_app(
         try:
             request = parse_request(request_cls, await raw.body())
             check_limits(request, limits)
-            backend = _backend(backends, request.model, request_cls)
-            problem = (await backend.state()).problem(request.model)
+            route = routes.get(request.model)
+            backend = _backend(backends, route.base if route else request.model, request_cls, routes)
+            lora = route.ref if route else None
+            problem = (await backend.state()).problem(route.base if route else request.model)
             if problem:  # starting or failed: say so now, rather than queue it behind replicas that are not there
                 raise Unavailable(problem)
             if isinstance(request, EmbeddingRequest):
@@ -259,9 +275,29 @@ def create_app(
                 return _json(await backend.call("tokenize", request))
             if isinstance(request, DetokenizeRequest):
                 return _json(await backend.call("detokenize", request))
-            return await _respond(backend, request)
+            return await _respond(backend, request, lora)
         except Exception as exc:
             return error_response(to_api_error(exc))
+
+    async def lora_request(raw: Request, request_cls: type[BaseModel], change) -> Response:
+        try:
+            return PlainTextResponse(await change(parse_request(request_cls, await raw.body())))
+        except Exception as exc:
+            return error_response(to_api_error(exc))
+
+    async def load(request: LoadLoraAdapterRequest) -> str:
+        """Read the adapter on one replica of its base model (refusing what the engine cannot
+        serve), then route its name; the other replicas read it on first use."""
+        base = _lora_base(backends, request.base_model_name)
+        routes.check(request.lora_name, replace=request.load_inplace)
+        ref = LoraRef(request.lora_name, request.lora_path)
+        await backends[base].call("load_adapter", ref, lora=ref)
+        routes.add(base, request.lora_name, request.lora_path, replace=True)
+        return f"Success: LoRA adapter '{request.lora_name}' added successfully."
+
+    async def unload(request: UnloadLoraAdapterRequest) -> str:
+        routes.remove(request.lora_name)
+        return f"Success: LoRA adapter '{request.lora_name}' removed successfully."
 
     @v1.post("/completions", openapi_extra=_json_body(CompletionRequest), responses=_ok(CompletionResponse))
     async def completions(raw: Request) -> Response:
@@ -279,14 +315,27 @@ def create_app(
     async def embeddings(raw: Request) -> Response:
         return await serve_request(raw, EmbeddingRequest)
 
+    @v1.post("/load_lora_adapter", openapi_extra=_json_body(LoadLoraAdapterRequest), response_class=PlainTextResponse)
+    async def load_lora_adapter(raw: Request) -> Response:
+        return await lora_request(raw, LoadLoraAdapterRequest, load)
+
+    @v1.post("/unload_lora_adapter", openapi_extra=_json_body(UnloadLoraAdapterRequest),
+             response_class=PlainTextResponse)
+    async def unload_lora_adapter(raw: Request) -> Response:
+        return await lora_request(raw, UnloadLoraAdapterRequest, unload)
+
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[await _card(model_id, b) for model_id, b in backends.items()])
+        cards = [await _card(model_id, b) for model_id, b in backends.items()]
+        return ModelList(data=cards + [await _adapter_card(r, backends[r.base]) for r in routes.routes()])
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
+        route = routes.get(model_id)
+        if route is not None:
+            return await _adapter_card(route, backends[route.base])
         if model_id not in backends:
-            raise _unknown_model(model_id, backends)
+            raise _unknown_model(model_id, backends, routes)
         return await _card(model_id, backends[model_id])
 
     # vLLM's token utilities, next to /v1 (behind the same key)
@@ -339,10 +388,31 @@ async def _card(model_id: str, backend: ModelBackend) -> ModelCard:
     return ModelCard(id=model_id, root=backend.root, task=backend.task, state=state.state, error=state.reason)
 
 
-def _backend(backends: dict[str, ModelBackend], model_id: str, request_cls: type[BaseModel]) -> ModelBackend:
+async def _adapter_card(route: AdapterRoute, backend: ModelBackend) -> ModelCard:
+    state = await backend.state()
+    return ModelCard(id=route.ref.name, root=route.ref.path, parent=route.base, task="generate", state=state.state,
+                     error=state.reason)
+
+
+def _lora_base(backends: dict[str, ModelBackend], name: Optional[str]) -> str:
+    """The model a loaded adapter adapts: `name`, or the only text generation model."""
+    generating = sorted(model_id for model_id, b in backends.items() if b.task == "generate")
+    if name is None and len(generating) == 1:
+        return generating[0]
+    if name is None:
+        raise BadRequest(f"this server serves several text generation models ({', '.join(generating)}); say which "
+                         "the adapter adapts in base_model_name", "base_model_name")
+    if name not in generating:
+        raise BadRequest(f"base_model_name {name!r} is not a text generation model served here; served: "
+                         f"{', '.join(generating)}", "base_model_name")
+    return name
+
+
+def _backend(backends: dict[str, ModelBackend], model_id: str, request_cls: type[BaseModel],
+             routes: Optional[AdapterRoutes] = None) -> ModelBackend:
     """The backend of `model_id`, if it serves requests of this kind (else a 404 or a 400)."""
     if model_id not in backends:
-        raise _unknown_model(model_id, backends)
+        raise _unknown_model(model_id, backends, routes)
     backend, task = backends[model_id], ROUTE_TASKS.get(request_cls)
     if task is not None and backend.task != task:
         route = "/v1/embeddings" if backend.task == "embed" else "/v1/completions or /v1/chat/completions"
@@ -405,11 +475,11 @@ def _add_middleware(app: FastAPI, limits: RequestLimits, cors: Optional[CorsConf
         )
 
 
-async def _respond(backend: ModelBackend, request: Any) -> Response:
+async def _respond(backend: ModelBackend, request: Any, lora: Optional[LoraRef] = None) -> Response:
     arrival_time = time.time()
     if not request.stream:
-        return Response(await backend.respond(request, arrival_time), media_type="application/json")
-    chunks = backend.stream(request, arrival_time)
+        return Response(await backend.respond(request, arrival_time, lora), media_type="application/json")
+    chunks = backend.stream(request, arrival_time, lora)
     try:  # errors before the first chunk (bad prompt, full queue) get their own HTTP status
         first = await anext(chunks)
     except StopAsyncIteration:
@@ -445,8 +515,11 @@ def _authorizer(api_key: Optional[str]):
     return authorize
 
 
-def _unknown_model(model_id: str, backends: dict[str, ModelBackend]) -> NotFound:
-    return NotFound(f"the model {model_id!r} does not exist; served models: {sorted(backends)}", "model")
+def _unknown_model(model_id: str, backends: dict[str, ModelBackend],
+                   routes: Optional[AdapterRoutes] = None) -> NotFound:
+    adapters = sorted(r.ref.name for r in routes.routes()) if routes is not None else []
+    also = f"; LoRA adapters: {adapters}" if adapters else ""
+    return NotFound(f"the model {model_id!r} does not exist; served models: {sorted(backends)}{also}", "model")
 
 
 def _model_health(statuses: list[Any]) -> dict[str, int]:
@@ -492,6 +565,7 @@ class Ingress:
         silence_timeouts_s: Optional[dict[str, float]] = None,
         tasks: Optional[dict[str, str]] = None,
         roots: Optional[dict[str, str]] = None,
+        adapters: Optional[dict[str, dict[str, str]]] = None,
     ):
         route_logs_to_replica_log()  # a model that fails to start is logged here, once
         key = api_key.get_secret_value() if api_key is not None else None
@@ -501,7 +575,7 @@ class Ingress:
                              functools.partial(serve_status, app_name))
         backends = {model_id: HandleBackend(h, states, model_id, silence.get(model_id), tasks.get(model_id, "generate"),
                                             roots.get(model_id)) for model_id, h in servers.items()}
-        self._app = create_app(backends, key, limits, cors)
+        self._app = create_app(backends, key, limits, cors, adapters)
 
         watcher: list[asyncio.Task] = []  # held: a task nobody references may be collected
 

@@ -660,6 +660,28 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
+class LoadLoraAdapterRequest(OpenAIModel):
+    """POST /v1/load_lora_adapter (vLLM's shape)."""
+
+    lora_name: str = Field(min_length=1)
+    """The name clients then send as `model`."""
+    lora_path: str = Field(min_length=1)
+    """A PEFT adapter directory on the replicas' hosts."""
+    load_inplace: bool = False
+    """Replace an adapter already loaded under this name (requests running with it keep it)."""
+    base_model_name: Optional[str] = None
+    """This server's extension: the served model the adapter adapts (needed only when it serves
+    several text generation models)."""
+
+
+class UnloadLoraAdapterRequest(OpenAIModel):
+    """POST /v1/unload_lora_adapter (vLLM's shape)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: Optional[int] = None
+    """vLLM's field; accepted and not used (adapters are known by name)."""
+
+
 # ---- responses ----
 
 
@@ -846,6 +868,8 @@ class ModelCard(BaseModel):
     loading or compiling, or retrying a failed start; failed: Serve gave up starting them)."""
     error: Optional[str] = None
     """This server's extension: why the model failed to start (or the last failed start while retrying)."""
+    parent: Optional[str] = None
+    """vLLM's field: for a LoRA adapter, the model it adapts (its `root` is the adapter's path)."""
 
 
 class ModelList(BaseModel):

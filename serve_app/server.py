@@ -6,6 +6,9 @@ ids f"{rid}-{i}" with seeds seed + i); `_run` turns each engine request's token 
 `ChoiceUpdate`s (incremental text, stop strings, logprobs, counts); the choices are merged and
 formatted as OpenAI chunks (batched over `stream_batch_ms`) or as one response.
 
+A request for a LoRA adapter arrives with its `LoraRef`: the replica reads the adapter on first
+use (serve_app.lora) and runs the request's engine requests with it.
+
 Invariants: everything raised to the caller is an `APIError` (it survives the Ray hop); closing a
 stream (client gone, stop string matched) aborts its engine requests, returning their KV pages.
 """
@@ -25,7 +28,8 @@ from engine.core.request import Grammar, SamplingParams, TokenDelta
 from serve_app import reasoning
 from serve_app.config import ModelConfig
 from serve_app.detokenize import TextStream, TokenStrings, special_ids
-from serve_app.errors import to_api_error
+from serve_app.errors import BadRequest, to_api_error
+from serve_app.lora import LoraRef, ReplicaAdapters
 from serve_app.metrics import ServerMetrics, replica_name
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.reasoning import ReasoningStream
@@ -85,6 +89,8 @@ class Job:
     """Special tokens the text keeps (the tool-call and reasoning parsers' tags)."""
     reasoning: Optional[Callable[[], ReasoningStream]] = None
     """A reasoning model's chat: makes each choice's reader of its thinking."""
+    adapter: Optional[str] = None
+    """The engine's name of the LoRA adapter the request runs with (None: the base model)."""
 
 
 class ModelServer(Replica):
@@ -107,24 +113,28 @@ class ModelServer(Replica):
         self._stream_chunks_per_s = config.stream_chunks_per_s
         self._keepalive_s = config.stream_keepalive_s
         self._open_streams = 0
+        self._adapters = (ReplicaAdapters(self.engine.add_adapter, self.engine.remove_adapter, config.max_cpu_loras)
+                          if engine_config.max_loras else None)
         logger.info("model %s loaded from %s with %s: %s", self.model_id, model_dir, config.engine_cls,
                     ", ".join(f"{k}={v}" for k, v in self.engine.describe().items()))
 
     # ---- called through deployment handles ----
 
-    async def stream_chunks(self, request: OpenAIRequest, arrival_time: float) -> AsyncIterator[list[str]]:
+    async def stream_chunks(self, request: OpenAIRequest, arrival_time: float,
+                            lora: Optional[LoraRef] = None) -> AsyncIterator[list[str]]:
         """JSON chunks of a streamed response, in batches; with include_usage, a last usage chunk."""
         self._open_streams += 1
         try:
-            job = self._job(request)
-            finals = []
-            batches = merge_batches(self._runs(job, arrival_time), self._chunk_interval,
-                                    flush=lambda update: update.finish_reason is not None)
-            async for batch in with_keepalive(batches, self._keepalive_s):  # [] while there is no output
-                finals += [u for u in batch if u.finish_reason is not None]
-                yield [job.formatter.chunk(u).model_dump_json() for u in batch]
-            if request.include_usage:
-                yield [job.formatter.usage_chunk(total_usage(finals, job.n)).model_dump_json()]
+            async with self._adapter(lora) as adapter:
+                job = self._job(request, adapter)
+                finals = []
+                batches = merge_batches(self._runs(job, arrival_time), self._chunk_interval,
+                                        flush=lambda update: update.finish_reason is not None)
+                async for batch in with_keepalive(batches, self._keepalive_s):  # [] while there is no output
+                    finals += [u for u in batch if u.finish_reason is not None]
+                    yield [job.formatter.chunk(u).model_dump_json() for u in batch]
+                if request.include_usage:
+                    yield [job.formatter.usage_chunk(total_usage(finals, job.n)).model_dump_json()]
         except Exception as exc:
             raise to_api_error(exc) from None
         finally:
@@ -134,18 +144,36 @@ class ModelServer(Replica):
         """Seconds between two chunks of one stream: open streams share stream_chunks_per_s."""
         return max(self._stream_interval_s, self._open_streams / self._stream_chunks_per_s)
 
-    async def respond(self, request: OpenAIRequest, arrival_time: float) -> str:
+    async def respond(self, request: OpenAIRequest, arrival_time: float, lora: Optional[LoraRef] = None) -> str:
         """The JSON of a whole (non-streamed) response."""
         try:
-            job = self._job(request)
-            choices = {s.index: ChoiceUpdate(s.index) for s in job.samples}
-            async for batch in merge_batches(self._runs(job, arrival_time)):
-                for update in batch:
-                    choices[update.index].extend(update)
+            async with self._adapter(lora) as adapter:
+                job = self._job(request, adapter)
+                choices = {s.index: ChoiceUpdate(s.index) for s in job.samples}
+                async for batch in merge_batches(self._runs(job, arrival_time)):
+                    for update in batch:
+                        choices[update.index].extend(update)
             finals = [choices[i] for i in sorted(choices)]
             return job.formatter.response(finals, total_usage(finals, job.n)).model_dump_json()
         except Exception as exc:
             raise to_api_error(exc) from None
+
+    async def load_adapter(self, lora: LoraRef) -> str:
+        """Read an adapter now (POST /v1/load_lora_adapter), refusing one the engine cannot serve."""
+        try:
+            async with self._adapter(lora, "lora_path"):
+                return ""
+        except Exception as exc:
+            raise to_api_error(exc) from None
+
+    def _adapter(self, lora: Optional[LoraRef], param: str = "model"):
+        """An async context holding `lora` (read first if this replica does not hold it) while a
+        request runs with it; it yields the engine's name of the adapter (None: the base model)."""
+        if lora is None:
+            return contextlib.nullcontext()
+        if self._adapters is None:
+            raise BadRequest(f"model {self.model_id!r} serves no LoRA adapters; set max_loras in its config", param)
+        return self._adapters.lease(lora, param)
 
     @property
     def core(self) -> AsyncEngine:
@@ -157,7 +185,7 @@ class ModelServer(Replica):
 
     # ---- requests to engine requests ----
 
-    def _job(self, request: OpenAIRequest) -> Job:
+    def _job(self, request: OpenAIRequest, adapter: Optional[str] = None) -> Job:
         chat = isinstance(request, ChatCompletionRequest)
         calls = thinking = None
         if chat:
@@ -175,7 +203,7 @@ class ModelServer(Replica):
         self.prompts.check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
         self.prompts.check_token_ids(params.stop_token_ids, "stop_token_ids")
         for prompt in prompts:
-            self.engine.validate(prompt.ids, params)
+            self.engine.validate(prompt.ids, params, adapter)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         formatter_cls = ChatFormatter if chat else CompletionFormatter
         n = request.n
@@ -190,11 +218,12 @@ class ModelServer(Replica):
             echo=not chat and request.echo,
             drop_output=not chat and request.max_tokens == 0,
             logprobs=params.logprobs is not None,
-            formatter=formatter_cls(request_id, self.model_id, self._strings, params.logprobs is not None),
+            formatter=formatter_cls(request_id, request.model, self._strings, params.logprobs is not None),
             calls=calls,
             keep_special=((self._tool_tags if chat and request.tool_mode == "auto" else frozenset())
                           | (self._think_tags if chat else frozenset())),
             reasoning=thinking,
+            adapter=adapter,
         )
 
     def _tool_plan(self, request: ChatCompletionRequest,
@@ -238,7 +267,7 @@ class ModelServer(Replica):
         called = False
         reason, counts = "abort", ChoiceCounts(0, 0, 0)
         try:
-            deltas = self.engine.generate(sample.request_id, sample.prompt.ids, sample.params)
+            deltas = self.engine.generate(sample.request_id, sample.prompt.ids, sample.params, job.adapter)
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     update = ChoiceUpdate(sample.index)

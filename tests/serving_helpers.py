@@ -86,7 +86,8 @@ def app_in_process(checkpoint, model_id: str, **args):
     config = AppConfig.from_args({"model": str(checkpoint), "model_id": model_id, "warmup": False, **args})
     server = ModelServer(config.models[0])
     try:
-        with TestClient(create_app({model_id: LocalBackend(server)})) as http:
+        adapters = {model_id: config.models[0].lora_modules}
+        with TestClient(create_app({model_id: LocalBackend(server)}, adapters=adapters)) as http:
             yield server, http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
     finally:
         server.engine.shutdown()

@@ -85,6 +85,12 @@ def test_default_model_ids(spec, model_id):
         ({"model": "m", "num_replica": 2}, "Extra inputs are not permitted"),
         ({"model": "m", "engine_cls": "engine.llm_engine.LLMEngine"}, "engine_cls must look like 'module:Class'"),
         ({"models": [{"model": "a"}, {"model": "/x/a"}]}, "model ids must be unique"),
+        ({"models": [{"model": "a", "lora_modules": {"b": "/l"}}, {"model": "b"}]},
+         "LoRA adapter names must be unique and differ from the model ids; ['b'] is used twice"),
+        ({"models": [{"model": "a", "lora_modules": {"x": "/l"}}, {"model": "b", "lora_modules": {"x": "/m"}}]},
+         "['x'] is used twice: rename it in lora_modules"),
+        ({"model": "m", "task": "embed", "lora_modules": {"x": "/l"}}, "lora_modules adapt a text generation model"),
+        ({"model": "m", "max_loras": 2, "num_hosts": 2}, "LoRA adapters are not served on multi-host replicas yet"),
     ],
 )
 def test_bad_args_say_what_to_change(args, message):
@@ -150,3 +156,11 @@ def test_limit_and_cors_defaults():
     }
     with pytest.raises(ValidationError, match="max_logprobs\n  Input should be less than or equal to 20"):
         AppConfig.from_args({"model": "m", "max_logprobs": 21})
+
+
+def test_lora_modules_turn_on_adapter_slots_unless_set():
+    listed = AppConfig.from_args({"model": "m", "lora_modules": '{"a": "/l/a", "b": "/l/b"}'}).models[0]
+    assert listed.lora_modules == {"a": "/l/a", "b": "/l/b"} and listed.engine["max_loras"] == 2
+    assert AppConfig.from_args({"model": "m", "lora_modules": {"a": "/l"}, "max_loras": 3}).models[0].engine[
+        "max_loras"] == 3
+    assert AppConfig.from_args({"model": "m"}).models[0].engine["max_loras"] == 0

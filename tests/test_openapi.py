@@ -25,6 +25,8 @@ PATHS = {
     "/detokenize": {"post"},
     "/v1/models": {"get"},
     "/v1/models/{model_id}": {"get"},
+    "/v1/load_lora_adapter": {"post"},
+    "/v1/unload_lora_adapter": {"post"},
     "/health": {"get"},
     "/metrics": {"get"},
 }
@@ -43,7 +45,7 @@ class StubBackend(LocalBackend):
     def __init__(self):
         super().__init__(None)
 
-    async def respond(self, request, arrival_time):
+    async def respond(self, request, arrival_time, lora=None):
         return "{}"
 
     async def statuses(self):

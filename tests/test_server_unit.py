@@ -370,10 +370,10 @@ class FailingBackend(LocalBackend):
         super().__init__(None)
         self.exc = exc
 
-    async def respond(self, request, arrival_time):
+    async def respond(self, request, arrival_time, lora=None):
         raise self.exc
 
-    async def stream(self, request, arrival_time):
+    async def stream(self, request, arrival_time, lora=None):
         raise self.exc
         yield
 

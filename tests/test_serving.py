@@ -27,6 +27,7 @@ from fake_engine import FAIL, FAULT_MARK, HANG
 from hub_server import HubServer
 from s3_server import S3Server
 from serving_helpers import engine_worker_processes, model_server_processes, wait_for
+from tiny_models import make_lora_adapter
 
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
@@ -37,6 +38,8 @@ pytestmark = pytest.mark.integration
 API_KEY = "test-key"
 MODEL = "tiny-llama"
 MODEL_TP2 = "tiny-llama-tp2"
+ADAPTER_TP2 = "tp2-lora"
+"""A LoRA adapter over MODEL_TP2 (listed in its lora_modules)."""
 """The same checkpoint, copied from `S3_URI`, on a replica that splits it over 2 host devices
 (tensor_parallel_size 2)."""
 S3_URI = "s3://models/team/tiny-llama"
@@ -98,13 +101,16 @@ def serving(checkpoint_factory, tmp_path_factory):
         two_hosts = {**tp2, "num_hosts": 2, "tensor_parallel_size": 4, "num_cpus": 0.4, "health_check_period_s": 1,
                      "env_vars": {**two_devices, **hub_env}}
         from_s3 = {"env_vars": {**two_devices, **s3.env}, "cache_dir": str(tmp_path_factory.mktemp("models"))}
+        adapters = tmp_path_factory.mktemp("adapters")
+        lora = {"lora_modules": {ADAPTER_TP2: str(make_lora_adapter(checkpoint, adapters / "every", seed=1))},
+                "max_lora_rank": 8}
         app = build_app(
             {
                 "api_key": API_KEY,
                 "models": [
                     {"model": str(checkpoint), "model_id": MODEL, **engine, "max_ongoing_requests": MAX_ONGOING,
                      "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
-                    {"model": S3_URI, "model_id": MODEL_TP2, **engine, **tp2, **from_s3, "stream_batch_ms": 5},
+                    {"model": S3_URI, "model_id": MODEL_TP2, **engine, **tp2, **from_s3, **lora, "stream_batch_ms": 5},
                     {"model": HUB_REPO, "model_id": MODEL_2HOSTS, **engine, **two_hosts, "stream_batch_ms": 5},
                     {"model": str(checkpoint), "model_id": MODEL_SLOW, **engine, "engine_cls": "fake_engine:SlowFakeEngine",
                      "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "max_ongoing_requests": MAX_ONGOING,
@@ -127,6 +133,7 @@ def serving(checkpoint_factory, tmp_path_factory):
             eight_heads=transformers.AutoModelForCausalLM.from_pretrained(eight_heads, dtype=torch.float32).eval(),
             checkpoint=checkpoint,
             hub=hub,
+            adapters=adapters,
         )
     finally:
         serve.shutdown()
@@ -310,12 +317,35 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(serving, client,
 
 def test_models(client, serving):
     assert [m.id for m in client.models.list().data] == [MODEL, MODEL_TP2, MODEL_2HOSTS, MODEL_SLOW, MODEL_FAULTY,
-                                                         "all-minilm-l6-v2"]
+                                                         "all-minilm-l6-v2", ADAPTER_TP2]
     assert client.models.retrieve(MODEL).id == MODEL
     roots = {m.id: m.model_extra["root"] for m in client.models.list().data}
     assert roots == {MODEL: str(serving.checkpoint), MODEL_TP2: S3_URI, MODEL_2HOSTS: f"{HUB_REPO}@main",
                      MODEL_SLOW: str(serving.checkpoint), MODEL_FAULTY: str(serving.checkpoint),
-                     "all-minilm-l6-v2": "all-minilm-l6-v2"}
+                     "all-minilm-l6-v2": "all-minilm-l6-v2", ADAPTER_TP2: str(serving.adapters / "every")}
+    assert client.models.retrieve(ADAPTER_TP2).model_extra["parent"] == MODEL_TP2
+
+
+def test_lora_adapters_through_ray_serve_answer_as_transformers_with_peft(client, http, serving):
+    """An adapter of lora_modules and one loaded at run time, over the tensor-parallel model, each
+    read by a Serve replica through Ray Serve's model multiplexing."""
+    from parity import peft_greedy
+
+    prompt = serving.tokenizer.encode(PROMPT)
+    attention = make_lora_adapter(serving.checkpoint, serving.adapters / "attention", rank=8, seed=2,
+                                  targets=("q_proj", "v_proj"))
+    loaded = http.post("/v1/load_lora_adapter", json={"lora_name": "attn", "lora_path": str(attention),
+                                                      "base_model_name": MODEL_TP2})
+    assert loaded.status_code == 200, loaded.text
+    try:
+        for name, path in ((ADAPTER_TP2, serving.adapters / "every"), ("attn", attention)):
+            answer = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
+            want = peft_greedy(serving.checkpoint, path, prompt, 8)
+            assert answer.choices[0].text == serving.tokenizer.decode(want, skip_special_tokens=True), name
+            assert answer.model == name
+    finally:
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "attn"}).status_code == 200
+    assert http.post("/v1/completions", json={"model": "attn", "prompt": "x"}).status_code == 404
 
 
 def test_a_hub_model_on_two_hosts_was_downloaded_once(serving):
@@ -400,7 +430,8 @@ def test_404_for_an_unknown_model(client):
     assert info.value.status_code == 404
     assert info.value.body == {
         "message": "the model 'gpt-5' does not exist; served models: ['all-minilm-l6-v2', "
-                   f"'{MODEL_FAULTY}', '{MODEL_SLOW}', '{MODEL}', '{MODEL_2HOSTS}', '{MODEL_TP2}']",
+                   f"'{MODEL_FAULTY}', '{MODEL_SLOW}', '{MODEL}', '{MODEL_2HOSTS}', '{MODEL_TP2}']; LoRA adapters: "
+                   f"['{ADAPTER_TP2}']",
         "type": "invalid_request_error",
         "param": "model",
         "code": "model_not_found",
