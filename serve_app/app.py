@@ -11,7 +11,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import BackpressureConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from serve_app.config import AppConfig, ModelConfig
 from serve_app.embedding_server import EmbeddingServer
@@ -20,6 +20,7 @@ from serve_app.server import ModelServer
 
 SERVERS = {"generate": ModelServer, "embed": EmbeddingServer}
 """The replica class of each task."""
+PREFIX_ROUTER = "serve_app.routing:PrefixAffinityRouter"
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -60,6 +61,8 @@ def server_deployment(model: ModelConfig) -> serve.Deployment:
         health_check_period_s=model.health_check_period_s,
         graceful_shutdown_timeout_s=model.graceful_shutdown_timeout_s,
     )
+    if model.request_router == "prefix_affinity" and model.task == "generate":
+        options["request_router_config"] = RequestRouterConfig(request_router_class=PREFIX_ROUTER)
     if model.autoscaling_config:
         options["autoscaling_config"] = model.autoscaling_config
     else:

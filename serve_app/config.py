@@ -106,6 +106,11 @@ class ModelConfig(BaseModel):
     env_vars: dict[str, str] = {}
     """Environment of the model-server replicas (e.g. JAX_PLATFORMS, HF_HUB_OFFLINE)."""
 
+    request_router: Literal["prefix_affinity", "power_of_two"] = "prefix_affinity"
+    """How the ingress picks a replica for a request (serve_app/routing.py): prefix_affinity sends
+    it to the replica that was given the longest prefix of its prompt before (its KV pages are
+    likely still cached there) unless that replica's queue is 4 requests longer than the shortest,
+    else as power_of_two does: the shorter queue of two random replicas (Ray Serve's default)."""
     max_ongoing_requests: int = Field(64, ge=1)
     """Requests one replica serves at once (in its engine, running or waiting for a batch slot)."""
     max_queued_requests: int = Field(256, ge=-1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import re
 import socket
 import types
 from pathlib import Path
@@ -52,6 +53,8 @@ EIGHT_HEADS = dict(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_si
 MODEL_SLOW = "slow-fake"
 """A replica whose engine is tests/fake_engine.py's SlowFakeEngine (20 ms a step): requests that
 hold its slots for as long as a test needs, whatever the speed of the machine (the 429 test)."""
+MODEL_PAIR = "pair-fake"
+"""Two replicas of fake_engine.FakeEngine behind the prefix-affinity router."""
 MODEL_FAULTY = "faulty-fake"
 """A replica whose engine (fake_engine.FaultyFakeEngine) fails or hangs when a test asks it to, with
 a 2 s step watchdog, a 1 s health-check period, and streams the ingress ends after 3 s of silence
@@ -120,6 +123,8 @@ def serving(checkpoint_factory, tmp_path_factory):
                      "health_check_period_s": 1, "num_cpus": 0.1, "stream_batch_ms": 5,
                      "stream_keepalive_s": 0.5, "stream_silence_timeout_s": 3},
                     {**embedder, "warmup": False, "num_cpus": 0.1},
+                    {"model": str(checkpoint), "model_id": MODEL_PAIR, **engine, "engine_cls": "fake_engine:FakeEngine",
+                     "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "num_replicas": 2, "num_cpus": 0.1},
                 ],
             }
         )
@@ -317,12 +322,13 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(serving, client,
 
 def test_models(client, serving):
     assert [m.id for m in client.models.list().data] == [MODEL, MODEL_TP2, MODEL_2HOSTS, MODEL_SLOW, MODEL_FAULTY,
-                                                         "all-minilm-l6-v2", ADAPTER_TP2]
+                                                         "all-minilm-l6-v2", MODEL_PAIR, ADAPTER_TP2]
     assert client.models.retrieve(MODEL).id == MODEL
     roots = {m.id: m.model_extra["root"] for m in client.models.list().data}
     assert roots == {MODEL: str(serving.checkpoint), MODEL_TP2: S3_URI, MODEL_2HOSTS: f"{HUB_REPO}@main",
                      MODEL_SLOW: str(serving.checkpoint), MODEL_FAULTY: str(serving.checkpoint),
-                     "all-minilm-l6-v2": "all-minilm-l6-v2", ADAPTER_TP2: str(serving.adapters / "every")}
+                     "all-minilm-l6-v2": "all-minilm-l6-v2", MODEL_PAIR: str(serving.checkpoint),
+                     ADAPTER_TP2: str(serving.adapters / "every")}
     assert client.models.retrieve(ADAPTER_TP2).model_extra["parent"] == MODEL_TP2
 
 
@@ -430,7 +436,8 @@ def test_404_for_an_unknown_model(client):
     assert info.value.status_code == 404
     assert info.value.body == {
         "message": "the model 'gpt-5' does not exist; served models: ['all-minilm-l6-v2', "
-                   f"'{MODEL_FAULTY}', '{MODEL_SLOW}', '{MODEL}', '{MODEL_2HOSTS}', '{MODEL_TP2}']; LoRA adapters: "
+                   f"'{MODEL_FAULTY}', '{MODEL_PAIR}', '{MODEL_SLOW}', '{MODEL}', '{MODEL_2HOSTS}', '{MODEL_TP2}']; "
+                   "LoRA adapters: "
                    f"['{ADAPTER_TP2}']",
         "type": "invalid_request_error",
         "param": "model",
@@ -754,6 +761,38 @@ def test_a_soak_of_mixed_requests_loses_nothing_and_leaves_every_replica_idle(se
     assert set(finished) <= {"length", "abort"}
     assert sum(r.n for r in report.results if r.action == "normal") <= finished["length"]
     assert sum(finished.values()) <= sum(r.n for r in report.results)
+
+
+# ---- routing ----
+
+
+def requests_by_replica(http, model_id: str) -> dict[str, float]:
+    """Finished requests of `model_id` per replica, from the app's /metrics."""
+    counts: dict[str, float] = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("vllm:e2e_request_latency_seconds_count{") and f'model_name="{model_id}"' in line:
+            replica = re.search(r'replica="([^"]+)"', line).group(1)
+            counts[replica] = counts.get(replica, 0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_each_turn_of_a_conversation_goes_to_the_replica_that_served_its_earlier_turns(http):
+    """Two replicas behind the prefix-affinity router: a conversation's first turn goes where the
+    power of two choices sends it, every later turn (its prompt extends the earlier ones) to the
+    same replica. Left to chance, 4 conversations of 3 turns would stay together 1 time in 256."""
+    system = "You answer questions about paged attention, page tables and prefix caches, briefly. " * 2
+    for conversation in range(4):
+        messages = [{"role": "system", "content": f"[{conversation}] {system}"}]
+        before = requests_by_replica(http, MODEL_PAIR)
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"Question {turn} of conversation {conversation}?"})
+            answer = http.post("/v1/chat/completions", json={"model": MODEL_PAIR, "messages": messages,
+                                                              "max_tokens": 6, "temperature": 0})
+            assert answer.status_code == 200, answer.text
+            messages.append({"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]})
+        after = requests_by_replica(http, MODEL_PAIR)
+        served = sorted(after[r] - before.get(r, 0) for r in after)
+        assert served[-1] == 3 and sum(served) == 3, (conversation, before, after)
 
 
 # ---- models that cannot start ----
