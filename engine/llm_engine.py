@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 from typing import Any, Optional
 
 from engine.core.adapters import Adapter, AdapterSlots
@@ -244,7 +245,10 @@ class LLMEngine:
         masks_pending = step.switches.constrain and step.sampling.allowed is None
         handle = self.executor.launch(step, sample=not masks_pending)
         launched = LaunchedStep(plan, slots, handle, masks_pending)
+        now = time.time()
         for row in plan.rows:
+            if row.seq.scheduled_time is None:
+                row.seq.scheduled_time = now
             row.seq.num_computed += row.length
             if row.samples:
                 row.seq.output_ids.append(PENDING_TOKEN)
@@ -296,6 +300,7 @@ class LLMEngine:
             seq.sent_first = True
             delta.num_prompt_tokens = len(seq.prompt_ids)
             delta.num_cached_tokens = seq.num_cached_prompt
+            delta.scheduled_time = seq.scheduled_time
             if seq.params.prompt_logprobs is not None:
                 delta.prompt_logprobs = list(seq.prompt_logprobs)
         if delta.finished:

@@ -26,7 +26,8 @@ PREFIX_ROUTER = "serve_app.routing:PrefixAffinityRouter"
 def build_app(args: dict[str, Any]) -> Application:
     """Serve's application builder (import path `serve_app:build_app`)."""
     config = AppConfig.from_args(args)
-    servers = {m.model_id: server_deployment(m).bind(m) for m in config.models}
+    servers = {m.model_id: server_deployment(m).bind(*((m, config.tracing) if m.task == "generate" else (m,)))
+               for m in config.models}
     ingress = serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=config.ingress_replicas,
@@ -37,7 +38,8 @@ def build_app(args: dict[str, Any]) -> Application:
     tasks = {m.model_id: m.task for m in config.models}
     roots = {m.model_id: m.source.describe() for m in config.models}
     adapters = {m.model_id: m.lora_modules for m in config.models if m.lora_modules}
-    return ingress.bind(config.api_key, servers, config.limits, config.cors, silence, tasks, roots, adapters)
+    return ingress.bind(config.api_key, servers, config.limits, config.cors, silence, tasks, roots, adapters,
+                        config.tracing)
 
 
 def server_deployment(model: ModelConfig) -> serve.Deployment:

@@ -300,7 +300,18 @@ class CorsConfig(BaseModel):
     )
 
 
-INGRESS_SECTIONS = {"limits": RequestLimits, "cors": CorsConfig}
+class TracingConfig(BaseModel):
+    """OpenTelemetry traces of requests (serve_app/tracing.py; needs `pip install 'jax-serve[otel]'`):
+    a span per request in the ingress, the model-server replica and the engine (queued, prefill,
+    decode), continuing the client's W3C `traceparent`. Fields may be given flat."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    otlp_traces_endpoint: Optional[str] = None
+    """Where spans go, over OTLP/HTTP (e.g. http://otel-collector:4318/v1/traces). None: no traces."""
+
+
+INGRESS_SECTIONS = {"limits": RequestLimits, "cors": CorsConfig, "tracing": TracingConfig}
 """AppConfig fields whose own fields may also be given flat, next to the app's."""
 
 
@@ -326,6 +337,8 @@ class AppConfig(BaseModel):
     logit_bias, logprobs (see RequestLimits; its fields may be given flat)."""
     cors: CorsConfig = Field(default_factory=CorsConfig)
     """CORS for browser clients, off by default (see CorsConfig; its fields may be given flat)."""
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    """OpenTelemetry traces, off by default (see TracingConfig; its fields may be given flat)."""
 
     @model_validator(mode="before")
     @classmethod

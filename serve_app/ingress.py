@@ -45,7 +45,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from serve_app.config import CorsConfig, RequestLimits
+from serve_app.config import CorsConfig, RequestLimits, TracingConfig
 from serve_app.errors import (
     APIError,
     BadRequest,
@@ -80,6 +80,8 @@ from serve_app.protocol import (
     UnloadLoraAdapterRequest,
     parse_request,
 )
+from serve_app.request_context import RequestContext
+from serve_app.tracing import Tracing, headers_of, set_attributes, set_http_status
 
 BROADCAST_TIMEOUT_S = 10.0
 REF_TEMPLATE = "#/components/schemas/{model}"
@@ -113,10 +115,9 @@ class ModelBackend(Protocol):
     root: Optional[str]
     """Where the model came from (engine.formats.model_sources.ModelSource.describe), if known."""
 
-    def stream(self, request: BaseModel, arrival_time: float,
-               lora: Optional[LoraRef] = None) -> AsyncIterator[list[str]]: ...
+    def stream(self, request: BaseModel, context: RequestContext) -> AsyncIterator[list[str]]: ...
 
-    async def respond(self, request: BaseModel, arrival_time: float, lora: Optional[LoraRef] = None) -> str: ...
+    async def respond(self, request: BaseModel, context: RequestContext) -> str: ...
 
     async def call(self, method: str, *args: Any, lora: Optional[LoraRef] = None) -> str:
         """The JSON answer of the servers' `method` (embed, tokenize, detokenize, load_adapter);
@@ -145,10 +146,10 @@ class HandleBackend:
         self._streaming = handle.options(stream=True)
         self._silence_timeout_s = silence_timeout_s
 
-    async def stream(self, request: BaseModel, arrival_time: float,
-                     lora: Optional[LoraRef] = None) -> AsyncIterator[list[str]]:
+    async def stream(self, request: BaseModel, context: RequestContext) -> AsyncIterator[list[str]]:
+        lora = context.lora
         streaming = self._streaming if lora is None else self._streaming.options(multiplexed_model_id=lora.key)
-        response = streaming.stream_chunks.remote(request, arrival_time, lora)
+        response = streaming.stream_chunks.remote(request, context)
         finished = False
         try:
             while True:
@@ -172,8 +173,8 @@ class HandleBackend:
             if not finished:  # closes the server's generator, which aborts its engine requests
                 response.cancel()
 
-    async def respond(self, request: BaseModel, arrival_time: float, lora: Optional[LoraRef] = None) -> str:
-        return await self.call("respond", request, arrival_time, lora, lora=lora)
+    async def respond(self, request: BaseModel, context: RequestContext) -> str:
+        return await self.call("respond", request, context, lora=context.lora)
 
     async def call(self, method: str, *args: Any, lora: Optional[LoraRef] = None) -> str:
         handle = self._handle if lora is None else self._handle.options(multiplexed_model_id=lora.key)
@@ -210,12 +211,11 @@ class LocalBackend:
         self.task = getattr(server, "task", "generate")
         self.root = getattr(server, "root", None)
 
-    def stream(self, request: BaseModel, arrival_time: float,
-               lora: Optional[LoraRef] = None) -> AsyncIterator[list[str]]:
-        return self.server.stream_chunks(request, arrival_time, lora)
+    def stream(self, request: BaseModel, context: RequestContext) -> AsyncIterator[list[str]]:
+        return self.server.stream_chunks(request, context)
 
-    async def respond(self, request: BaseModel, arrival_time: float, lora: Optional[LoraRef] = None) -> str:
-        return await self.server.respond(request, arrival_time, lora)
+    async def respond(self, request: BaseModel, context: RequestContext) -> str:
+        return await self.server.respond(request, context)
 
     async def call(self, method: str, *args: Any, lora: Optional[LoraRef] = None) -> str:
         answer = getattr(self.server, method)(*args)
@@ -241,11 +241,13 @@ def create_app(
     limits: Optional[RequestLimits] = None,
     cors: Optional[CorsConfig] = None,
     adapters: Optional[dict[str, dict[str, str]]] = None,
+    tracing: Tracing = Tracing.off(),
 ) -> FastAPI:
     """The OpenAI-compatible app. /v1 routes need `Authorization: Bearer <api_key>` when a key is
     set; /health, /metrics and the schema (/openapi.json, /docs, /redoc) never do. `limits` bound
     each request (defaults: RequestLimits()); `cors` answers browsers' CORS requests when it allows
-    origins; `adapters`: each model's `lora_modules`."""
+    origins; `adapters`: each model's `lora_modules`; `tracing`: a span per request
+    (serve_app.tracing)."""
     limits = limits if limits is not None else RequestLimits()
     routes = AdapterRoutes(adapters or {}, list(backends))
     app = FastAPI(title="jax-serve", summary="OpenAI-compatible LLM server on Ray Serve and JAX")
@@ -260,8 +262,14 @@ def create_app(
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorizer(api_key)), *security], responses=ERRORS)
 
     async def serve_request(raw: Request, request_cls: type[BaseModel]) -> Response:
+        span = tracing.start(f"POST {raw.url.path}", dict(raw.headers), server=True,
+                             **{"http.request.method": "POST", "http.route": raw.url.path})
+        return _ending_span(await answer(raw, request_cls, span), span)
+
+    async def answer(raw: Request, request_cls: type[BaseModel], span) -> Response:
         try:
             request = parse_request(request_cls, await raw.body())
+            set_attributes(span, **{"gen_ai.request.model": request.model})
             check_limits(request, limits)
             route = routes.get(request.model)
             backend = _backend(backends, route.base if route else request.model, request_cls, routes)
@@ -275,7 +283,7 @@ def create_app(
                 return _json(await backend.call("tokenize", request))
             if isinstance(request, DetokenizeRequest):
                 return _json(await backend.call("detokenize", request))
-            return await _respond(backend, request, lora)
+            return await _respond(backend, request, RequestContext(time.time(), lora, headers_of(span)))
         except Exception as exc:
             return error_response(to_api_error(exc))
 
@@ -475,11 +483,31 @@ def _add_middleware(app: FastAPI, limits: RequestLimits, cors: Optional[CorsConf
         )
 
 
-async def _respond(backend: ModelBackend, request: Any, lora: Optional[LoraRef] = None) -> Response:
-    arrival_time = time.time()
+def _ending_span(response: Response, span) -> Response:
+    """`response`, ending `span` with its status once it is sent (a stream: after its last byte)."""
+    if span is None:
+        return response
+    set_http_status(span, response.status_code)
+    if not isinstance(response, StreamingResponse):
+        span.end()
+        return response
+    body = response.body_iterator
+
+    async def ending() -> AsyncIterator:
+        try:
+            async for part in body:
+                yield part
+        finally:
+            span.end()
+
+    response.body_iterator = ending()
+    return response
+
+
+async def _respond(backend: ModelBackend, request: Any, context: RequestContext) -> Response:
     if not request.stream:
-        return Response(await backend.respond(request, arrival_time, lora), media_type="application/json")
-    chunks = backend.stream(request, arrival_time, lora)
+        return Response(await backend.respond(request, context), media_type="application/json")
+    chunks = backend.stream(request, context)
     try:  # errors before the first chunk (bad prompt, full queue) get their own HTTP status
         first = await anext(chunks)
     except StopAsyncIteration:
@@ -566,6 +594,7 @@ class Ingress:
         tasks: Optional[dict[str, str]] = None,
         roots: Optional[dict[str, str]] = None,
         adapters: Optional[dict[str, dict[str, str]]] = None,
+        tracing: Optional[TracingConfig] = None,
     ):
         route_logs_to_replica_log()  # a model that fails to start is logged here, once
         key = api_key.get_secret_value() if api_key is not None else None
@@ -575,7 +604,8 @@ class Ingress:
                              functools.partial(serve_status, app_name))
         backends = {model_id: HandleBackend(h, states, model_id, silence.get(model_id), tasks.get(model_id, "generate"),
                                             roots.get(model_id)) for model_id, h in servers.items()}
-        self._app = create_app(backends, key, limits, cors, adapters)
+        traces = Tracing.to_endpoint(tracing.otlp_traces_endpoint if tracing else None, "jax-serve-ingress")
+        self._app = create_app(backends, key, limits, cors, adapters, traces)
 
         watcher: list[asyncio.Task] = []  # held: a task nobody references may be collected
 

@@ -20,13 +20,14 @@ import dataclasses
 import functools
 import json
 import logging
+import time
 import uuid
 from typing import AsyncIterator, Callable, Optional, Union
 
 from engine.async_engine import AsyncEngine
 from engine.core.request import Grammar, SamplingParams, TokenDelta
 from serve_app import reasoning
-from serve_app.config import ModelConfig
+from serve_app.config import ModelConfig, TracingConfig
 from serve_app.detokenize import TextStream, TokenStrings, special_ids
 from serve_app.errors import BadRequest, to_api_error
 from serve_app.lora import LoraRef, ReplicaAdapters
@@ -34,6 +35,7 @@ from serve_app.metrics import ServerMetrics, replica_name
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.reasoning import ReasoningStream
 from serve_app.replica import Replica
+from serve_app.request_context import RequestContext
 from serve_app.responses import (
     ChatFormatter,
     ChoiceCounts,
@@ -55,6 +57,7 @@ from serve_app.tool_calls import (
     named_schema,
     required_schema,
 )
+from serve_app.tracing import Tracing, set_attributes, set_http_status
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,8 @@ class Job:
     """A reasoning model's chat: makes each choice's reader of its thinking."""
     adapter: Optional[str] = None
     """The engine's name of the LoRA adapter the request runs with (None: the base model)."""
+    span: object = None
+    """The request's `generate` span (None: tracing is off); each engine request adds its own."""
 
 
 class ModelServer(Replica):
@@ -98,8 +103,10 @@ class ModelServer(Replica):
 
     task = "generate"
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tracing: Optional[TracingConfig] = None):
         model_dir, engine_config, core = self._start(config)
+        self.tracing = Tracing.to_endpoint(tracing.otlp_traces_endpoint if tracing else None,
+                                           "jax-serve-model-server")
         self.tokenizer = self.prompts.hf
         self._tool_parser = config.tool_call_parser or default_parser(self.tokenizer.chat_template)
         self._tool_tags = _special_tags(self.tokenizer, PARSER_TAGS[self._tool_parser])
@@ -120,15 +127,15 @@ class ModelServer(Replica):
 
     # ---- called through deployment handles ----
 
-    async def stream_chunks(self, request: OpenAIRequest, arrival_time: float,
-                            lora: Optional[LoraRef] = None) -> AsyncIterator[list[str]]:
+    async def stream_chunks(self, request: OpenAIRequest, context: RequestContext) -> AsyncIterator[list[str]]:
         """JSON chunks of a streamed response, in batches; with include_usage, a last usage chunk."""
         self._open_streams += 1
+        span = self._span(request, context)
         try:
-            async with self._adapter(lora) as adapter:
-                job = self._job(request, adapter)
+            async with self._adapter(context.lora) as adapter:
+                job = self._job(request, adapter, span)
                 finals = []
-                batches = merge_batches(self._runs(job, arrival_time), self._chunk_interval,
+                batches = merge_batches(self._runs(job, context.arrival_time), self._chunk_interval,
                                         flush=lambda update: update.finish_reason is not None)
                 async for batch in with_keepalive(batches, self._keepalive_s):  # [] while there is no output
                     finals += [u for u in batch if u.finish_reason is not None]
@@ -136,27 +143,48 @@ class ModelServer(Replica):
                 if request.include_usage:
                     yield [job.formatter.usage_chunk(total_usage(finals, job.n)).model_dump_json()]
         except Exception as exc:
-            raise to_api_error(exc) from None
+            raise self._failed(span, exc) from None
         finally:
             self._open_streams -= 1
+            if span is not None:
+                span.end()
 
     def _chunk_interval(self) -> float:
         """Seconds between two chunks of one stream: open streams share stream_chunks_per_s."""
         return max(self._stream_interval_s, self._open_streams / self._stream_chunks_per_s)
 
-    async def respond(self, request: OpenAIRequest, arrival_time: float, lora: Optional[LoraRef] = None) -> str:
+    async def respond(self, request: OpenAIRequest, context: RequestContext) -> str:
         """The JSON of a whole (non-streamed) response."""
+        span = self._span(request, context)
         try:
-            async with self._adapter(lora) as adapter:
-                job = self._job(request, adapter)
+            async with self._adapter(context.lora) as adapter:
+                job = self._job(request, adapter, span)
                 choices = {s.index: ChoiceUpdate(s.index) for s in job.samples}
-                async for batch in merge_batches(self._runs(job, arrival_time)):
+                async for batch in merge_batches(self._runs(job, context.arrival_time)):
                     for update in batch:
                         choices[update.index].extend(update)
             finals = [choices[i] for i in sorted(choices)]
             return job.formatter.response(finals, total_usage(finals, job.n)).model_dump_json()
         except Exception as exc:
-            raise to_api_error(exc) from None
+            raise self._failed(span, exc) from None
+        finally:
+            if span is not None:
+                span.end()
+
+    def _span(self, request: OpenAIRequest, context: RequestContext):
+        """The request's `generate` span, child of the ingress's (None when tracing is off)."""
+        return self.tracing.start("generate", context.trace, **{
+            "gen_ai.request.model": request.model, "jax_serve.model_id": self.model_id,
+            "jax_serve.lora": context.lora.name if context.lora else None, "jax_serve.choices": request.n,
+            "jax_serve.stream": bool(request.stream)})
+
+    @staticmethod
+    def _failed(span, exc: BaseException):
+        """The APIError for `exc`, recorded on `span`."""
+        error = to_api_error(exc)
+        set_attributes(span, **{"error.type": type(error).__name__})
+        set_http_status(span, error.status)
+        return error
 
     async def load_adapter(self, lora: LoraRef) -> str:
         """Read an adapter now (POST /v1/load_lora_adapter), refusing one the engine cannot serve."""
@@ -185,7 +213,7 @@ class ModelServer(Replica):
 
     # ---- requests to engine requests ----
 
-    def _job(self, request: OpenAIRequest, adapter: Optional[str] = None) -> Job:
+    def _job(self, request: OpenAIRequest, adapter: Optional[str] = None, span=None) -> Job:
         chat = isinstance(request, ChatCompletionRequest)
         calls = thinking = None
         if chat:
@@ -224,6 +252,7 @@ class ModelServer(Replica):
                           | (self._think_tags if chat else frozenset())),
             reasoning=thinking,
             adapter=adapter,
+            span=span,
         )
 
     def _tool_plan(self, request: ChatCompletionRequest,
@@ -266,6 +295,7 @@ class ModelServer(Replica):
         thinking = job.reasoning() if job.reasoning is not None else None
         called = False
         reason, counts = "abort", ChoiceCounts(0, 0, 0)
+        times = _EngineTimes(time.time())
         try:
             deltas = self.engine.generate(sample.request_id, sample.prompt.ids, sample.params, job.adapter)
             async with contextlib.aclosing(deltas):
@@ -276,6 +306,7 @@ class ModelServer(Replica):
                         if job.echo:
                             update.extend(_echo_update(sample, delta, echo_text, echo_offsets))
                     tracker.on_tokens(len(delta.token_ids))
+                    times.on_delta(delta)
                     token_ids = [] if job.drop_output else delta.token_ids
                     new_text, offsets = text.push(token_ids)
                     logprobs = delta.logprobs or [None] * len(token_ids)
@@ -300,6 +331,26 @@ class ModelServer(Replica):
                         yield update
         finally:
             tracker.finish(reason, counts.prompt_tokens, counts.completion_tokens, counts.cached_tokens)
+            self._trace_engine_request(job.span, sample.request_id, times, reason, counts)
+
+    def _trace_engine_request(self, parent, request_id: str, times: "_EngineTimes", reason: str,
+                              counts: ChoiceCounts) -> None:
+        """The engine request's span under the request's, with its phases: queued (until the
+        engine first scheduled it), prefill (until its first token), decode (the rest)."""
+        if parent is None:
+            return
+        end = time.time()
+        span = self.tracing.child("engine_request", parent, times.added, end, **{
+            "jax_serve.request_id": request_id, "gen_ai.usage.input_tokens": counts.prompt_tokens,
+            "gen_ai.usage.output_tokens": counts.completion_tokens, "jax_serve.cached_tokens": counts.cached_tokens,
+            "gen_ai.response.finish_reasons": (reason,)})
+        scheduled = times.scheduled or times.added
+        first = times.first_token or end
+        if times.scheduled is not None:
+            self.tracing.child("queued", span, times.added, scheduled)
+        self.tracing.child("prefill", span, scheduled, first)
+        if times.first_token is not None:
+            self.tracing.child("decode", span, first, end)
 
     def _echo(self, prompt: PromptInput) -> tuple[str, list[int]]:
         """The echoed prompt text and each prompt token's offset in it."""
@@ -307,6 +358,22 @@ class ModelServer(Replica):
         text, offsets = stream.push(prompt.ids)
         text += stream.finish()
         return (prompt.text if prompt.text is not None else text), offsets
+
+
+@dataclasses.dataclass
+class _EngineTimes:
+    """When one engine request was added, first scheduled (the engine says) and gave its first
+    token (wall-clock seconds)."""
+
+    added: float
+    scheduled: Optional[float] = None
+    first_token: Optional[float] = None
+
+    def on_delta(self, delta: TokenDelta) -> None:
+        if delta.scheduled_time is not None and self.scheduled is None:
+            self.scheduled = delta.scheduled_time
+        if delta.token_ids and self.first_token is None:
+            self.first_token = time.time()
 
 
 def _special_tags(tokenizer, tags: tuple[str, ...]) -> frozenset[int]:

@@ -73,9 +73,10 @@ def templated_checkpoint(model_dir, out: Path, template: str, fixed_output: list
 
 
 @contextlib.contextmanager
-def app_in_process(checkpoint, model_id: str, **args):
+def app_in_process(checkpoint, model_id: str, tracing=None, **args):
     """(server, http, openai client): the OpenAI app over one ModelServer in this process, the
-    official client talking to it through FastAPI's test client; the engine shut down after."""
+    official client talking to it through FastAPI's test client; the engine shut down after.
+    `tracing`: a serve_app.tracing.Tracing for the ingress and the server (default: off)."""
     import openai
     from fastapi.testclient import TestClient
 
@@ -84,10 +85,14 @@ def app_in_process(checkpoint, model_id: str, **args):
     from serve_app.server import ModelServer
 
     config = AppConfig.from_args({"model": str(checkpoint), "model_id": model_id, "warmup": False, **args})
+    from serve_app.tracing import Tracing
+
     server = ModelServer(config.models[0])
+    server.tracing = tracing or Tracing.off()
     try:
         adapters = {model_id: config.models[0].lora_modules}
-        with TestClient(create_app({model_id: LocalBackend(server)}, adapters=adapters)) as http:
+        app = create_app({model_id: LocalBackend(server)}, adapters=adapters, tracing=server.tracing)
+        with TestClient(app) as http:
             yield server, http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
     finally:
         server.engine.shutdown()

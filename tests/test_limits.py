@@ -46,7 +46,7 @@ class RecordingBackend(LocalBackend):
         super().__init__(None)
         self.requests = []
 
-    async def respond(self, request, arrival_time, lora=None):
+    async def respond(self, request, context):
         self.requests.append(request)
         return "{}"
 
@@ -302,7 +302,7 @@ def test_a_413_carries_cors_headers_so_browsers_can_read_it():
 class BrokenBackend(RecordingBackend):
     """Every call raises an exception whose message looks like a secret."""
 
-    async def respond(self, request, arrival_time, lora=None):
+    async def respond(self, request, context):
         raise RuntimeError("secret internals: /srv/keys at 0xdeadbeef")
 
     async def statuses(self):

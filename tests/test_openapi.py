@@ -45,7 +45,7 @@ class StubBackend(LocalBackend):
     def __init__(self):
         super().__init__(None)
 
-    async def respond(self, request, arrival_time, lora=None):
+    async def respond(self, request, context):
         return "{}"
 
     async def statuses(self):

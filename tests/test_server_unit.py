@@ -21,6 +21,7 @@ from serving_helpers import sse_events, wait_for
 from serve_app.config import AppConfig
 from serve_app.ingress import LocalBackend, create_app
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.request_context import RequestContext
 from serve_app.server import ModelServer
 
 MODEL = "tiny"
@@ -370,10 +371,10 @@ class FailingBackend(LocalBackend):
         super().__init__(None)
         self.exc = exc
 
-    async def respond(self, request, arrival_time, lora=None):
+    async def respond(self, request, context):
         raise self.exc
 
-    async def stream(self, request, arrival_time, lora=None):
+    async def stream(self, request, context):
         raise self.exc
         yield
 
@@ -436,7 +437,7 @@ def test_closing_a_stream_aborts_every_choice_and_frees_the_kv_cache(checkpoint)
     request = CompletionRequest(model=MODEL, prompt="Hello world", n=3, max_tokens=100, ignore_eos=True, stream=True)
 
     async def read_one_batch_then_leave():
-        chunks = server.stream_chunks(request, time.time())
+        chunks = server.stream_chunks(request, RequestContext(time.time()))
         first = await anext(chunks)
         await chunks.aclose()
         return first
@@ -497,7 +498,7 @@ def test_models_and_health(client):
 
 def test_chat_request_objects_pass_to_the_server_directly(server):
     request = ChatCompletionRequest(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=1)
-    body = json.loads(asyncio.run(server.respond(request, time.time())))
+    body = json.loads(asyncio.run(server.respond(request, RequestContext(time.time()))))
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 1
 

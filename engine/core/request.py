@@ -177,6 +177,9 @@ class TokenDelta:
     """Prompt tokens served from the prefix cache (set on the first delta)."""
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     """On the first delta, when asked: one per prompt token; the first is None (no prefix)."""
+    scheduled_time: Optional[float] = None
+    """On the first delta: when the engine first scheduled the request (time.time()), so that
+    its wait for a batch slot and pages can be told from its prefill."""
 
     @property
     def finished(self) -> bool:

@@ -74,6 +74,8 @@ class Sequence:
     """Whether the sequence ever ran (its prefix-cache lookup is counted once)."""
     sent_first: bool = False
     """Whether the first delta (with prompt bookkeeping) went out."""
+    scheduled_time: Optional[float] = None
+    """When a step first ran a row of the sequence (time.time(); the engine sets it)."""
     prompt_logprobs: list[Optional[TokenLogprob]] = dataclasses.field(default_factory=list)
     grammar: Optional[GrammarState] = None
     """Where the output stands in the request's grammar (structured output), or None."""
