@@ -182,3 +182,17 @@ def test_slots_pin_while_running_and_give_way_least_recently_used_first():
     assert slots.acquire(b) == (0, True)  # a was used less recently than c
     with pytest.raises(RuntimeError, match="released more often than acquired"):
         slots.release(a)
+
+
+def test_a_mixture_of_experts_takes_adapters_on_its_attention(checkpoint_factory, tmp_path):
+    """Mixtral: attention adapters served (parity with peft); adapters on the experts refused by name."""
+    mixtral = checkpoint_factory("mixtral")
+    attention = make_lora_adapter(mixtral, tmp_path / "attention", rank=4, seed=3,
+                                  targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    engine = lora_engine(mixtral, {"attention": attention})
+    prompt = make_prompts([11], seed=7)[0]
+    assert run(engine, {"x": (prompt, "attention")})["x"] == peft_greedy(mixtral, attention, prompt)
+    experts = make_lora_adapter(mixtral, tmp_path / "experts", targets=("w1", "w2"))
+    with pytest.raises(ValueError, match="block_sparse_moe.experts.0.w1.lora_A.weight' is not a LoRA factor of a "
+                                         "layer's projection"):
+        engine.add_adapter("experts", str(experts))
