@@ -16,6 +16,10 @@ first). Prints one row per batch size; each figure is the median of `--repeats` 
 an array of strings that cannot close before `--new-tokens`, so both produce as many tokens),
 interleaved round by round on the same engine; one row per batch size and grammar.
 
+`--lora-rank R` gives the engine one LoRA slot of rank R and runs every request with a random
+adapter of that rank on every projection (made once beside the checkpoint): against a run without
+it, what adapters cost a step.
+
 `--one-engine` serves every batch size from one engine sized for the largest (one load and warm-up,
 as an accelerator run wants); `--bandwidth-bound` times a device-memory copy and prints the batch-1
 decode step against the bound it implies (checkpoint bytes / copy bandwidth: each decode step reads
@@ -58,6 +62,17 @@ def bench_checkpoint(path: Path, shape: str) -> Path:
     return path
 
 
+def bench_adapter(model: Path, rank: int) -> Path:
+    """A random PEFT adapter of `rank` on every projection of the benchmark model (made once beside it)."""
+    path = model.parent / f"{model.name}-lora-r{rank}"
+    if not (path / "adapter_model.safetensors").is_file():
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import tiny_models
+
+        tiny_models.make_lora_adapter(model, path, rank=rank, scale=0.01)
+    return path
+
+
 def copy_bandwidth(gib: int = 4, repeats: int = 10) -> float:
     """Bytes/s of a device-memory copy (read + write) of a `gib` GiB array on the default device."""
     import jax
@@ -92,8 +107,9 @@ GRAMMARS = {"none": None, "json": Grammar("json_schema", BENCH_SCHEMA)}
 
 
 def run_once(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, seed: int,
-             requests: int | None = None, grammar: str = "none") -> dict:
-    """`batch` requests at once; with `requests`, each finished one is replaced until that many ran."""
+             requests: int | None = None, grammar: str = "none", adapter: str | None = None) -> dict:
+    """`batch` requests at once; with `requests`, each finished one is replaced until that many ran.
+    `adapter`: every request runs with this LoRA adapter."""
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, grammar=GRAMMARS[grammar])
     submitted = 0
@@ -101,7 +117,7 @@ def run_once(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, se
     def submit() -> None:
         nonlocal submitted
         engine.add_request(f"b{seed}-{submitted}", [int(t) for t in rng.integers(0, engine.vocab_size, prompt_len)],
-                           params)
+                           params, adapter)
         submitted += 1
 
     for _ in range(batch):
@@ -157,6 +173,8 @@ def engine_config(args, model: Path, seqs: int, max_model_len: int) -> EngineCon
     optional = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}
     if args.scan_layers != "auto":
         optional["scan_layers"] = args.scan_layers == "true"
+    if args.lora_rank:
+        optional.update(max_loras=1, max_lora_rank=args.lora_rank)
     return EngineConfig(model=str(model), dtype=args.dtype, quantization=args.quantization,
                         page_size=args.page_size, max_num_seqs=seqs,
                         max_num_batched_tokens=max(seqs, args.max_num_batched_tokens), max_model_len=max_model_len,
@@ -202,6 +220,8 @@ def main(argv=None) -> None:
                         help="one engine sized for the largest batch serves every batch size")
     parser.add_argument("--replay", action="store_true",
                         help="add a column: a decode step of the runner alone (see replay_step_ms)")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="every request runs with a random LoRA adapter of this rank on every projection")
     parser.add_argument("--bandwidth-bound", action="store_true",
                         help="time a device-memory copy and compare the batch-1 decode step with its bound")
     args = parser.parse_args(argv)
@@ -241,6 +261,8 @@ def main(argv=None) -> None:
         if engine is None or not args.one_engine:
             seqs = max(batches) if args.one_engine else batch
             engine = LLMEngine(engine_config(args, model, seqs, args.prompt_len + args.new_tokens))
+            if args.lora_rank:
+                engine.add_adapter("bench", str(bench_adapter(model, args.lora_rank)))
             if hasattr(engine, "wait_until_compiled"):  # older checkouts compiled everything up front
                 engine.wait_until_compiled()  # steady state: every step program compiled
         if batch == batches[0]:
@@ -255,7 +277,8 @@ def main(argv=None) -> None:
         runs = {g: [] for g in grammars}
         for seed in range(args.repeats):  # interleaved: drift hits every grammar alike
             for g in grammars:
-                runs[g].append(run_once(engine, batch, args.prompt_len, args.new_tokens, seed, args.requests, g))
+                runs[g].append(run_once(engine, batch, args.prompt_len, args.new_tokens, seed, args.requests, g,
+                                        "bench" if args.lora_rank else None))
         if args.num_hosts > 1 and not args.one_engine:
             engine.shutdown()  # the next batch size starts its own workers
         replayed = f" {replay_step_ms(engine, batch):.2f} |" if args.replay and args.num_hosts == 1 else ""
