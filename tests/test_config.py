@@ -90,7 +90,6 @@ def test_default_model_ids(spec, model_id):
         ({"models": [{"model": "a", "lora_modules": {"x": "/l"}}, {"model": "b", "lora_modules": {"x": "/m"}}]},
          "['x'] is used twice: rename it in lora_modules"),
         ({"model": "m", "task": "embed", "lora_modules": {"x": "/l"}}, "lora_modules adapt a text generation model"),
-        ({"model": "m", "max_loras": 2, "num_hosts": 2}, "LoRA adapters are not served on multi-host replicas yet"),
     ],
 )
 def test_bad_args_say_what_to_change(args, message):

@@ -161,7 +161,5 @@ class EngineConfig:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras must be non-negative and max_lora_rank at least 1, got {self.max_loras} "
                              f"and {self.max_lora_rank}")
-        if self.max_loras and self.num_hosts > 1:
-            raise ValueError("LoRA adapters are not served on multi-host replicas yet; set max_loras: 0 or num_hosts: 1")
         if self.kv_cache_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be None, 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")

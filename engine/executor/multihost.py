@@ -87,6 +87,7 @@ class EngineWorker:
         r = self.runner
         return {"buckets": r.buckets, "num_pages": r.num_pages, "max_model_len": r.max_model_len,
                 "vocab_size": r.vocab_size, "info": r.info, "describe": r.describe(), "phases": phases,
+                "lora_targets": () if r.lora is None else tuple(r.lora.a),
                 "pid": os.getpid(), "labels": _node_labels()}
 
     def warmup(self, background: bool = True) -> float:
@@ -126,6 +127,10 @@ class EngineWorker:
         """Dispatch the deferred sampling of step `step_id` under the token bitmask `allowed`."""
         self.runner.sample(self._handles[step_id], allowed)
 
+    def load_adapter(self, slot: int, adapter) -> None:
+        """Put a LoRA adapter's factors into slot `slot` of this host's share of the pool."""
+        self.runner.load_adapter(slot, adapter)
+
     def fetch(self, step_id: int) -> Optional[StepOutput]:
         """Wait for a launched step; worker 0 returns its outputs, the others None."""
         handle = self._handles.pop(step_id)
@@ -163,6 +168,7 @@ class MultiHostExecutor:
         self._answers: dict[int, list] = {}  # step id -> the calls that return its results
         self._compiled = 0  # step programs every worker has compiled
         self._samplings: dict[int, list] = {}  # step id -> its deferred sampling calls, checked at fetch
+        self._loads: list = []  # adapter loads sent since the last fetch, checked at the next one
         start = time.perf_counter()
         group, first = self._placement()
         ray.get(group.ready(), timeout=self._timeout)
@@ -184,7 +190,7 @@ class MultiHostExecutor:
         """Each worker's node labels (a TPU host's slice name and worker id)."""
         self.buckets, self.num_pages = info["buckets"], info["num_pages"]
         self.max_model_len, self.vocab_size, self.info = info["max_model_len"], info["vocab_size"], info["info"]
-        self.lora_targets: tuple[str, ...] = ()  # EngineConfig refuses max_loras over several hosts
+        self.lora_targets: tuple[str, ...] = info["lora_targets"]
         self._describe = info["describe"]
         logger.info("%d engine workers started in %.1f s (worker 0: %s)", config.num_hosts,
                     time.perf_counter() - start, ", ".join(f"{k} {v:.1f}" for k, v in info["phases"].items()))
@@ -273,7 +279,12 @@ class MultiHostExecutor:
         self._samplings[step_id] = [w.sample.remote(step_id, ref) for w in self.workers]
 
     def load_adapter(self, slot: int, adapter) -> None:
-        raise RuntimeError("a multi-host replica holds no LoRA slots (engine bug: EngineConfig refuses max_loras)")
+        """Send an adapter's factors to every worker, between the steps launched so far and the
+        next (Ray runs a caller's calls to an actor in order); a failure surfaces at the next fetch."""
+        import ray
+
+        ref = ray.put(adapter)
+        self._loads += [w.load_adapter.remote(slot, ref) for w in self.workers]
 
     def fetch(self, step_id: int) -> StepOutput:
         """Worker 0's outputs; raises if any worker failed the step or it took over step_timeout_s."""
@@ -283,7 +294,8 @@ class MultiHostExecutor:
         if calls is None:  # nothing was launched after it: ask for it alone
             calls = [w.step.remote(None, step_id) for w in self.workers]
             self._unfetched = None
-        answers = ray.get(self._samplings.pop(step_id, []) + calls, timeout=self._timeout)[-len(calls):]
+        loads, self._loads = self._loads, []
+        answers = ray.get(loads + self._samplings.pop(step_id, []) + calls, timeout=self._timeout)[-len(calls):]
         self._note_compiled([compiled for _, compiled in answers])
         return answers[0][0]
 

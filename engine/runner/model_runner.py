@@ -258,8 +258,9 @@ class ModelRunner:
         """Put `adapter`'s factors into LoRA slot `slot` (after the steps launched so far, which
         read the slot's previous adapter)."""
         arrays = slot_arrays(adapter, self._lora_shape, self.info.num_kv_heads)
+        index, arrays = self._global((np.asarray(slot, np.int32), arrays))
         with self._device_context():
-            self.lora = self._load_slot(self.lora, np.int32(slot), arrays)
+            self.lora = self._load_slot(self.lora, index, arrays)
 
     def fetch(self, handle: StepHandle) -> StepOutput:
         """Wait for a launched step and read its results."""

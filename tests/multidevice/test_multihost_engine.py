@@ -1,6 +1,7 @@
 """One engine over two host processes: the leader (this process) schedules; two `EngineWorker`
 Ray actors, 2 host CPU devices each, form one jax.distributed job (gloo collectives) and hold a
-Llama with 8 query / 2 KV heads split over all 4 devices."""
+Llama with 8 query / 2 KV heads split over all 4 devices (and one LoRA slot: base rows must not
+notice it)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import json
 
 import pytest
 import ray
-from parity import TIGHT, assert_greedy_parity, make_prompts, run_to_completion, tokens_of
+from parity import TIGHT, assert_greedy_parity, make_prompts, peft_greedy, run_to_completion, tokens_of
 from serving_helpers import engine_worker_processes
+from tiny_models import make_lora_adapter
 from transformers import AutoTokenizer
 
 from engine.core.config import EngineConfig
@@ -24,8 +26,8 @@ WORKER_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLAT
 def two_hosts(checkpoint_factory):
     model_dir = checkpoint_factory("llama", hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
     ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": WORKER_ENV})
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_hosts=2, tensor_parallel_size=4,
-                                    compilation_cache_dir=None, **{**TIGHT, "warmup": True}))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_hosts=2, tensor_parallel_size=4, max_loras=1,
+                                    max_lora_rank=4, compilation_cache_dir=None, **{**TIGHT, "warmup": True}))
     yield engine, model_dir
     engine.shutdown()
     ray.shutdown()
@@ -79,3 +81,22 @@ def test_a_host_given_another_bucket_than_its_peers_refuses_the_step(two_hosts):
     for call in calls:
         with pytest.raises(ray.exceptions.RayTaskError, match="must run identical steps in identical order"):
             ray.get(call, timeout=60)
+
+
+def test_lora_adapters_load_on_every_host_and_answer_as_transformers_with_peft(two_hosts, tmp_path):
+    """Two adapters take the one slot in turn: each load reaches both workers between steps."""
+    engine, model_dir = two_hosts
+    adapters = {name: make_lora_adapter(model_dir, tmp_path / name, rank=4, seed=seed)
+                for name, seed in (("a", 1), ("b", 2))}
+    for name, path in adapters.items():
+        engine.add_adapter(name, str(path))
+    prompts = make_prompts([9, 13], seed=11)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for name, prompt in zip(adapters, prompts):
+        engine.add_request(name, prompt, params, name)
+    got = {name: [] for name in adapters}
+    while engine.has_work():
+        for delta in engine.step():
+            got[delta.request_id] += delta.token_ids
+    for name, prompt in zip(adapters, prompts):
+        assert got[name] == peft_greedy(model_dir, adapters[name], prompt, 8), name
