@@ -222,6 +222,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             compiled_programs=compiled,
             step_programs=programs,
+            num_adapters=len(self._adapters),
+            lora_slots_in_use=0 if self.scheduler.adapters is None else self.scheduler.adapters.pinned(),
         )
 
     # ---- internals ----

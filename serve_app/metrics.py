@@ -162,6 +162,9 @@ class _EngineStatsCollector:
                                                  "the rest compile in the background).", stats.compiled_programs),
             "jax_serve:step_programs": ("Step programs the replica compiles in all (0: none ahead of use).",
                                         stats.step_programs),
+            "jax_serve:lora_adapters": ("LoRA adapters the replica holds read in host memory.", stats.num_adapters),
+            "jax_serve:lora_slots_in_use": ("Device LoRA slots pinned by running requests (of max_loras).",
+                                            stats.lora_slots_in_use),
         }
         counters = {
             "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),

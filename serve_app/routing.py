@@ -96,6 +96,11 @@ class PrefixHistory:
     def forget(self, replica: Any) -> None:
         self._seen.pop(replica, None)
 
+    def keep_only(self, replicas: Iterable[Any]) -> None:
+        """Forget every replica not in `replicas` (scaled down, replaced)."""
+        for replica in set(self._seen) - set(replicas):
+            del self._seen[replica]
+
 
 class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
     """See the module docstring. `imbalance`: how many more queued requests than the least loaded
@@ -127,6 +132,10 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
         self._history.forget(replica_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]):
+        super().update_replicas(replicas)
+        self._history.keep_only(r.replica_id for r in replicas)
 
     def _overloaded(self, replica: ReplicaID, candidates: list[ReplicaID]) -> bool:
         """Whether `replica`'s known queue is `imbalance` longer than the shortest known one."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 from parity import hf_greedy, peft_greedy
-from serving_helpers import app_in_process
+from serving_helpers import app_in_process, wait_for
 from tiny_models import make_lora_adapter
 from transformers import AutoTokenizer
 
@@ -107,6 +107,10 @@ def test_a_replica_holds_its_least_recently_used_adapters_only(app, llama_dir):
         assert http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}).status_code == 200
     held = [key.split("@")[0] for key in server.engine.core.adapters()]
     assert held == ["three", "two"]  # max_cpu_loras=2: "one" read first, gone first
+    labels = '{model_name="tiny-llama",replica="local"}'
+    wait_for(lambda: f"jax_serve:lora_adapters{labels} 2.0\n" in http.get("/metrics").text, 5,
+             "the engine's next stats (every loop turn) to count the adapters")
+    assert f"jax_serve:lora_slots_in_use{labels} 0.0\n" in http.get("/metrics").text
     assert complete(client, "one") == text_of(llama_dir, peft_greedy(llama_dir, paths["every"], PROMPT, TOKENS))
     assert sorted(key.split("@")[0] for key in server.engine.core.adapters()) == ["one", "three"]
     for name in ("one", "two", "three"):

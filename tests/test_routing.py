@@ -47,6 +47,9 @@ def test_the_replica_that_was_given_the_longest_prefix_wins():
     assert history.match(short, ["r1", "r2"]) == ("r1", 2)  # a tie: the first candidate
     history.forget("r2")
     assert history.match(long, ["r1", "r2"]) == ("r1", 2)
+    history.add("r3", long)
+    history.keep_only(["r3"])  # r1 scaled down
+    assert history.match(short, ["r1", "r3"]) == ("r3", 2) and history.match(short, ["r1"]) == (None, 0)
 
 
 def test_the_history_forgets_the_least_recently_routed_prefixes_first():

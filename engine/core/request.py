@@ -210,6 +210,10 @@ class EngineStats:
     background, and a step takes only compiled ones)."""
     step_programs: int = 0
     """Step programs in all (0: the engine compiles none ahead, e.g. warmup off)."""
+    num_adapters: int = 0
+    """LoRA adapters known to the engine (read into host memory)."""
+    lora_slots_in_use: int = 0
+    """Device LoRA slots pinned by running sequences."""
 
     @property
     def kv_cache_usage(self) -> float:

@@ -176,11 +176,11 @@ def _feed_forward(layer, h, lora: Optional[LayerLora]):
 
 
 def _adapted_mlp(mlp, h, lora: LayerLora):
-    """A gated MLP, down(act(gate(h)) * up(h)), each projection with its LoRA update."""
-    if hasattr(mlp, "gate_up"):  # gate and up fused into one SwiGLU module by the backend
-        (gate, up), act = mlp.gate_up(h), hax.nn.silu
-    else:
-        gate, up, act = mlp.gate_proj(h, key=None), mlp.up_proj(h, key=None), mlp.act
+    """A gated MLP, down(act(gate(h)) * up(h)), each projection with its LoRA update; a backend's
+    own MLP module adapts itself (`adapted`)."""
+    if hasattr(mlp, "adapted"):
+        return mlp.adapted(h, lora)
+    gate, up, act = mlp.gate_proj(h, key=None), mlp.up_proj(h, key=None), mlp.act
     hidden = act(lora.add("gate_proj", gate, h)) * lora.add("up_proj", up, h)
     return lora.add("down_proj", mlp.down_proj(hidden, key=None), hidden)
 

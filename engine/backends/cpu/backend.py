@@ -153,6 +153,17 @@ class PackedSwiGLU(eqx.Module):
         batch, gate_up = self.gate_up.concatenated(x)
         return self.down_proj(unflatten_rows(silu_mul(gate_up), batch, self.gate_up.Outs[0]))
 
+    def adapted(self, x: NamedArray, lora) -> NamedArray:
+        """The MLP with each projection's LoRA update (engine.model.lora.LayerLora): the updates
+        join the fused gate/up product's output, so the product and the gating kernel still run."""
+        batch, gate_up = self.gate_up.concatenated(x)
+        names = [ax.name for ax in batch]
+        deltas = [lora.delta(name, x).rearrange((*names, *(ax.name for ax in hax.axis_spec_to_tuple(Out))))
+                  for name, Out in zip(("gate_proj", "up_proj"), self.gate_up.Outs)]
+        gate_up = gate_up + jnp.concatenate([d.array.reshape(gate_up.shape[0], -1) for d in deltas], axis=-1)
+        hidden = unflatten_rows(silu_mul(gate_up), batch, self.gate_up.Outs[0])
+        return lora.add("down_proj", self.down_proj(hidden), hidden)
+
 
 class Bf16BitsKVCache(SplitKVCache):
     """A bfloat16 cache stored as its uint16 bits, which the attention kernel reads as bfloat16:
