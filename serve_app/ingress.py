@@ -272,9 +272,9 @@ def create_app(
             set_attributes(span, **{"gen_ai.request.model": request.model})
             check_limits(request, limits)
             route = routes.get(request.model)
-            backend = _backend(backends, route.base if route else request.model, request_cls, routes)
-            lora = route.ref if route else None
-            problem = (await backend.state()).problem(route.base if route else request.model)
+            model_id, lora = (route.base, route.ref) if route else (request.model, None)
+            backend = _backend(backends, model_id, request_cls, routes)
+            problem = (await backend.state()).problem(model_id)
             if problem:  # starting or failed: say so now, rather than queue it behind replicas that are not there
                 raise Unavailable(problem)
             if isinstance(request, EmbeddingRequest):

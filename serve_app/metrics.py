@@ -107,7 +107,10 @@ class RequestTracker:
         self._request_id = request_id
         self._arrival = arrival_time
         self._last_token: Optional[float] = None
-        self._first_token: Optional[float] = None
+        self.started = time.time()
+        """When the replica began the request (wall-clock seconds)."""
+        self.first_token: Optional[float] = None
+        """When its first output token arrived, if one did."""
         metrics.request_queue_time.observe(max(0.0, time.time() - arrival_time))
 
     def on_tokens(self, count: int) -> None:
@@ -115,7 +118,7 @@ class RequestTracker:
             return
         now = time.time()
         if self._last_token is None:
-            self._first_token = now
+            self.first_token = now
             self._metrics.time_to_first_token.observe(now - self._arrival)
         else:
             for _ in range(count):
@@ -128,7 +131,7 @@ class RequestTracker:
         self._metrics.e2e_request_latency.observe(now - self._arrival)
         self._metrics.prompt_tokens.inc(prompt_tokens)
         self._metrics.count_finished(reason)
-        ttft = "-" if self._first_token is None else f"{self._first_token - self._arrival:.4f}"
+        ttft = "-" if self.first_token is None else f"{self.first_token - self._arrival:.4f}"
         logger.info(
             "request_done id=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft_s=%s latency_s=%.4f "
             "finish_reason=%s",

@@ -40,22 +40,12 @@ def prompt_text(request: Any) -> Optional[str]:
     """The text a request's prompt starts with, as the prefix history keys it (a batch: its first
     prompt; token ids as their decimal text); None for requests without a prompt."""
     messages = getattr(request, "messages", None)
-    if messages is not None:
-        return "".join(f"<|{m.role}|>{_content_text(m.content)}" for m in messages)
-    prompt = getattr(request, "prompt", None)
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        prompt = prompt[0]  # a batch: its first prompt
-    if isinstance(prompt, list):
-        return " ".join(str(t) for t in prompt)
-    return prompt if isinstance(prompt, str) else None
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(getattr(part, "text", None) or "" for part in content)
-    return ""
+    if messages is not None:  # each message's content is text (ChatMessage joins text parts)
+        return "".join(f"<|{m.role}|>{m.content}" for m in messages)
+    prompts = getattr(request, "prompts", None)
+    if not prompts:
+        return None
+    return prompts[0] if isinstance(prompts[0], str) else " ".join(str(t) for t in prompts[0])
 
 
 def prefix_hashes(text: str) -> list[int]:

@@ -31,7 +31,7 @@ from serve_app.config import ModelConfig, TracingConfig
 from serve_app.detokenize import TextStream, TokenStrings, special_ids
 from serve_app.errors import BadRequest, to_api_error
 from serve_app.lora import LoraRef, ReplicaAdapters
-from serve_app.metrics import ServerMetrics, replica_name
+from serve_app.metrics import RequestTracker, ServerMetrics, replica_name
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.reasoning import ReasoningStream
 from serve_app.replica import Replica
@@ -295,7 +295,7 @@ class ModelServer(Replica):
         thinking = job.reasoning() if job.reasoning is not None else None
         called = False
         reason, counts = "abort", ChoiceCounts(0, 0, 0)
-        times = _EngineTimes(time.time())
+        scheduled = None  # when the engine first scheduled it (its first delta says)
         try:
             deltas = self.engine.generate(sample.request_id, sample.prompt.ids, sample.params, job.adapter)
             async with contextlib.aclosing(deltas):
@@ -306,7 +306,7 @@ class ModelServer(Replica):
                         if job.echo:
                             update.extend(_echo_update(sample, delta, echo_text, echo_offsets))
                     tracker.on_tokens(len(delta.token_ids))
-                    times.on_delta(delta)
+                    scheduled = scheduled or delta.scheduled_time
                     token_ids = [] if job.drop_output else delta.token_ids
                     new_text, offsets = text.push(token_ids)
                     logprobs = delta.logprobs or [None] * len(token_ids)
@@ -331,25 +331,24 @@ class ModelServer(Replica):
                         yield update
         finally:
             tracker.finish(reason, counts.prompt_tokens, counts.completion_tokens, counts.cached_tokens)
-            self._trace_engine_request(job.span, sample.request_id, times, reason, counts)
+            self._trace_engine_request(job.span, sample.request_id, tracker, scheduled, reason, counts)
 
-    def _trace_engine_request(self, parent, request_id: str, times: "_EngineTimes", reason: str,
-                              counts: ChoiceCounts) -> None:
+    def _trace_engine_request(self, parent, request_id: str, tracker: RequestTracker, scheduled: Optional[float],
+                              reason: str, counts: ChoiceCounts) -> None:
         """The engine request's span under the request's, with its phases: queued (until the
         engine first scheduled it), prefill (until its first token), decode (the rest)."""
         if parent is None:
             return
         end = time.time()
-        span = self.tracing.child("engine_request", parent, times.added, end, **{
+        span = self.tracing.child("engine_request", parent, tracker.started, end, **{
             "jax_serve.request_id": request_id, "gen_ai.usage.input_tokens": counts.prompt_tokens,
             "gen_ai.usage.output_tokens": counts.completion_tokens, "jax_serve.cached_tokens": counts.cached_tokens,
             "gen_ai.response.finish_reasons": (reason,)})
-        scheduled = times.scheduled or times.added
-        first = times.first_token or end
-        if times.scheduled is not None:
-            self.tracing.child("queued", span, times.added, scheduled)
-        self.tracing.child("prefill", span, scheduled, first)
-        if times.first_token is not None:
+        first = tracker.first_token or end
+        if scheduled is not None:
+            self.tracing.child("queued", span, tracker.started, scheduled)
+        self.tracing.child("prefill", span, scheduled or tracker.started, first)
+        if tracker.first_token is not None:
             self.tracing.child("decode", span, first, end)
 
     def _echo(self, prompt: PromptInput) -> tuple[str, list[int]]:
@@ -358,22 +357,6 @@ class ModelServer(Replica):
         text, offsets = stream.push(prompt.ids)
         text += stream.finish()
         return (prompt.text if prompt.text is not None else text), offsets
-
-
-@dataclasses.dataclass
-class _EngineTimes:
-    """When one engine request was added, first scheduled (the engine says) and gave its first
-    token (wall-clock seconds)."""
-
-    added: float
-    scheduled: Optional[float] = None
-    first_token: Optional[float] = None
-
-    def on_delta(self, delta: TokenDelta) -> None:
-        if delta.scheduled_time is not None and self.scheduled is None:
-            self.scheduled = delta.scheduled_time
-        if delta.token_ids and self.first_token is None:
-            self.first_token = time.time()
 
 
 def _special_tags(tokenizer, tags: tuple[str, ...]) -> frozenset[int]:

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-SPAN_NAMES = ("generate", "engine_request", "queued", "prefill", "decode")
-
 
 class Tracing:
     """A tracer, or nothing (every method then does nothing)."""
@@ -41,7 +39,9 @@ class Tracing:
         if not endpoint:
             return Tracing.off()
         try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter,
+            )
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
         except ImportError as exc:
             raise ValueError("otlp_traces_endpoint needs OpenTelemetry: pip install 'jax-serve[otel]'") from exc
@@ -62,10 +62,6 @@ class Tracing:
         provider = TracerProvider(resource=Resource.create({"service.name": service}))
         provider.add_span_processor(processor)
         return Tracing(provider.get_tracer("jax-serve"))
-
-    @property
-    def on(self) -> bool:
-        return self._tracer is not None
 
     def start(self, name: str, parent: Optional[dict[str, str]] = None, server: bool = False, **attributes) -> Any:
         """A started span (None when off), child of the W3C context in the headers `parent` (none:
@@ -94,7 +90,9 @@ def headers_of(span: Any) -> dict[str, str]:
     if span is None:
         return {}
     from opentelemetry import trace
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    from opentelemetry.trace.propagation.tracecontext import (
+        TraceContextTextMapPropagator,
+    )
 
     carrier: dict[str, str] = {}
     TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(span))
@@ -120,7 +118,9 @@ def set_http_status(span: Any, status: int) -> None:
 def _extract(headers: Optional[dict[str, str]]):
     """The context of the W3C headers (an empty one, so a new trace, without them)."""
     from opentelemetry.context import Context
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    from opentelemetry.trace.propagation.tracecontext import (
+        TraceContextTextMapPropagator,
+    )
 
     carrier = {k.lower(): v for k, v in (headers or {}).items()}
     return TraceContextTextMapPropagator().extract(carrier, context=Context())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any
 
 _uids = itertools.count(1)
 
@@ -36,13 +36,9 @@ class AdapterSlots:
     """Assigns adapters to `num_slots` device slots (0 .. num_slots - 1)."""
 
     def __init__(self, num_slots: int):
-        self.num_slots = num_slots
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recently used first
         self._pins = [0] * num_slots
         self._free = list(range(num_slots))
-
-    def slot(self, adapter: Adapter) -> Optional[int]:
-        return self._slot_of.get(adapter.uid)
 
     def can_acquire(self, adapter: Adapter) -> bool:
         return adapter.uid in self._slot_of or bool(self._free) or any(

@@ -87,7 +87,7 @@ class EngineWorker:
         r = self.runner
         return {"buckets": r.buckets, "num_pages": r.num_pages, "max_model_len": r.max_model_len,
                 "vocab_size": r.vocab_size, "info": r.info, "describe": r.describe(), "phases": phases,
-                "lora_targets": () if r.lora is None else tuple(r.lora.a),
+                "lora_targets": r.lora_targets,
                 "pid": os.getpid(), "labels": _node_labels()}
 
     def warmup(self, background: bool = True) -> float:

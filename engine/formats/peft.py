@@ -138,20 +138,14 @@ def _sizes(name: str, info: ModelInfo) -> tuple[int, int]:
 
 
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file as float32 (bfloat16 widened: it is float32's top half)."""
-    data = path.read_bytes()
-    header_len = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + header_len])
-    dtypes = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
+    """Every tensor of a safetensors file as float32 (ml_dtypes gives numpy bfloat16)."""
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    floating = {np.dtype(t) for t in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16)}
     out = {}
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        if entry["dtype"] not in dtypes:
-            raise ValueError(f"{path}: tensor {key!r} has dtype {entry['dtype']}; LoRA factors are floating point")
-        begin, end = entry["data_offsets"]
-        raw = np.frombuffer(data, dtypes[entry["dtype"]], (end - begin) // np.dtype(dtypes[entry["dtype"]]).itemsize,
-                            8 + header_len + begin).reshape(entry["shape"])
-        bf16 = entry["dtype"] == "BF16"
-        out[key] = (raw.astype(np.uint32) << 16).view(np.float32) if bf16 else raw.astype(np.float32)
+    for key, tensor in load_file(str(path)).items():
+        if tensor.dtype not in floating:
+            raise ValueError(f"{path}: tensor {key!r} has dtype {tensor.dtype}; LoRA factors are floating point")
+        out[key] = tensor.astype(np.float32)
     return out

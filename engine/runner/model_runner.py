@@ -204,13 +204,11 @@ class ModelRunner:
         self.vocab_size = self.info.vocab_size
         self.lora = self._lora_pool()
         """The LoRA adapters' pool on the devices (engine.model.lora), or None without `max_loras`."""
-        self._lora_type = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                                 self.lora)
+        self._lora_type = _types(self.lora)
         self._cache_sharding = NamedSharding(self.mesh, self.backend.cache_partition(sharding.MODEL_AXIS))
         self.num_pages = self._pool_pages()
         self.cache = self._init_cache()
-        self._cache_type = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                                  self.cache)
+        self._cache_type = _types(self.cache)
         """The cache's types, for compiling while steps donate and replace the cache itself."""
         self.steps = _Steps(self.model, self.backend, self.mesh, self._cache_sharding, self.buckets.max_rows,
                             vocab_split=self.layout.size > 1 and self.layout.shard_vocab)
@@ -253,6 +251,11 @@ class ModelRunner:
             handle.out = self.steps.sample(rows, sampling._replace(allowed=self._global(allowed)), switches)
         handle.unsampled = None
         self._last_tokens = handle.out.tokens
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The projections adapters may adapt (empty without a LoRA pool)."""
+        return () if self.lora is None else tuple(self.lora.a)
 
     def load_adapter(self, slot: int, adapter: LoraAdapter) -> None:
         """Put `adapter`'s factors into LoRA slot `slot` (after the steps launched so far, which
@@ -437,6 +440,12 @@ def serving_model(model, model_dir: str, info, layout: sharding.TensorParallelLa
     hf = read_hf_config(model_dir)
     rope, variant = Rope.from_hf_config(hf, info.head_dim), Variant.from_hf_config(hf, info.head_dim)
     return place(ServingModel.from_levanter(model, rope, scan_layers, place, variant))
+
+
+def _types(tree: Any) -> Any:
+    """The arrays of `tree` as their types (shape, dtype, sharding), to compile against while the
+    arrays themselves are donated and replaced."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
 def _to_host(tree: Any) -> Any:
