@@ -64,11 +64,15 @@ class LoraPool(eqx.Module):
         b = {name: hax.zeros((Layer, Slot, Rank, *Out), dtype) for name, (_, Out) in shape.projections.items()}
         return LoraPool(a, b)
 
-    def for_step(self, layer, token_slot: NamedArray) -> "LayerLora":
-        """Layer `layer`'s factors (an int, or traced in a scanned loop) for tokens whose slots are
-        `token_slot` (position; -1: the base model)."""
+    def onehot(self, token_slot: NamedArray) -> NamedArray:
+        """(position, adapter): 1 at each token's slot, given `token_slot` (position; -1: the base
+        model, all zero). Made once per step; every layer reads it."""
         Slot = next(iter(self.a.values())).resolve_axis(ADAPTER)
-        onehot = (token_slot.broadcast_axis(Slot) == hax.arange(Slot)).astype(jnp.float32)
+        return (token_slot.broadcast_axis(Slot) == hax.arange(Slot)).astype(jnp.float32)
+
+    def for_step(self, layer, onehot: NamedArray) -> "LayerLora":
+        """Layer `layer`'s factors (an int, or traced in a scanned loop) for the step's tokens,
+        each reading its slot of `onehot` (see `onehot`)."""
         pick = lambda arrays: {name: x[LAYER, layer] for name, x in arrays.items()}  # noqa: E731
         return LayerLora(pick(self.a), pick(self.b), onehot)
 

@@ -83,8 +83,8 @@ def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepI
     """Run every layer over the step's tokens (with `lora`: each adapted by its row's adapter).
     Returns the final hidden states (position, embed) and the updated cache."""
     Pos = hax.Axis("position", inputs.tokens.shape[0])
-    token_slot = None if lora is None else hax.named(inputs.adapter[inputs.token_row], Pos)
-    adapters = lambda index: None if lora is None else lora.for_step(index, token_slot)  # noqa: E731
+    onehot = None if lora is None else lora.onehot(hax.named(inputs.adapter[inputs.token_row], Pos))
+    adapters = lambda index: None if lora is None else lora.for_step(index, onehot)  # noqa: E731
     x = model.embeddings.embed(hax.named(inputs.tokens, Pos))
     if model.variant.embed_scale is not None:  # in the embeddings' dtype, as transformers rounds it
         x = x * jnp.asarray(model.variant.embed_scale, x.dtype)
