@@ -19,6 +19,13 @@ step N+1 is launched in two parts: its forward pass first (as any step, reading 
 device), then, once N is fetched and the grammars have taken its tokens, the masks are computed
 and N+1's sampling is launched. The masks overlap N+1's forward pass; what waits is the sampling.
 
+Speculative decoding (`speculative`, engine.core.speculation): decoding rows carry guessed tokens
+from the proposer, and the step samples after each; the engine keeps the guesses the model agrees
+with. A step with guesses is finished before the next is planned (its rows' lengths depend on
+what was kept), and guesses are made only from tokens the host has: while a step is in flight,
+the engine waits for it first only when a sequence's known tokens already repeat (guesses are
+likely); otherwise steps keep overlapping.
+
 LoRA adapters (`max_loras`): `add_adapter` reads an adapter into host memory under a name (any
 thread); a request that names it runs with it. The scheduler admits it once its adapter has one of
 the devices' slots (engine.core.adapters), and the step that first reads a newly given slot loads
@@ -49,6 +56,7 @@ from engine.core.request import (
     check_request,
 )
 from engine.core.scheduler import PENDING_TOKEN, Plan, Row, Scheduler, SchedulerConfig, Sequence, Status
+from engine.core.speculation import NgramProposer, draft_limit, kept_tokens, share_slots
 from engine.core.step_plan import RowSlots, StepOutput, StepPlanner
 from engine.executor.base import make_executor
 
@@ -66,13 +74,19 @@ class LaunchedStep:
     masks_pending: bool = False
     """Its sampling waits for its grammars' masks (`LLMEngine._sample_constrained`)."""
 
+    @property
+    def speculative(self) -> bool:
+        """Whether a row carries guesses (the next step needs its results first)."""
+        return any(row.drafts for row in self.plan.rows)
+
 
 @dataclasses.dataclass(frozen=True)
 class RowResult:
-    """What one row of a step produced (`token` is meaningful only when the row samples)."""
+    """What one row of a step produced (`tokens` are meaningful only when the row samples): the
+    token sampled in each of its sampling slots (one, or 1 + its guesses)."""
 
-    token: int
-    logprob: Optional[TokenLogprob]
+    tokens: list[int]
+    logprobs: Optional[list[TokenLogprob]]
     prompt_logprobs: list[TokenLogprob]
     """For rows of a sequence that asked for prompt logprobs: one per prompt token this row
     predicts (tokens start+1 .. of the prompt)."""
@@ -105,6 +119,14 @@ class LLMEngine:
         self._aborted: list[str] = []
         self._in_flight: Optional[LaunchedStep] = None
         self._seeds = random.Random(config.seed)
+        self.proposer = NgramProposer(config.speculative) if config.speculative else None
+        """Guesses for decoding rows (speculative decoding), or None."""
+        cap = config.speculative.max_step_tokens if config.speculative else None
+        self.max_step_tokens = cap or self.executor.flat_step_tokens
+        """Token slots a step's decoding rows and their guesses take at most."""
+        self._num_drafts = 0  # rows that carried guesses
+        self._num_draft_tokens = 0  # guesses checked
+        self._num_accepted_tokens = 0  # of those, kept
         self._num_steps = 0
         self._last_batch = 0
         self._max_batch = 0
@@ -175,8 +197,8 @@ class LLMEngine:
         deltas = [TokenDelta(rid, [], finish_reason=FinishReason.ABORT) for rid in self._aborted]
         self._aborted.clear()
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and self._needs_host_tokens():
-            deltas += self._finish(previous)  # penalties count every sampled token: no overlap
+        if previous is not None and (self._needs_host_tokens() or self._guesses_likely()):
+            deltas += self._finish(previous)  # penalties count every sampled token, guesses need them: no overlap
             previous = None
         launched = self._launch(previous)
         if previous is not None:
@@ -184,7 +206,7 @@ class LLMEngine:
         if launched is not None and launched.masks_pending:
             self._sample_constrained(launched)
         if launched is not None:
-            if self.config.async_scheduling:
+            if self.config.async_scheduling and not launched.speculative:
                 self._in_flight = launched
             else:
                 deltas += self._finish(launched)
@@ -224,6 +246,9 @@ class LLMEngine:
             step_programs=programs,
             num_adapters=len(self._adapters),
             lora_slots_in_use=0 if self.scheduler.adapters is None else self.scheduler.adapters.pinned(),
+            spec_drafts=self._num_drafts,
+            spec_draft_tokens=self._num_draft_tokens,
+            spec_accepted_tokens=self._num_accepted_tokens,
         )
 
     # ---- internals ----
@@ -232,12 +257,38 @@ class LLMEngine:
         """Whether planning the next step needs every token sampled so far on the host."""
         return any(seq.params.needs_penalties for seq in self.scheduler.running)
 
+    def _guesses_likely(self) -> bool:
+        """Whether a decoding sequence's tokens known on the host already repeat and the step has
+        room for guesses (its next row would likely carry some, which needs the token in flight
+        on the host first)."""
+        if self.proposer is None:
+            return False
+        decoding = [seq for seq in self.scheduler.running if seq.num_pending == 1]
+        return len(decoding) < self.max_step_tokens and any(
+            self.proposer.propose(seq.token_ids[: seq.num_known_tokens], 1)
+            for seq in decoding if draft_limit(seq, self.max_model_len))
+
+    def _drafts(self) -> dict[str, list[int]]:
+        """Guesses for the decoding sequences whose every token is on the host, by request id,
+        sharing the token slots `max_step_tokens` leaves beside the decoding rows' own."""
+        if self.proposer is None:
+            return {}
+        decoding = [seq for seq in self.scheduler.running if seq.num_pending == 1]
+        proposed = {}
+        for seq in decoding:
+            limit = 0 if seq.tokens_in_flight else draft_limit(seq, self.max_model_len)
+            guesses = self.proposer.propose(seq.token_ids, limit) if limit else []
+            if guesses:
+                proposed[seq.request_id] = guesses
+        counts = share_slots([len(g) for g in proposed.values()], self.max_step_tokens - len(decoding))
+        return {rid: guesses[:n] for (rid, guesses), n in zip(proposed.items(), counts) if n}
+
     def _launch(self, previous: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
         """Plan and dispatch the next step (None if nothing can run); advance its rows."""
         if not self.scheduler.has_work():
             return None
         ready = self.executor.ready_buckets()  # while programs compile, steps fit the ready ones
-        plan = self.scheduler.schedule(max_tokens=ready[-1].tokens)
+        plan = self.scheduler.schedule(max_tokens=ready[-1].tokens, drafts=self._drafts())
         if not plan.rows:
             return None
         for slot, adapter in plan.loads:
@@ -277,7 +328,7 @@ class LLMEngine:
     def _feed_grammars(self, rows: list[Row], results: list[RowResult]) -> dict[str, bool]:
         """Feed constrained rows' sampled tokens to their grammars, all at once; per request id,
         whether its grammar ends the output."""
-        fed = [(row.seq, result.token) for row, result in zip(rows, results)
+        fed = [(row.seq, result.tokens[0]) for row, result in zip(rows, results)
                if row.samples and row.seq.grammar is not None and row.seq.status is not Status.FINISHED]
         if not fed:
             return {}
@@ -293,11 +344,19 @@ class LLMEngine:
         if not row.samples:
             return None
         generated = row.start + row.length - len(seq.prompt_ids) + 1  # outputs up to this row's token
-        seq.output_ids[generated - 1] = result.token
+        tokens = self._keep(row, result.tokens)
+        seq.output_ids[generated - 1] = tokens[0]
         seq.tokens_in_flight -= 1
-        delta = TokenDelta(seq.request_id, [result.token],
-                           logprobs=None if result.logprob is None else [result.logprob],
-                           finish_reason=self._finish_reason(seq, generated, grammar_done))
+        seq.output_ids += tokens[1:]  # a row with guesses: none of the sequence's tokens is in flight
+        seq.num_computed += len(tokens) - 1  # the guesses kept are in the cache already
+        reason = None
+        for count in range(generated, generated + len(tokens)):
+            reason = self._finish_reason(seq, count, grammar_done)
+            if reason is not None:
+                tokens = tokens[: count - generated + 1]
+                break
+        logprobs = None if result.logprobs is None else result.logprobs[: len(tokens)]
+        delta = TokenDelta(seq.request_id, tokens, logprobs=logprobs, finish_reason=reason)
         if not seq.sent_first:
             seq.sent_first = True
             delta.num_prompt_tokens = len(seq.prompt_ids)
@@ -306,11 +365,22 @@ class LLMEngine:
             if seq.params.prompt_logprobs is not None:
                 delta.prompt_logprobs = list(seq.prompt_logprobs)
         if delta.finished:
-            del seq.output_ids[generated:]  # a token the step in flight is sampling, never sent
+            del seq.output_ids[generated + len(tokens) - 1 :]  # tokens after the last one sent, never sent
             seq.tokens_in_flight = 0
             self._sequences.pop(seq.request_id, None)
             self.scheduler.finish(seq)
         return delta
+
+    def _keep(self, row: Row, sampled: list[int]) -> list[int]:
+        """The tokens a row emits: its sampled token, or for a row with guesses the guesses the
+        model agreed with and the token after them (engine.core.speculation)."""
+        if not row.drafts:
+            return sampled[:1]
+        tokens = kept_tokens(row.drafts, sampled)
+        self._num_drafts += 1
+        self._num_draft_tokens += len(row.drafts)
+        self._num_accepted_tokens += len(tokens) - 1
+        return tokens
 
     def _finish_reason(self, seq: Sequence, generated: int, grammar_done: bool) -> Optional[FinishReason]:
         """Why the sequence ends with its first `generated` output tokens, if it does."""
@@ -344,11 +414,13 @@ def _row_results(plan: Plan, slots: RowSlots, out: StepOutput) -> list[RowResult
             target = seq.prompt_ids[plan.rows[r].start + len(prompt[r]) + 1]
             prompt[r].append(_token_logprob(target, chosen[k], top_ids[k], top_lps[k], seq.params.prompt_logprobs))
     results = []
-    for row, slot, prompt_lps in zip(plan.rows, slots.slots, prompt):
-        token, k = int(out.tokens[slot]), row.seq.params.logprobs
-        logprob = None if k is None else _token_logprob(token, out.logprobs[slot], out.top_ids[slot],
-                                                        out.top_logprobs[slot], k)
-        results.append(RowResult(token, logprob, prompt_lps))
+    for row, first, prompt_lps in zip(plan.rows, slots.slots, prompt):
+        span, k = range(first, first + row.num_samples), row.seq.params.logprobs
+        tokens = [int(out.tokens[slot]) for slot in span]
+        logprobs = None if k is None else [
+            _token_logprob(token, out.logprobs[slot], out.top_ids[slot], out.top_logprobs[slot], k)
+            for token, slot in zip(tokens, span)]
+        results.append(RowResult(tokens, logprobs, prompt_lps))
     return results
 
 

@@ -174,6 +174,13 @@ class _EngineStatsCollector:
             "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
             "vllm:num_preemptions": ("Requests preempted for lack of KV pages.", stats.num_preemptions),
             "vllm:engine_steps": ("Engine steps run.", stats.num_steps),
+            "vllm:spec_decode_num_drafts": ("Decoding rows that carried guessed tokens (speculative decoding).",
+                                            stats.spec_drafts),
+            "vllm:spec_decode_num_draft_tokens": ("Guessed tokens checked (speculative decoding).",
+                                                  stats.spec_draft_tokens),
+            "vllm:spec_decode_num_accepted_tokens": ("Guessed tokens kept: the model sampled the same token "
+                                                     "(acceptance rate: accepted / draft tokens).",
+                                                     stats.spec_accepted_tokens),
         }
         for name, (doc, value) in gauges.items():
             family = GaugeMetricFamily(name, doc, labels=names)

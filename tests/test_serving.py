@@ -114,7 +114,8 @@ def serving(checkpoint_factory, tmp_path_factory):
                     {"model": str(checkpoint), "model_id": MODEL, **engine, "max_ongoing_requests": MAX_ONGOING,
                      "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
                     {"model": S3_URI, "model_id": MODEL_TP2, **engine, **tp2, **from_s3, **lora, "stream_batch_ms": 5},
-                    {"model": HUB_REPO, "model_id": MODEL_2HOSTS, **engine, **two_hosts, "stream_batch_ms": 5},
+                    {"model": HUB_REPO, "model_id": MODEL_2HOSTS, **engine, **two_hosts, "stream_batch_ms": 5,
+                     "speculative": {"method": "ngram", "num_tokens": 3, "prompt_lookup_min": 1}},
                     {"model": str(checkpoint), "model_id": MODEL_SLOW, **engine, "engine_cls": "fake_engine:SlowFakeEngine",
                      "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "max_ongoing_requests": MAX_ONGOING,
                      "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
@@ -878,7 +879,14 @@ def test_models_that_cannot_start_get_a_503_that_says_why_and_the_others_keep_se
 # ---- a replica over two hosts ----
 
 
-def test_a_replica_over_two_hosts_answers_as_transformers(serving, client):
+def test_a_replica_over_two_hosts_answers_as_transformers(serving, client, http):
+    """With speculative decoding (1-token prompt lookup: a random model's output soon repeats a
+    token, so rows carry guesses), the tokens of decoding one at a time."""
+    long = client.completions.create(model=MODEL_2HOSTS, prompt=PROMPT, max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert long.choices[0].text == greedy_text(serving, serving.tokenizer.encode(PROMPT), 40, serving.eight_heads)
+    (guessed,) = samples(http, "vllm:spec_decode_num_draft_tokens_total", model_name=MODEL_2HOSTS)
+    assert guessed.value > 0
     for prompt in (PROMPT, "Once upon a time"):
         prompt_ids = serving.tokenizer.encode(prompt)
         got = client.completions.create(model=MODEL_2HOSTS, prompt=prompt, max_tokens=12, temperature=0,

@@ -107,6 +107,17 @@ def test_int8_weights_compile_for_a_tpu_at_half_the_bytes(tiny_dir, tmp_path):
     assert int8.loading_extra_bytes == 0  # quantized on the host: the chips hold only the int8 weights
 
 
+def test_speculative_decoding_compiles_a_sampler_for_every_guess_slot(tiny_dir, tmp_path):
+    """With 3 guesses per row, 8 rows sample up to 32 slots: each step size samples as many slots
+    as it has tokens (R = T), and the programs still fit."""
+    report = aot(tiny_dir, "v5e:2x2", 4, tmp_path / "report.json", "--speculative-tokens", "3")
+    names = [p["name"] for p in report["programs"]]
+    assert names == (["forward T=8"] + [f"sample R=8 {s}" for s in SAMPLERS] + ["forward T=1"]
+                     + [f"sample R=1 {s}" for s in SAMPLERS] + ["forward T=16"] + [f"sample R=16 {s}" for s in SAMPLERS]
+                     + ["forward T=32"] + [f"sample R=32 {s}" for s in SAMPLERS])
+    assert report["fits"] is True
+
+
 def test_a_slice_too_small_for_the_model_is_reported_not_fitting(tiny_dir, tmp_path):
     """Llama-3.1-70B's shapes on one v5e chip: the weights alone exceed its HBM. The planner says so
     (70.55 billion bfloat16 weights), and libtpu's compiler refuses the first program."""

@@ -9,11 +9,12 @@ shape compiles once. A step's bucket is two sizes, each from a short ladder:
   `max_num_seqs` rows, so the forward program depends on T alone. No page dimension either: every
   row's page table spans `max_model_len`, and every backend reads only the pages a row's length
   covers.
-- `R` rows that the LM head and the sampler run on (a row is one sequence's tokens and samples at
-  most one token; R covers the step's rows): the sizes min(T, max_num_seqs) of the token ladder,
-  so a long prompt's step computes one row of logits, not max_num_seqs.
+- `R` sampling slots that the LM head and the sampler run on (a row is one sequence's tokens and
+  samples one token, or 1 + its guesses with speculative decoding; R covers the step's samples):
+  the sizes min(T, max_samples) of the token ladder, so a long prompt's step computes one row of
+  logits, not max_num_seqs.
 
-`all()` lists the compile units, Bucket(T, min(T, max_num_seqs)) for each T: a forward program
+`all()` lists the compile units, Bucket(T, min(T, max_samples)) for each T: a forward program
 and the sampler programs for its R. The leader picks each step's bucket (every host of a replica
 must run the same shapes) and the step plan carries it. While programs still compile in the
 background, a step takes the smallest T and R that are ready (`for_step(..., ready=...)`), and the
@@ -43,7 +44,7 @@ class Bucket:
     tokens: int
     """T: token slots of the step (the forward program's size)."""
     rows: int
-    """R: rows the LM head and the sampler run on (at least the step's rows)."""
+    """R: sampling slots the LM head and the sampler run on (at least the step's samples)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +55,20 @@ class ShapeBuckets:
     max_num_batched_tokens: int
     max_pages_per_seq: int
     page_size: int
+    max_drafts: int = 0
+    """Guessed tokens a row may carry (speculative decoding; 0: none)."""
 
     @property
     def max_rows(self) -> int:
         """Rows of a step at most (each running sequence has at most one row): the length of every
-        step's per-row arrays and of its sampled-token array."""
+        step's per-row arrays."""
         return self.max_num_seqs
+
+    @property
+    def max_samples(self) -> int:
+        """Sampling slots of a step at most (one per row, and one per guess): the length of its
+        sampled-token array."""
+        return self.max_num_seqs * (1 + self.max_drafts)
 
     @property
     def token_ladder(self) -> list[int]:
@@ -69,10 +78,10 @@ class ShapeBuckets:
         return sorted(rungs)
 
     def bucket(self, tokens: int) -> Bucket:
-        return Bucket(tokens, min(tokens, self.max_rows))
+        return Bucket(tokens, min(tokens, self.max_samples))
 
     def all(self) -> list[Bucket]:
-        """The compile units, smallest first: each T of the ladder with R = min(T, max_num_seqs)."""
+        """The compile units, smallest first: each T of the ladder with R = min(T, max_samples)."""
         return [self.bucket(t) for t in self.token_ladder]
 
     def compile_order(self) -> list[Bucket]:
@@ -82,13 +91,13 @@ class ShapeBuckets:
         first = self.bucket(self.for_step(min(self.max_num_seqs, self.max_num_batched_tokens), 1).tokens)
         return [first] + [b for b in self.all() if b != first]
 
-    def for_step(self, num_tokens: int, num_rows: int, ready: Optional[Iterable[Bucket]] = None) -> Bucket:
-        """The bucket of a step of `num_tokens` tokens in `num_rows` rows: the smallest T and the
-        smallest R of the compile units `ready` (default all) that hold them."""
+    def for_step(self, num_tokens: int, num_samples: int, ready: Optional[Iterable[Bucket]] = None) -> Bucket:
+        """The bucket of a step of `num_tokens` tokens and `num_samples` sampling slots: the
+        smallest T and the smallest R of the compile units `ready` (default all) that hold them."""
         units = self.all() if ready is None else list(ready)
         tokens = [b.tokens for b in units if b.tokens >= num_tokens]
-        rows = [b.rows for b in units if b.rows >= num_rows]
+        rows = [b.rows for b in units if b.rows >= num_samples]
         if not tokens or not rows:
-            raise ValueError(f"no compiled bucket holds a step of {num_tokens} tokens in {num_rows} rows "
+            raise ValueError(f"no compiled bucket holds a step of {num_tokens} tokens and {num_samples} samples "
                              f"(have {sorted(units)}); the scheduler must keep steps within the largest (engine bug)")
         return Bucket(min(tokens), min(rows))

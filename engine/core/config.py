@@ -12,6 +12,42 @@ AttentionBackendName = Literal["auto", "cpu", "xla", "tpu"]
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/core/speculation.py): a decoding row carries up to `num_tokens`
+    guessed next tokens, the step computes them all, and the guesses the model itself would have
+    sampled are kept. Greedy and seeded output are the tokens decoding one at a time gives."""
+
+    method: Literal["ngram"] = "ngram"
+    """ngram: prompt lookup. The sequence's last n tokens (n from `prompt_lookup_max` down to
+    `prompt_lookup_min`) are looked up earlier in its prompt and output; the tokens that followed
+    their latest occurrence are the guesses. Free to make, and right where output repeats its
+    input (code edits, summaries, extraction, multi-turn chat)."""
+    num_tokens: int = 4
+    """Guessed tokens per decoding row at most: a step then emits 1 to num_tokens + 1 tokens per row."""
+    prompt_lookup_min: int = 2
+    """The shortest suffix looked up."""
+    prompt_lookup_max: int = 4
+    """The longest suffix looked up (longer matches are tried first)."""
+    max_step_tokens: Optional[int] = None
+    """Token slots that a step's decoding rows and their guesses take at most (the guesses share
+    what the rows' own tokens leave, row by row). A step costs about what one token does only up
+    to some size: past it, guesses that fail cost more time than the ones kept save. None: the
+    devices' own figure, 8 on CPUs (compute-bound past a handful of rows) and the whole step
+    budget on accelerators (a step reads the weights once, whatever its rows)."""
+
+    def __post_init__(self):
+        if self.method != "ngram":
+            raise ValueError(f"speculative.method must be 'ngram', got {self.method!r}")
+        if self.num_tokens < 1:
+            raise ValueError(f"speculative.num_tokens must be at least 1, got {self.num_tokens}")
+        if self.max_step_tokens is not None and self.max_step_tokens < 2:
+            raise ValueError(f"speculative.max_step_tokens must be at least 2 (or None), got {self.max_step_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Sizes and switches of one engine (one model replica)."""
 
@@ -125,6 +161,16 @@ class EngineConfig:
     max_lora_rank: int = 16
     """The largest rank of an adapter the engine takes (slots are this size; lower ranks are
     zero-padded)."""
+    speculative: Optional[SpeculativeConfig] = None
+    """Speculative decoding, e.g. {method: ngram, num_tokens: 4}; None: one token per row and step.
+    Steps that carry guesses run one at a time (the next step's rows depend on how many were kept);
+    the others still overlap as `async_scheduling` says. Rows of requests with penalties, logit
+    bias, min_tokens or a grammar never carry guesses."""
+
+    @property
+    def max_drafts(self) -> int:
+        """Guessed tokens a decoding row may carry (0 without speculative decoding)."""
+        return 0 if self.speculative is None else self.speculative.num_tokens
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

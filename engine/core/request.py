@@ -214,6 +214,12 @@ class EngineStats:
     """LoRA adapters known to the engine (read into host memory)."""
     lora_slots_in_use: int = 0
     """Device LoRA slots pinned by running sequences."""
+    spec_drafts: int = 0
+    """Rows that carried guessed tokens (speculative decoding), since start."""
+    spec_draft_tokens: int = 0
+    """Guessed tokens checked, since start."""
+    spec_accepted_tokens: int = 0
+    """Of those, the ones kept (the model sampled the same token)."""
 
     @property
     def kv_cache_usage(self) -> float:

@@ -5,6 +5,10 @@ spends a token budget: first one token for every decoding sequence, then chunks 
 reading their prompt, then new sequences from the waiting queue (chunked prefill), all in one ragged
 batch. A row whose chunk reaches the end of the sequence's tokens samples the next token.
 
+With speculative decoding (engine.core.speculation) a decoding row may also carry guessed
+tokens after its own, as the budget allows; its pages are reserved for them too. Guesses are not
+the sequence's tokens: the engine appends those the step confirms.
+
 A sequence with a LoRA adapter is admitted only when its adapter has a device slot (or one can be
 given to it: engine.core.adapters); the plan lists the adapters to load before the step runs.
 Others behind it in the queue may go first. Its pages' prefix hashes start from its adapter's, so
@@ -112,17 +116,29 @@ class Sequence:
 
 @dataclasses.dataclass
 class Row:
-    """One sequence's work in a step: tokens [start, start + length) of `seq.token_ids`."""
+    """One sequence's work in a step: tokens [start, start + length) of `seq.token_ids`, then its
+    guesses `drafts` (a decoding row with speculative decoding)."""
 
     seq: Sequence
     start: int
     length: int
+    drafts: list[int] = dataclasses.field(default_factory=list)
     samples: bool = dataclasses.field(init=False)
     """Whether this step produces the sequence's next token (the row reaches the end of the
     sequence's tokens). Fixed when the row is made, so it still holds after the token is appended."""
 
     def __post_init__(self):
         self.samples = self.start + self.length == self.seq.num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots the row takes in the step: its own tokens and its guesses."""
+        return self.length + len(self.drafts)
+
+    @property
+    def num_samples(self) -> int:
+        """Sampling slots of the row: one after its last token and one after each guess."""
+        return 1 + len(self.drafts)
 
 
 @dataclasses.dataclass
@@ -142,7 +158,11 @@ class Plan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(row.length for row in self.rows)
+        return sum(row.num_tokens for row in self.rows)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(row.num_samples for row in self.rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,12 +220,13 @@ class Scheduler:
         seq.pages = []
         seq.status = Status.FINISHED
 
-    def schedule(self, max_tokens: Optional[int] = None) -> Plan:
+    def schedule(self, max_tokens: Optional[int] = None, drafts: Optional[dict[str, list[int]]] = None) -> Plan:
         """The next step's rows. `max_tokens`: a lower token budget for this step than the
-        configured one (the largest step the device side can run right now)."""
+        configured one (the largest step the device side can run right now). `drafts`: guesses
+        for decoding sequences, by request id (speculative decoding), taken as the budget allows."""
         plan = Plan(decode=[], prefill=[], preempted=[])
         limit = self.config.max_num_batched_tokens if max_tokens is None else min(max_tokens, self.config.max_num_batched_tokens)
-        budget = self._schedule_running(plan, limit)
+        budget = self._schedule_running(plan, limit, drafts or {})
         for row in plan.rows:  # final now: no row of this plan can be dropped any more
             self._register_full_pages(row.seq, row.start + row.length)
         if not plan.preempted:
@@ -214,22 +235,23 @@ class Scheduler:
 
     # ---- internals ----
 
-    def _schedule_running(self, plan: Plan, limit: int) -> int:
-        """Decodes first (one token each), then running prompts' chunks, oldest first within each,
-        within `limit` tokens. Returns the budget left."""
+    def _schedule_running(self, plan: Plan, limit: int, drafts: dict[str, list[int]]) -> int:
+        """Decodes first (one token each, and their guesses while the budget lasts), then running
+        prompts' chunks, oldest first within each, within `limit` tokens. Returns the budget left."""
         budget = limit
         for decoding in (True, False):
             for seq in [s for s in self.running if (s.num_pending == 1) == decoding]:
                 if seq.status is not Status.RUNNING or budget == 0 or self._at_length_limit(seq):
                     continue
                 length = min(seq.num_pending, self.config.prefill_chunk, budget)
+                guesses = drafts.get(seq.request_id, [])[: budget - length] if decoding else []
                 num_preempted = len(plan.preempted)
-                reserved = self._reserve_running(seq, length, plan)
+                reserved = self._reserve_running(seq, length + len(guesses), plan)
                 if len(plan.preempted) > num_preempted:  # victims' rows were dropped: their tokens are back
                     budget = limit - plan.num_tokens
                 if reserved:
-                    self._add_row(plan, Row(seq, seq.num_computed, length))
-                    budget -= length
+                    self._add_row(plan, Row(seq, seq.num_computed, length, guesses))
+                    budget -= length + len(guesses)
         return budget
 
     def _admit_waiting(self, plan: Plan, budget: int) -> None:
@@ -281,7 +303,7 @@ class Scheduler:
         return self.allocator.enable_prefix_caching and seq.params.prompt_logprobs is None
 
     def _reserve_running(self, seq: Sequence, length: int, plan: Plan) -> bool:
-        """Make room for `length` more tokens of a running sequence, preempting the newest running
+        """Make room for `length` more token slots of a running sequence, preempting the newest running
         sequences as needed. False if `seq` itself had to be preempted."""
         needed = self._pages_needed(seq, length)
         while not self.allocator.can_allocate(needed):

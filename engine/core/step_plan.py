@@ -10,8 +10,13 @@ owns tokens [q_start[k], q_start[k] + q_lens[k]), packed one after another; `tok
 token's row. Every token writes its key and value to `kv_dest` (page * page_size + slot) before
 attention reads the pages, so a row sees its own new tokens. Padding sits at the end only: padding
 tokens write to the scratch page and belong to the last row; padding rows start where the tokens
-end and have q_lens = kv_lens = 0. Each row samples from its last token (`sample_index`); its
-sampled token lands in slot k of the step's output.
+end and have q_lens = kv_lens = 0.
+
+Sampling slots: each row samples from its last token, a row with guesses (speculative decoding:
+its own token, then the guesses, engine.core.speculation) from each of its last 1 + k tokens.
+The slots are numbered row after row (`RowSlots.slots` names each row's first); slot j samples
+from token `sample_index[j]` at position `sampling.position[j]`, and its token lands in slot j of
+the step's output.
 
 A row whose last token is still being sampled by the previous step (async scheduling: a
 placeholder on the host) takes it from that step's sampled tokens on the device: `prev_slot[t]`
@@ -48,12 +53,13 @@ class StepInputs(NamedTuple):
     kv_lens: np.ndarray  # i32[S] tokens in the cache after this step (0 for padding rows)
     q_start: np.ndarray  # i32[S] first token of the row
     q_lens: np.ndarray  # i32[S] tokens of the row in this step (0 for padding rows)
-    sample_index: np.ndarray  # i32[S] token whose logits the row samples from (the head reads rows [0, R))
+    sample_index: np.ndarray  # i32[N] token each sampling slot samples after (N: max_samples; the head reads [0, R))
     adapter: np.ndarray  # i32[S] LoRA slot of the row's adapter (-1: the base model; padding rows too)
 
 
 class SamplingInputs(NamedTuple):
-    """Per-row sampling parameters, f/i[R]; the dense arrays are None unless `penalize`."""
+    """Per sampling slot parameters, f/i[R] (a row's slots share its request's); the dense arrays
+    are None unless `penalize`."""
 
     temperature: np.ndarray
     top_k: np.ndarray
@@ -124,7 +130,7 @@ class StepPlan:
 class StepOutput(NamedTuple):
     """What a step produced, on the host: the device side's answer to a `StepPlan`."""
 
-    tokens: np.ndarray  # i32[R] sampled token of each row (padding rows: garbage)
+    tokens: np.ndarray  # i32[R] sampled token of each sampling slot (padding slots: garbage)
     logprobs: Optional[np.ndarray] = None  # f32[R] of the sampled token, when the switches asked
     top_ids: Optional[np.ndarray] = None  # i32[R, 20]
     top_logprobs: Optional[np.ndarray] = None  # f32[R, 20]
@@ -138,9 +144,10 @@ class RowSlots:
 
     step_id: int
     slots: list[int]
-    """Sampling slot of each row of `plan.rows`."""
+    """First sampling slot of each row of `plan.rows` (a row with guesses has 1 + k in a row)."""
     slot_of: dict[str, int]
-    """Sampling slot of each row that samples, by request id (what the next step reads)."""
+    """Sampling slot of each row that samples and has no guesses, by request id (what the next
+    step reads: a row with guesses is fetched before the next step is planned)."""
     prompt_rows: list[int]
     """For each prompt logprob entry: the index (into `plan.rows`) of the row it belongs to."""
     num_slots: int = 0
@@ -165,46 +172,48 @@ class StepPlanner:
         placeholders of this one. `defer_masks`: leave `sampling.allowed` None even when a row
         is constrained (`allowed_tokens` makes it once the grammars have seen `previous`'s tokens).
         `ready`: the buckets the step may take (default: any)."""
-        bucket = self.buckets.for_step(plan.num_tokens, len(plan.rows), ready)
+        bucket = self.buckets.for_step(plan.num_tokens, plan.num_samples, ready)
         inputs = _empty_inputs(bucket, self.buckets)
-        starts = list(itertools.accumulate((row.length for row in plan.rows), initial=0))
+        starts = list(itertools.accumulate((row.num_tokens for row in plan.rows), initial=0))
+        slots = list(itertools.accumulate((row.num_samples for row in plan.rows), initial=0))[:-1]
         reads_previous = False
-        for slot, (row, start) in enumerate(zip(plan.rows, starts)):
-            reads_previous |= self._fill_row(row, start, slot, inputs, previous)
+        for k, (row, start, slot) in enumerate(zip(plan.rows, starts, slots)):
+            reads_previous |= self._fill_row(row, start, k, slot, inputs, previous)
         end = starts[len(plan.rows)]
         inputs.q_start[len(plan.rows):] = end  # padding rows start where the tokens end: q_start stays sorted
         inputs.token_row[end:] = self.buckets.max_rows - 1
-        rows = list(enumerate(plan.rows))
+        rows = list(zip(slots, plan.rows))
         sampling, switches = self._sampling_inputs(rows, bucket.rows, defer_masks)
         prompt_lps, prompt_rows = self._prompt_logprob_inputs(plan, starts)
         step = StepPlan(step_id, bucket, inputs, sampling, switches, prompt_lps,
                         previous.step_id if reads_previous else None)
-        slot_of = {row.seq.request_id: slot for slot, row in rows if row.samples}
-        return step, RowSlots(step_id, list(range(len(plan.rows))), slot_of, prompt_rows, bucket.rows)
+        slot_of = {row.seq.request_id: slot for slot, row in rows if row.samples and not row.drafts}
+        return step, RowSlots(step_id, slots, slot_of, prompt_rows, bucket.rows)
 
     # ---- internals ----
 
-    def _fill_row(self, row: Row, offset: int, slot: int, inputs: StepInputs,
+    def _fill_row(self, row: Row, offset: int, k: int, slot: int, inputs: StepInputs,
                   previous: Optional[RowSlots]) -> bool:
-        """Write one row's tokens and row arrays; True when it reads a token of `previous`."""
-        seq, start, end = row.seq, row.start, row.start + row.length
+        """Write row `k`'s tokens, its row arrays and its sampling slots from `slot` on; True when
+        it reads a token of `previous`."""
+        seq, start, end, count = row.seq, row.start, row.start + row.length, row.num_tokens
         page_size = self.page_size
-        if row.length == 1:  # a decode row: scalar stores (numpy's per-call cost dominates at batch 32)
+        if count == 1:  # a decode row: scalar stores (numpy's per-call cost dominates at batch 32)
             prompt_len = len(seq.prompt_ids)
             inputs.tokens[offset] = seq.prompt_ids[start] if start < prompt_len else seq.output_ids[start - prompt_len]
             inputs.positions[offset] = start
             inputs.kv_dest[offset] = seq.pages[start // page_size] * page_size + start % page_size
         else:
-            span = slice(offset, offset + row.length)
-            pos = np.arange(start, end)
-            inputs.tokens[span] = seq.token_ids[start:end]
+            span = slice(offset, offset + count)
+            pos = np.arange(start, start + count)
+            inputs.tokens[span] = seq.token_ids[start:end] + row.drafts
             inputs.positions[span] = pos
             inputs.kv_dest[span] = np.asarray(seq.pages)[pos // page_size] * page_size + pos % page_size
-        inputs.token_row[offset : offset + row.length] = slot
-        inputs.page_table[slot, : len(seq.pages)] = seq.pages
-        inputs.kv_lens[slot], inputs.q_start[slot], inputs.q_lens[slot] = end, offset, row.length
-        inputs.sample_index[slot] = offset + row.length - 1
-        inputs.adapter[slot] = seq.adapter_slot
+        inputs.token_row[offset : offset + count] = k
+        inputs.page_table[k, : len(seq.pages)] = seq.pages
+        inputs.kv_lens[k], inputs.q_start[k], inputs.q_lens[k] = start + count, offset, count
+        inputs.sample_index[slot : slot + row.num_samples] = np.arange(offset + row.length - 1, offset + count)
+        inputs.adapter[k] = seq.adapter_slot
         if end <= seq.num_known_tokens:
             return False
         # the row's last token is the one `previous` is sampling
@@ -217,12 +226,16 @@ class StepPlanner:
 
     def _sampling_inputs(self, rows: list[tuple[int, Row]], n: int,
                          defer_masks: bool = False) -> tuple[SamplingInputs, SamplerSwitches]:
+        """The sampling inputs of `n` slots from (first slot, row) pairs: a row's slots sample the
+        positions after each of its last 1 + k tokens, each with its request's parameters."""
         temperature, top_p, min_p = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.float32)
         top_k, seed, position = np.zeros(n, np.int32), np.zeros(n, np.uint32), np.zeros(n, np.int32)
         for i, row in rows:
-            params = row.seq.params
-            temperature[i], top_k[i], top_p[i], min_p[i] = params.temperature, params.top_k, params.top_p, params.min_p
-            seed[i], position[i] = row.seq.seed % U32, row.seq.num_tokens
+            params, span = row.seq.params, slice(i, i + row.num_samples)
+            temperature[span], top_k[span], top_p[span], min_p[span] = (params.temperature, params.top_k,
+                                                                        params.top_p, params.min_p)
+            seed[span] = row.seq.seed % U32
+            position[span] = np.arange(row.seq.num_tokens, row.seq.num_tokens + row.num_samples)
         params = [row.seq.params for _, row in rows]
         switches = SamplerSwitches(
             random=any(not p.greedy for p in params),
@@ -308,6 +321,7 @@ def _needs_dense(row: Row) -> bool:
 
 def _empty_inputs(bucket: Bucket, buckets: ShapeBuckets) -> StepInputs:
     t, r, max_pages, page_size = bucket.tokens, buckets.max_rows, buckets.max_pages_per_seq, buckets.page_size
+    samples = buckets.max_samples
     return StepInputs(
         tokens=np.zeros(t, np.int32),
         positions=np.zeros(t, np.int32),
@@ -318,6 +332,6 @@ def _empty_inputs(bucket: Bucket, buckets: ShapeBuckets) -> StepInputs:
         kv_lens=np.zeros(r, np.int32),
         q_start=np.zeros(r, np.int32),
         q_lens=np.zeros(r, np.int32),
-        sample_index=np.zeros(r, np.int32),
+        sample_index=np.zeros(samples, np.int32),
         adapter=np.full(r, -1, np.int32),
     )

@@ -26,6 +26,8 @@ class Executor(Protocol):
     """engine.model.loading.ModelInfo of the checkpoint (EOS ids, sizes)."""
     lora_targets: tuple[str, ...]
     """The projections LoRA adapters may adapt (empty: the executor holds no adapter slots)."""
+    flat_step_tokens: int
+    """Tokens a step holds at about the cost of one (engine.runner.model_runner.ModelRunner)."""
 
     def warmup(self, background: bool = True) -> float:
         """Compile the first step program (all with `background=False`); the rest compile in the

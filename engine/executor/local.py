@@ -17,7 +17,7 @@ class LocalExecutor:
         r = self.runner
         self.buckets, self.num_pages, self.max_model_len = r.buckets, r.num_pages, r.max_model_len
         self.vocab_size, self.info = r.vocab_size, r.info
-        self.lora_targets = r.lora_targets
+        self.lora_targets, self.flat_step_tokens = r.lora_targets, r.flat_step_tokens
 
     def warmup(self, background: bool = True) -> float:
         return self.runner.warmup(background)

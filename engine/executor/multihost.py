@@ -87,7 +87,7 @@ class EngineWorker:
         r = self.runner
         return {"buckets": r.buckets, "num_pages": r.num_pages, "max_model_len": r.max_model_len,
                 "vocab_size": r.vocab_size, "info": r.info, "describe": r.describe(), "phases": phases,
-                "lora_targets": r.lora_targets,
+                "lora_targets": r.lora_targets, "flat_step_tokens": r.flat_step_tokens,
                 "pid": os.getpid(), "labels": _node_labels()}
 
     def warmup(self, background: bool = True) -> float:
@@ -191,6 +191,7 @@ class MultiHostExecutor:
         self.buckets, self.num_pages = info["buckets"], info["num_pages"]
         self.max_model_len, self.vocab_size, self.info = info["max_model_len"], info["vocab_size"], info["info"]
         self.lora_targets: tuple[str, ...] = info["lora_targets"]
+        self.flat_step_tokens: int = info["flat_step_tokens"]
         self._describe = info["describe"]
         logger.info("%d engine workers started in %.1f s (worker 0: %s)", config.num_hosts,
                     time.perf_counter() - start, ", ".join(f"{k} {v:.1f}" for k, v in info["phases"].items()))

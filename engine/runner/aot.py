@@ -135,10 +135,11 @@ def compile_for_topology(config, topology: str, chips_per_host: Optional[str] = 
     plan = capacity.plan(config, size, hbm_bytes, backend.cache_bytes_per_page)
     smallest = capacity.smallest_tensor_parallel(config, hbm_bytes, len(devices), backend.cache_bytes_per_page)
     pages_per_seq = plan.pages_per_sequence
-    buckets = ShapeBuckets(config.max_num_seqs, config.max_num_batched_tokens, pages_per_seq, config.page_size)
+    buckets = ShapeBuckets(config.max_num_seqs, config.max_num_batched_tokens, pages_per_seq, config.page_size,
+                           config.max_drafts)
     # a config that does not fit still compiles, with one sequence's pool: the compiler has its say too
     cache, cache_sharding = _cache(config, info, layout, mesh, backend, max(plan.pages, pages_per_seq + 1))
-    steps = _Steps(model, backend, mesh, cache_sharding, buckets.max_rows,
+    steps = _Steps(model, backend, mesh, cache_sharding, buckets.max_samples,
                    vocab_split=layout.size > 1 and layout.shard_vocab)
     programs, problem = _compile_all(steps, buckets, cache, mesh, info.vocab_size, layout.axis_mapping)
     return AotReport(topology, devices[0].device_kind, len(devices), len({d.process_index for d in devices}), size,
@@ -195,7 +196,7 @@ def _compile_all(steps, buckets, cache, mesh, vocab_size: int,
     replicated = sharding.replicated(mesh)
     place = lambda tree: jax.tree_util.tree_map(  # noqa: E731 -- the step's host inputs as replicated types
         lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=replicated), tree)
-    prev_tokens = jax.ShapeDtypeStruct((buckets.max_rows,), np.int32, sharding=replicated)
+    prev_tokens = jax.ShapeDtypeStruct((buckets.max_samples,), np.int32, sharding=replicated)
     programs, sampler_rows = [], set()
     # No mesh context (jax.set_mesh): levanter evaluates a few constants eagerly while tracing, and
     # eagerly on a mesh of TPUs this host does not have cannot run. Shardings come with the arguments.
@@ -309,19 +310,23 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-fraction", type=float, default=0.9)
+    parser.add_argument("--speculative-tokens", type=int, default=0,
+                        help="guessed tokens per decoding row (speculative decoding: more sampling slots); 0: none")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    from engine.core.config import EngineConfig
+    from engine.core.config import EngineConfig, SpeculativeConfig
 
     chips = len(topology_devices(args.topology, args.chips_per_host))
+    speculative = SpeculativeConfig(num_tokens=args.speculative_tokens) if args.speculative_tokens else None
     config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           quantization=args.quantization, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, page_size=args.page_size, attention_backend="tpu",
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                          tensor_parallel_size=args.tensor_parallel_size or chips, compilation_cache_dir=None)
+                          tensor_parallel_size=args.tensor_parallel_size or chips, compilation_cache_dir=None,
+                          speculative=speculative)
     start = time.perf_counter()
     report = compile_for_topology(config, args.topology, args.chips_per_host)
     print(format_report(report, time.perf_counter() - start))

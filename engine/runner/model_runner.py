@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from engine.backends.base import AttentionBackend, CacheShape
 from engine.backends.select import select_backend
-from engine.core.buckets import Bucket, ShapeBuckets
+from engine.core.buckets import SMALLEST_BATCH, Bucket, ShapeBuckets
 from engine.core.config import EngineConfig
 from engine.core.grammar import mask_words
 from engine.core.step_plan import WARM_SAMPLER_SWITCHES, SamplerSwitches, StepOutput, StepPlan, empty_step_plan
@@ -87,7 +87,7 @@ class _Steps:
     ~1 ms a step, a list of arrays is flattened in C++. Hidden states and sampled tokens leave
     replicated; the cache keeps its split by KV head."""
 
-    def __init__(self, model: ServingModel, backend: AttentionBackend, mesh: Mesh, cache_sharding, max_rows: int,
+    def __init__(self, model: ServingModel, backend: AttentionBackend, mesh: Mesh, cache_sharding, max_samples: int,
                  vocab_split: bool):
         self.weights, treedef = jax.tree_util.tree_flatten(model)
         unflatten = functools.partial(jax.tree_util.tree_unflatten, treedef)
@@ -104,8 +104,8 @@ class _Steps:
 
         @functools.partial(jax.jit, donate_argnums=(1,))
         def forward_step(weights, cache, inputs, prev_tokens, lora):
-            """(hidden states f[max_rows, embed] of each row's sampled token, all final hidden
-            states f[position, embed], updated cache)."""
+            """(hidden states f[max_samples, embed] of the tokens each sampling slot samples after,
+            all final hidden states f[position, embed], updated cache)."""
             model = unflatten(weights)
             # tokens the previous step is sampling (placeholders on the host) come from its output
             tokens = jnp.where(inputs.prev_slot >= 0, prev_tokens[jnp.maximum(inputs.prev_slot, 0)], inputs.tokens)
@@ -116,13 +116,13 @@ class _Steps:
 
         @functools.partial(jax.jit, static_argnames=("switches",))
         def sample_step(head_weights, rows, sampling, switches: SamplerSwitches) -> SampleOutput:
-            """The logits of the first R rows (R: the sampling inputs' rows), sampled. Tokens are
-            padded to `max_rows`, so that the next step's forward takes them in one shape."""
+            """The logits of the first R slots (R: the sampling inputs' rows), sampled. Tokens are
+            padded to `max_samples`, so that the next step's forward takes them in one shape."""
             head = unflatten_head(head_weights)
             picked = hax.named(rows[: sampling.temperature.shape[0]], ("row", head.Embed))
             logits = gathered(unembed(head, picked).array)
             out = sample(logits, sampling, switches, backend.argmax)
-            return out._replace(tokens=jnp.pad(out.tokens, (0, max_rows - out.tokens.shape[0])))
+            return out._replace(tokens=jnp.pad(out.tokens, (0, max_samples - out.tokens.shape[0])))
 
         @jax.jit
         def prompt_logprobs_step(weights, hidden, index, targets):
@@ -134,7 +134,7 @@ class _Steps:
         self._forward, self._sample, self._prompt_logprobs = forward_step, sample_step, prompt_logprobs_step
 
     def forward(self, cache, inputs, prev_tokens, lora: Optional[LoraPool] = None):
-        """(the sampled tokens' hidden states f[max_rows, embed], final hidden states
+        """(the sampling slots' hidden states f[max_samples, embed], final hidden states
         f[position, embed], updated cache); donates `cache`. `lora`: the adapters' pool, if any."""
         return self._forward(self.weights, cache, inputs, prev_tokens, lora)
 
@@ -196,7 +196,8 @@ class ModelRunner:
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
         self.buckets = ShapeBuckets(max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
-                                    max_pages_per_seq=self.max_pages_per_seq, page_size=self.page_size)
+                                    max_pages_per_seq=self.max_pages_per_seq, page_size=self.page_size,
+                                    max_drafts=config.max_drafts)
         memory = sharding.free_device_memory(self.mesh.devices.flat)
         if memory is not None:  # accelerators: refuse a config that cannot fit before loading a weight
             capacity.check_fits(config, memory, len(jax.devices()), self.backend.cache_bytes_per_page)
@@ -210,7 +211,7 @@ class ModelRunner:
         self.cache = self._init_cache()
         self._cache_type = _types(self.cache)
         """The cache's types, for compiling while steps donate and replace the cache itself."""
-        self.steps = _Steps(self.model, self.backend, self.mesh, self._cache_sharding, self.buckets.max_rows,
+        self.steps = _Steps(self.model, self.backend, self.mesh, self._cache_sharding, self.buckets.max_samples,
                             vocab_split=self.layout.size > 1 and self.layout.shard_vocab)
         self._no_tokens = self._no_previous_tokens()
         self._last_step: Optional[int] = None
@@ -251,6 +252,15 @@ class ModelRunner:
             handle.out = self.steps.sample(rows, sampling._replace(allowed=self._global(allowed)), switches)
         handle.unsampled = None
         self._last_tokens = handle.out.tokens
+
+    @property
+    def flat_step_tokens(self) -> int:
+        """Tokens a step holds at about the cost of one: on CPUs the smallest multi-token bucket
+        (a matmul's cost grows with its rows past a handful), elsewhere the whole step budget (a
+        step reads every weight once, whatever its rows, until far more tokens than a decode batch)."""
+        if self.mesh.devices.flat[0].platform == "cpu":
+            return min(SMALLEST_BATCH, self.config.max_num_batched_tokens)
+        return self.config.max_num_batched_tokens
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
@@ -421,7 +431,7 @@ class ModelRunner:
         that its type (shape, sharding and mesh) is a sampled-token array's: warm-up compiles with it,
         and a step that reads real tokens must hit the same executable, not compile its own."""
         with self._device_context():
-            return jax.jit(lambda: jnp.zeros(self.buckets.max_rows, jnp.int32),
+            return jax.jit(lambda: jnp.zeros(self.buckets.max_samples, jnp.int32),
                            out_shardings=sharding.replicated(self.mesh))()
 
     def _device_context(self, mapping: Optional[dict[str, str]] = None):
