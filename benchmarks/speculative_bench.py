@@ -5,7 +5,9 @@ its prompt and on one whose output does not.
 
 Work: the default model (SmolLM2-135M-Instruct, fetched into ~/.cache/jax-serve/models on first
 use) or `--model DIR`, chat prompts through its chat template, greedy, `batch` requests at once,
-`--new-tokens` each (EOS ignored: every run produces as many tokens).
+`--new-tokens` each (EOS ignored: every run produces as many tokens). Guesses come from prompt
+lookup, or with `--draft DIR` from a draft model (`--draft self`: the served model drafting for
+itself, every guess kept: what the mechanism costs).
 
 - repetitive: code to edit and return whole, a paragraph to correct and write out, a text to
   quote back: the output copies long runs of the prompt (what prompt lookup is for).
@@ -97,6 +99,8 @@ def main(argv=None) -> None:
     parser.add_argument("--num-tokens", type=int, default=4, help="guesses per row")
     parser.add_argument("--max-step-tokens", type=int, default=None,
                         help="slots of decoding rows and guesses per step (default: the devices' figure)")
+    parser.add_argument("--draft", default=None, help="guess with this draft model (method draft_model) instead of "
+                        "prompt lookup; `self`: the served model itself (every guess kept: the cost of the mechanism)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "xla", "tpu"])
     args = parser.parse_args(argv)
@@ -110,12 +114,15 @@ def main(argv=None) -> None:
     longest = max(len(p) for texts in workloads.values() for p in prompts(tokenizer, texts, len(texts)))
     common = dict(model=str(model), max_num_seqs=max(batches), max_model_len=longest + args.new_tokens + 16,
                   attention_backend=args.attention_backend)
-    speculative = SpeculativeConfig(num_tokens=args.num_tokens, max_step_tokens=args.max_step_tokens)
+    method = {} if args.draft is None else {"method": "draft_model",
+                                            "model": str(model) if args.draft == "self" else args.draft}
+    speculative = SpeculativeConfig(num_tokens=args.num_tokens, max_step_tokens=args.max_step_tokens, **method)
     engines = {"plain": LLMEngine(EngineConfig(**common)),
                "speculative": LLMEngine(EngineConfig(**common, speculative=speculative))}
     for engine in engines.values():
         engine.wait_until_compiled()
     print(f"model {model.name}, {args.new_tokens} new tokens per request, greedy, {args.num_tokens} guesses per row "
+          f"from {speculative.model or 'prompt lookup'} "
           f"in {engines['speculative'].max_step_tokens} slots per step at most; "
           f"{engines['plain'].describe()['attention_backend']} backend; medians of {args.repeats}")
     print(f"{'workload':>10} {'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speed-up':>8} {'kept':>6} "

@@ -57,7 +57,7 @@ from engine.core.request import (
 )
 from engine.core.scheduler import PENDING_TOKEN, Plan, Row, Scheduler, SchedulerConfig, Sequence, Status
 from engine.core.speculation import NgramProposer, draft_limit, kept_tokens, share_slots
-from engine.core.step_plan import RowSlots, StepOutput, StepPlanner
+from engine.core.step_plan import RowSlots, StepOutput, StepPlanner, draft_inputs
 from engine.executor.base import make_executor
 
 logger = logging.getLogger(__name__)
@@ -119,8 +119,10 @@ class LLMEngine:
         self._aborted: list[str] = []
         self._in_flight: Optional[LaunchedStep] = None
         self._seeds = random.Random(config.seed)
-        self.proposer = NgramProposer(config.speculative) if config.speculative else None
-        """Guesses for decoding rows (speculative decoding), or None."""
+        self.speculative = config.speculative
+        ngram = config.speculative is not None and config.speculative.method == "ngram"
+        self.proposer = NgramProposer(config.speculative) if ngram else None
+        """Prompt-lookup guesses for decoding rows (speculative decoding by n-gram), or None."""
         cap = config.speculative.max_step_tokens if config.speculative else None
         self.max_step_tokens = cap or self.executor.flat_step_tokens
         """Token slots a step's decoding rows and their guesses take at most."""
@@ -261,27 +263,40 @@ class LLMEngine:
         """Whether a decoding sequence's tokens known on the host already repeat and the step has
         room for guesses (its next row would likely carry some, which needs the token in flight
         on the host first)."""
-        if self.proposer is None:
+        if self.speculative is None:
             return False
         decoding = [seq for seq in self.scheduler.running if seq.num_pending == 1]
-        return len(decoding) < self.max_step_tokens and any(
-            self.proposer.propose(seq.token_ids[: seq.num_known_tokens], 1)
-            for seq in decoding if draft_limit(seq, self.max_model_len))
+        if len(decoding) >= self.max_step_tokens:
+            return False
+        if self.proposer is None:  # a draft model guesses whatever the text
+            return any(draft_limit(seq, self.max_model_len) for seq in decoding)
+        return any(self.proposer.propose(seq.token_ids[: seq.num_known_tokens], 1)
+                   for seq in decoding if draft_limit(seq, self.max_model_len))
 
     def _drafts(self) -> dict[str, list[int]]:
         """Guesses for the decoding sequences whose every token is on the host, by request id,
         sharing the token slots `max_step_tokens` leaves beside the decoding rows' own."""
-        if self.proposer is None:
+        if self.speculative is None:
             return {}
         decoding = [seq for seq in self.scheduler.running if seq.num_pending == 1]
-        proposed = {}
-        for seq in decoding:
-            limit = 0 if seq.tokens_in_flight else draft_limit(seq, self.max_model_len)
-            guesses = self.proposer.propose(seq.token_ids, limit) if limit else []
-            if guesses:
-                proposed[seq.request_id] = guesses
-        counts = share_slots([len(g) for g in proposed.values()], self.max_step_tokens - len(decoding))
+        spare = self.max_step_tokens - len(decoding)
+        limits = [(seq, 0 if seq.tokens_in_flight else draft_limit(seq, self.max_model_len)) for seq in decoding]
+        proposed = self._guesses([(seq, limit) for seq, limit in limits if limit]) if spare > 0 else {}
+        counts = share_slots([len(g) for g in proposed.values()], spare)
         return {rid: guesses[:n] for (rid, guesses), n in zip(proposed.items(), counts) if n}
+
+    def _guesses(self, sequences: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
+        """Up to `limit` guesses for each (sequence, limit), by request id: prompt lookup's, or
+        the draft model's (one program for them all)."""
+        if self.proposer is not None:
+            guesses = {seq.request_id: self.proposer.propose(seq.token_ids, limit) for seq, limit in sequences}
+            return {rid: tokens for rid, tokens in guesses.items() if tokens}
+        if not sequences:
+            return {}
+        for seq, limit in sequences:  # the draft writes keys and values where its guesses will stand
+            self.scheduler.reserve_ahead(seq, limit)
+        drafted = self.executor.propose(draft_inputs(self.executor.buckets, [seq for seq, _ in sequences]))
+        return {seq.request_id: [int(t) for t in drafted[row, :limit]] for row, (seq, limit) in enumerate(sequences)}
 
     def _launch(self, previous: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
         """Plan and dispatch the next step (None if nothing can run); advance its rows."""

@@ -113,9 +113,10 @@ def serving(checkpoint_factory, tmp_path_factory):
                 "models": [
                     {"model": str(checkpoint), "model_id": MODEL, **engine, "max_ongoing_requests": MAX_ONGOING,
                      "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
-                    {"model": S3_URI, "model_id": MODEL_TP2, **engine, **tp2, **from_s3, **lora, "stream_batch_ms": 5},
-                    {"model": HUB_REPO, "model_id": MODEL_2HOSTS, **engine, **two_hosts, "stream_batch_ms": 5,
+                    {"model": S3_URI, "model_id": MODEL_TP2, **engine, **tp2, **from_s3, **lora, "stream_batch_ms": 5,
                      "speculative": {"method": "ngram", "num_tokens": 3, "prompt_lookup_min": 1}},
+                    {"model": HUB_REPO, "model_id": MODEL_2HOSTS, **engine, **two_hosts, "stream_batch_ms": 5,
+                     "speculative": {"method": "draft_model", "model": str(checkpoint), "num_tokens": 3}},
                     {"model": str(checkpoint), "model_id": MODEL_SLOW, **engine, "engine_cls": "fake_engine:SlowFakeEngine",
                      "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "max_ongoing_requests": MAX_ONGOING,
                      "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
@@ -580,8 +581,10 @@ def test_health_needs_no_key_and_reports_the_step_programs_compiled(serving, htt
 
 
 def test_a_tensor_parallel_replica_answers_as_the_single_device_one(serving, client, http):
-    """The TP=2 replica (2 host devices, the xla backend: the cpu kernels do not shard) gives the
-    same greedy text, streamed or not, as the TP=1 replica (the cpu backend), and says how it runs."""
+    """The TP=2 replica (2 host devices, the xla backend: the cpu kernels do not shard; speculative
+    decoding by 1-token prompt lookup: a random model's output soon repeats a token, so rows carry
+    guesses) gives the same greedy text, streamed or not, as the TP=1 replica (the cpu backend,
+    no speculation), and says how it runs."""
     prompts = [PROMPT, "Once upon a time", "def add(a, b):"]
     for prompt in prompts:
         want = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
@@ -602,6 +605,8 @@ def test_a_tensor_parallel_replica_answers_as_the_single_device_one(serving, cli
     assert {k: tp2.labels[k] for k in ("tensor_parallel_size", "num_devices", "attention_backend", "mesh")} == {
         "tensor_parallel_size": "2", "num_devices": "2", "attention_backend": "xla", "mesh": "data=1,model=2"}
     assert tp1.labels["dtype"] == tp2.labels["dtype"] == "float32"  # dtype auto: the checkpoint's own
+    (guessed,) = samples(http, "vllm:spec_decode_num_draft_tokens_total", model_name=MODEL_TP2)
+    assert guessed.value > 0
 
 
 @pytest.mark.parametrize("fault,cause", [(FAIL, "RuntimeError('simulated device failure')"),
@@ -880,8 +885,8 @@ def test_models_that_cannot_start_get_a_503_that_says_why_and_the_others_keep_se
 
 
 def test_a_replica_over_two_hosts_answers_as_transformers(serving, client, http):
-    """With speculative decoding (1-token prompt lookup: a random model's output soon repeats a
-    token, so rows carry guesses), the tokens of decoding one at a time."""
+    """With speculative decoding by a draft model (the 4-head tiny Llama guessing for the 8-head one,
+    each host holding its share of both), the tokens of decoding one at a time."""
     long = client.completions.create(model=MODEL_2HOSTS, prompt=PROMPT, max_tokens=40, temperature=0,
                                      extra_body={"ignore_eos": True})
     assert long.choices[0].text == greedy_text(serving, serving.tokenizer.encode(PROMPT), 40, serving.eight_heads)

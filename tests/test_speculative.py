@@ -1,7 +1,7 @@
-"""Speculative decoding (prompt lookup): the proposer's guesses, which guesses a row keeps, and the
-engine's output with speculation against transformers and against the engine without it:
-greedy tokens and logprobs equal, seeded samples equal, and the sampled distribution at guessed
-positions equal to the model's (chi-square)."""
+"""Speculative decoding (prompt lookup and a draft model): the proposer's guesses, which guesses a
+row keeps, and the engine's output with speculation against transformers and against the engine
+without it: greedy tokens and logprobs equal, seeded samples equal, and the sampled distribution
+at guessed positions equal to the model's (chi-square)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,10 @@ def test_guesses_only_where_sampling_needs_nothing_of_the_host_and_the_length_li
 
 
 def test_speculative_config_refuses_what_it_cannot_do():
-    for bad, says in (({"method": "draft_model"}, "'ngram'"), ({"num_tokens": 0}, "at least 1"),
+    for bad, says in (({"method": "eagle"}, "'ngram' or 'draft_model'"), ({"num_tokens": 0}, "at least 1"),
+                      ({"method": "draft_model"}, "names the draft checkpoint"),
+                      ({"model": "/some/draft"}, "names the draft checkpoint"),
+                      ({"max_step_tokens": 1}, "at least 2"),
                       ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max")):
         with pytest.raises(ValueError, match=says):
             SpeculativeConfig(**bad)
@@ -86,9 +89,19 @@ def small_vocab_dir(checkpoint_factory):
     return checkpoint_factory("llama", vocab_size=VOCAB)
 
 
+@pytest.fixture(scope="module")
+def other_draft_dir(checkpoint_factory):
+    """A draft of one layer and other weights: it rarely guesses the served model's token."""
+    return checkpoint_factory("llama", vocab_size=VOCAB, num_layers=1, seed=3)
+
+
 def speculative_engine(model_dir, num_tokens=3, **overrides) -> LLMEngine:
     config = {**TIGHT, "speculative": SpeculativeConfig(num_tokens=num_tokens), **overrides}
     return LLMEngine(EngineConfig(model=str(model_dir), **config))
+
+
+def draft(model_dir, num_tokens=3, **fields) -> SpeculativeConfig:
+    return SpeculativeConfig(method="draft_model", model=str(model_dir), num_tokens=num_tokens, **fields)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "xla", "tpu"])
@@ -96,11 +109,37 @@ def test_greedy_tokens_and_logprobs_equal_transformers(small_vocab_dir, backend)
     """Queued, chunked and preempted (TIGHT), rows with guesses beside prompt rows, async steps
     in between: every token and logprob as transformers decodes one token at a time."""
     engine = speculative_engine(small_vocab_dir, attention_backend=backend)
+    assert_speculative_greedy_parity(engine, small_vocab_dir)
+    stats = engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, "some guesses were meant to hold, some to fail"
+
+
+@pytest.mark.parametrize("backend,drafter", [("cpu", "itself"), ("xla", "itself"), ("tpu", "itself"),
+                                             ("cpu", "other")])
+def test_a_draft_models_guesses_leave_the_greedy_tokens_of_transformers(small_vocab_dir, other_draft_dir,
+                                                                       backend, drafter):
+    """The draft shares the served model's pages (its own pool) and guesses every decoding row:
+    the model as its own draft guesses its own tokens (nearly all kept), another draft rarely
+    (nearly all replaced); the output is transformers' either way."""
+    engine = speculative_engine(small_vocab_dir, attention_backend=backend,
+                                speculative=draft(small_vocab_dir if drafter == "itself" else other_draft_dir))
+    assert engine.describe()["draft_model"] == str(small_vocab_dir if drafter == "itself" else other_draft_dir)
+    assert_speculative_greedy_parity(engine, small_vocab_dir)
+    stats = engine.stats()
+    if drafter == "itself":
+        assert stats.spec_accepted_tokens >= 0.95 * stats.spec_draft_tokens > 0
+    else:
+        assert 0 < stats.spec_accepted_tokens < 0.2 * stats.spec_draft_tokens
+
+
+def assert_speculative_greedy_parity(engine: LLMEngine, model_dir) -> None:
+    """Eight prompts through TIGHT, 48 greedy tokens each with 2 top logprobs: tokens equal
+    transformers', logprobs within 1e-3, rows emitting several tokens, every page back."""
     prompts = make_prompts(vocab=VOCAB)
     params = SamplingParams(max_tokens=48, ignore_eos=True, logprobs=2)
     deltas = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
     for i, prompt in enumerate(prompts):
-        want_tokens, want_logprobs = hf_greedy(small_vocab_dir, prompt, 48)
+        want_tokens, want_logprobs = hf_greedy(model_dir, prompt, 48)
         assert tokens_of(deltas[str(i)]) == want_tokens, f"prompt {i}"
         got_logprobs = [lp.logprob for d in deltas[str(i)] for lp in d.logprobs]
         np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-3)
@@ -108,7 +147,6 @@ def test_greedy_tokens_and_logprobs_equal_transformers(small_vocab_dir, backend)
         assert [d.finish_reason for d in deltas[str(i)]][-1] is FinishReason.LENGTH
     stats = engine.stats()
     assert stats.num_preemptions >= 1
-    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, "some guesses were meant to hold, some to fail"
     assert stats.spec_drafts <= stats.spec_draft_tokens <= 3 * stats.spec_drafts
     assert any(len(d.token_ids) > 1 for ds in deltas.values() for d in ds)
     assert_all_pages_free(engine)
@@ -128,6 +166,12 @@ def test_on_a_cpu_decoding_rows_and_their_guesses_fill_the_smallest_multi_token_
         decode_tokens = [sum(row.num_tokens for row in plan.decode) for plan in plans]
         assert max(decode_tokens) == want
         assert engine.stats().spec_draft_tokens > 0
+
+
+def test_a_draft_model_must_share_the_served_models_vocabulary(small_vocab_dir, checkpoint_factory):
+    wider = checkpoint_factory("llama", vocab_size=2 * VOCAB)
+    with pytest.raises(ValueError, match=f"vocabulary of {2 * VOCAB} tokens, the served model {VOCAB}"):
+        speculative_engine(small_vocab_dir, speculative=draft(wider))
 
 
 def test_stops_inside_kept_guesses_end_the_output_where_one_token_at_a_time_ends_it(small_vocab_dir):
@@ -151,7 +195,8 @@ def test_stops_inside_kept_guesses_end_the_output_where_one_token_at_a_time_ends
     assert_all_pages_free(engine)
 
 
-def test_seeded_samples_are_the_tokens_of_one_at_a_time_decoding(small_vocab_dir):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_samples_are_the_tokens_of_one_at_a_time_decoding(small_vocab_dir, method):
     """The sampler draws each position's token with the request's seed and the position, so the
     guesses kept are the tokens sampling one at a time gives, and so is the token after them."""
     prompts = make_prompts([5, 12, 30, 7, 19, 3], seed=4, vocab=VOCAB)
@@ -159,7 +204,8 @@ def test_seeded_samples_are_the_tokens_of_one_at_a_time_decoding(small_vocab_dir
                                                seed=100 + i, ignore_eos=True, logprobs=1))
                 for i, p in enumerate(prompts) for t in (0.3, 0.8)}
     want = run_to_completion(LLMEngine(EngineConfig(model=str(small_vocab_dir), **TIGHT)), requests)
-    engine = speculative_engine(small_vocab_dir)
+    engine = speculative_engine(small_vocab_dir, **({"speculative": draft(small_vocab_dir)} if method == "draft_model"
+                                                    else {}))
     got = run_to_completion(engine, requests)
     for rid in requests:
         assert tokens_of(got[rid]) == tokens_of(want[rid]), rid
@@ -168,18 +214,23 @@ def test_seeded_samples_are_the_tokens_of_one_at_a_time_decoding(small_vocab_dir
     assert engine.stats().spec_accepted_tokens > 0
 
 
-def test_sampled_tokens_at_guessed_positions_follow_the_models_distribution(small_vocab_dir):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_tokens_at_guessed_positions_follow_the_models_distribution(small_vocab_dir, other_draft_dir,
+                                                                            method):
     """Rejection sampling against transformers' exact distribution: the prompt holds every token
     once, so a 1-token lookup guesses the second output token whatever the first is (what followed
-    it in the prompt); the second token is kept or replaced, and the third is the bonus token
-    where the guess held. Chi-square of 2000 unseeded requests' second and third tokens against
-    their exact marginals (p = 0.001: a sampler that kept every guess, or never replaced one
-    correctly, lands far beyond it)."""
+    it in the prompt), and a draft model guesses every one; the second token is kept or replaced,
+    and the third is the bonus token where the guess held. Chi-square of 2000 unseeded requests'
+    second and third tokens against their exact marginals (p = 0.001: a sampler that kept every
+    guess, or never replaced one correctly, lands far beyond it)."""
     rng = np.random.default_rng(7)
     prompt = [int(t) for t in rng.permutation(VOCAB)]
-    lookup = SpeculativeConfig(num_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1, max_step_tokens=256)
+    if method == "ngram":
+        guesses = SpeculativeConfig(num_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1, max_step_tokens=256)
+    else:
+        guesses = draft(other_draft_dir, num_tokens=2, max_step_tokens=256)
     engine = speculative_engine(small_vocab_dir, max_num_seqs=64, max_num_batched_tokens=256, num_pages=600,
-                                speculative=lookup, async_scheduling=False)  # async: no guess before token 2
+                                speculative=guesses, async_scheduling=False)  # async: no guess before token 2
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
     n = 2000
     deltas = run_to_completion(engine, {str(i): (prompt, params) for i in range(n)})

@@ -88,8 +88,12 @@ class ShapeBuckets:
         """Every bucket, in the order a replica compiles them: first the one a full batch of
         decodes fits (with it alone the replica serves everything, prompts in pieces of its size),
         then the rest smallest first. A function of the config alone: every host agrees."""
-        first = self.bucket(self.for_step(min(self.max_num_seqs, self.max_num_batched_tokens), 1).tokens)
+        first = self.decode_bucket()
         return [first] + [b for b in self.all() if b != first]
+
+    def decode_bucket(self) -> Bucket:
+        """The compile unit a step of one token per row (a full batch of decodes) takes."""
+        return self.bucket(self.for_step(min(self.max_num_seqs, self.max_num_batched_tokens), 1).tokens)
 
     def for_step(self, num_tokens: int, num_samples: int, ready: Optional[Iterable[Bucket]] = None) -> Bucket:
         """The bucket of a step of `num_tokens` tokens and `num_samples` sampling slots: the

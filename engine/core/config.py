@@ -17,11 +17,17 @@ class SpeculativeConfig:
     guessed next tokens, the step computes them all, and the guesses the model itself would have
     sampled are kept. Greedy and seeded output are the tokens decoding one at a time gives."""
 
-    method: Literal["ngram"] = "ngram"
+    method: Literal["ngram", "draft_model"] = "ngram"
     """ngram: prompt lookup. The sequence's last n tokens (n from `prompt_lookup_max` down to
     `prompt_lookup_min`) are looked up earlier in its prompt and output; the tokens that followed
     their latest occurrence are the guesses. Free to make, and right where output repeats its
-    input (code edits, summaries, extraction, multi-turn chat)."""
+    input (code edits, summaries, extraction, multi-turn chat).
+    draft_model: a smaller model of the same vocabulary (`model`) runs beside the served one over
+    the same KV pages and guesses greedily, `num_tokens` decode steps of its own per round; right
+    wherever the small model agrees with the large one, repetitive or not."""
+    model: Optional[str] = None
+    """With draft_model: the draft checkpoint (a local directory, an alias, a Hub repo id or an
+    s3:// / gs:// prefix, as a model's `model`); it must share the served model's vocabulary."""
     num_tokens: int = 4
     """Guessed tokens per decoding row at most: a step then emits 1 to num_tokens + 1 tokens per row."""
     prompt_lookup_min: int = 2
@@ -36,8 +42,11 @@ class SpeculativeConfig:
     budget on accelerators (a step reads the weights once, whatever its rows)."""
 
     def __post_init__(self):
-        if self.method != "ngram":
-            raise ValueError(f"speculative.method must be 'ngram', got {self.method!r}")
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative.method must be 'ngram' or 'draft_model', got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative.model names the draft checkpoint: set it with method draft_model, "
+                             f"and only then (method {self.method!r}, model {self.model!r})")
         if self.num_tokens < 1:
             raise ValueError(f"speculative.num_tokens must be at least 1, got {self.num_tokens}")
         if self.max_step_tokens is not None and self.max_step_tokens < 2:

@@ -233,6 +233,14 @@ class Scheduler:
             self._admit_waiting(plan, budget)
         return plan
 
+    def reserve_ahead(self, seq: Sequence, length: int) -> None:
+        """Give a running sequence the pages for its next `length` token slots now, where they are
+        free (never by preempting): a draft model writes its guesses' keys and values before the
+        step that checks them is planned. The step's row then finds them allocated."""
+        needed = self._pages_needed(seq, length)
+        if needed and self.allocator.can_allocate(needed):
+            seq.pages += self.allocator.allocate(needed)
+
     # ---- internals ----
 
     def _schedule_running(self, plan: Plan, limit: int, drafts: dict[str, list[int]]) -> int:

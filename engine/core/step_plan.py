@@ -35,7 +35,7 @@ import numpy as np
 from engine.core.buckets import Bucket, ShapeBuckets, pow2
 from engine.core.grammar import GrammarCompiler, mask_words
 from engine.core.pages import SCRATCH_PAGE
-from engine.core.scheduler import Plan, Row, Status
+from engine.core.scheduler import Plan, Row, Sequence, Status
 
 U32 = 2**32
 
@@ -96,6 +96,26 @@ WARM_SAMPLER_SWITCHES = (SamplerSwitches(), SamplerSwitches(random=True),
                          SamplerSwitches(random=True, constrain=True))
 """The variants warm-up compiles (once per distinct row count: a few seconds); penalties and
 top-k/p filtering compile on first use."""
+
+
+class DraftInputs(NamedTuple):
+    """What a draft model's propose program reads (engine.runner.draft), per row: max_num_seqs
+    rows, a row that does not propose with token 0 at position 0 and no pages."""
+
+    tokens: np.ndarray  # i32[S] the sequence's last token (in neither model's cache yet)
+    positions: np.ndarray  # i32[S] its position
+    page_table: np.ndarray  # i32[S, L] the sequence's pages (past them: the scratch page)
+
+
+def draft_inputs(buckets: ShapeBuckets, sequences: list[Sequence]) -> DraftInputs:
+    """The propose program's inputs for sequences whose every token is known, in rows 0.. ."""
+    rows, width = buckets.max_rows, buckets.max_pages_per_seq
+    tokens, positions = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    page_table = np.full((rows, width), SCRATCH_PAGE, np.int32)
+    for row, seq in enumerate(sequences):
+        tokens[row], positions[row] = seq.token_ids[-1], seq.num_tokens - 1
+        page_table[row, : len(seq.pages)] = seq.pages
+    return DraftInputs(tokens, positions, page_table)
 
 
 class PromptLogprobInputs(NamedTuple):

@@ -13,7 +13,7 @@ from typing import Any, Optional, Protocol
 
 from engine.core.buckets import Bucket, ShapeBuckets
 from engine.core.config import EngineConfig
-from engine.core.step_plan import StepOutput, StepPlan
+from engine.core.step_plan import DraftInputs, StepOutput, StepPlan
 
 
 class Executor(Protocol):
@@ -53,6 +53,10 @@ class Executor(Protocol):
     def load_adapter(self, slot: int, adapter: Any) -> None:
         """Put an adapter's factors (engine.formats.peft.LoraAdapter) into LoRA slot `slot`,
         after the steps launched so far."""
+
+    def propose(self, draft: DraftInputs):
+        """The draft model's guesses i32[S, num_tokens] after each row's last token
+        (speculative decoding with a draft model; engine.runner.draft), after the steps launched so far."""
 
     def fetch(self, handle: Any) -> StepOutput:
         """Wait for a launched step and read its results."""

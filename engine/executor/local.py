@@ -40,6 +40,9 @@ class LocalExecutor:
     def load_adapter(self, slot: int, adapter) -> None:
         self.runner.load_adapter(slot, adapter)
 
+    def propose(self, draft):
+        return self.runner.propose(draft)
+
     def fetch(self, handle: StepHandle) -> StepOutput:
         return self.runner.fetch(handle)
 

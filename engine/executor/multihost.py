@@ -131,6 +131,10 @@ class EngineWorker:
         """Put a LoRA adapter's factors into slot `slot` of this host's share of the pool."""
         self.runner.load_adapter(slot, adapter)
 
+    def propose(self, draft):
+        """The draft model's guesses (every host runs the program; each returns the whole)."""
+        return self.runner.propose(draft)
+
     def fetch(self, step_id: int) -> Optional[StepOutput]:
         """Wait for a launched step; worker 0 returns its outputs, the others None."""
         handle = self._handles.pop(step_id)
@@ -286,6 +290,13 @@ class MultiHostExecutor:
 
         ref = ray.put(adapter)
         self._loads += [w.load_adapter.remote(slot, ref) for w in self.workers]
+
+    def propose(self, draft):
+        """Every worker runs the draft's propose program (after the steps sent so far); worker 0's guesses."""
+        import ray
+
+        ref = ray.put(draft)
+        return ray.get([w.propose.remote(ref) for w in self.workers], timeout=self._timeout)[0]
 
     def fetch(self, step_id: int) -> StepOutput:
         """Worker 0's outputs; raises if any worker failed the step or it took over step_timeout_s."""

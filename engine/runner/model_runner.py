@@ -38,7 +38,15 @@ from engine.backends.select import select_backend
 from engine.core.buckets import SMALLEST_BATCH, Bucket, ShapeBuckets
 from engine.core.config import EngineConfig
 from engine.core.grammar import mask_words
-from engine.core.step_plan import WARM_SAMPLER_SWITCHES, SamplerSwitches, StepOutput, StepPlan, empty_step_plan
+from engine.core.step_plan import (
+    WARM_SAMPLER_SWITCHES,
+    DraftInputs,
+    SamplerSwitches,
+    StepOutput,
+    StepPlan,
+    draft_inputs,
+    empty_step_plan,
+)
 from engine.formats.peft import LoraAdapter
 from engine.model.loading import load_model, model_info, read_hf_config, resolve_dtype
 from engine.model.lora import LoraPool, LoraShape, load_slot, slot_arrays
@@ -48,6 +56,7 @@ from engine.model.rope import Rope
 from engine.model.variant import Variant
 from engine.runner import capacity, sharding
 from engine.runner.compilation_cache import enable_compilation_cache
+from engine.runner.draft import DraftShape, DraftSteps
 from engine.runner.programs import StepCompiler
 from engine.runner.sampler import SampleOutput, sample, token_logprobs
 
@@ -95,12 +104,7 @@ class _Steps:
         unflatten_head = functools.partial(jax.tree_util.tree_unflatten, head_treedef)
         replicated = sharding.replicated(mesh)
         constrain = jax.lax.with_sharding_constraint
-        by_vocab = NamedSharding(mesh, PartitionSpec(None, sharding.MODEL_AXIS)) if vocab_split else replicated
-
-        def gathered(logits):
-            """Logits computed where their slice of the vocabulary lives, then gathered: left to
-            itself, XLA gathered a tied embedding's whole weight every step (500 MiB for Llama-3.2-1B)."""
-            return constrain(constrain(logits, by_vocab), replicated)
+        gathered = vocab_gather(mesh, vocab_split)
 
         @functools.partial(jax.jit, donate_argnums=(1,))
         def forward_step(weights, cache, inputs, prev_tokens, lora):
@@ -203,6 +207,8 @@ class ModelRunner:
             capacity.check_fits(config, memory, len(jax.devices()), self.backend.cache_bytes_per_page)
         self.model, self.info = self._load(config)
         self.vocab_size = self.info.vocab_size
+        self.draft_model, self.draft_info, self.draft_layout = self._load_draft(config)
+        """The draft model of speculative decoding (engine.runner.draft), or None."""
         self.lora = self._lora_pool()
         """The LoRA adapters' pool on the devices (engine.model.lora), or None without `max_loras`."""
         self._lora_type = _types(self.lora)
@@ -211,6 +217,13 @@ class ModelRunner:
         self.cache = self._init_cache()
         self._cache_type = _types(self.cache)
         """The cache's types, for compiling while steps donate and replace the cache itself."""
+        self.draft_cache = None if self.draft_model is None else self._init_cache(self.draft_info, self.draft_layout)
+        self._draft_cache_type = _types(self.draft_cache)
+        self.draft_steps = None if self.draft_model is None else DraftSteps(
+            self.draft_model, self.backend, DraftShape(config.max_drafts, self.buckets.decode_bucket().tokens,
+                                                       self.page_size),
+            vocab_gather(self.mesh, self.draft_layout.size > 1 and self.draft_layout.shard_vocab),
+            self._cache_sharding)
         self.steps = _Steps(self.model, self.backend, self.mesh, self._cache_sharding, self.buckets.max_samples,
                             vocab_split=self.layout.size > 1 and self.layout.shard_vocab)
         self._no_tokens = self._no_previous_tokens()
@@ -234,6 +247,8 @@ class ModelRunner:
         inputs, sampling, prompt_inputs = self._global((plan.inputs, plan.sampling, plan.prompt_logprobs))
         with self._device_context():
             rows, hidden, self.cache = self.steps.forward(self.cache, inputs, prev_tokens, self.lora)
+            if self.draft_steps is not None:  # the draft's cache takes every token the served model's does
+                self.draft_cache = self.draft_steps.forward(self.draft_cache, inputs, prev_tokens)
             out = self.steps.sample(rows, sampling, plan.switches) if sample else None
             prompt = None
             if prompt_inputs is not None:
@@ -252,6 +267,15 @@ class ModelRunner:
             handle.out = self.steps.sample(rows, sampling._replace(allowed=self._global(allowed)), switches)
         handle.unsampled = None
         self._last_tokens = handle.out.tokens
+
+    def propose(self, draft: DraftInputs) -> np.ndarray:
+        """The draft model's guesses i32[S, num_tokens] after each row's last token (after the
+        steps launched so far; waits for them)."""
+        if self.draft_steps is None:
+            raise RuntimeError("this runner has no draft model (engine bug)")
+        with self._device_context():
+            guesses, self.draft_cache = self.draft_steps.propose(self.draft_cache, self._global(draft))
+        return _to_host(guesses)
 
     @property
     def flat_step_tokens(self) -> int:
@@ -306,6 +330,12 @@ class ModelRunner:
             self.steps.compile_bucket(bucket, self.buckets, self._cache_type, self._no_tokens, self.vocab_size,
                                       self._global, samplers=bucket.rows not in self._sampler_rows,
                                       lora=self._lora_type)
+            if self.draft_steps is not None:
+                inputs = self._global(empty_step_plan(bucket, self.buckets, step_id=-1).inputs)
+                self.draft_steps.lower_forward(self._draft_cache_type, inputs, self._no_tokens).compile()
+                if not self._sampler_rows:  # the first bucket: the propose program too
+                    draft = self._global(draft_inputs(self.buckets, []))
+                    self.draft_steps.lower_propose(self._draft_cache_type, draft).compile()
         self._sampler_rows.add(bucket.rows)
 
     def describe(self) -> dict[str, str]:
@@ -323,6 +353,7 @@ class ModelRunner:
             "mesh": ",".join(f"{name}={size}" for name, size in self.mesh.shape.items()),
             "page_size": str(self.page_size),
             "num_pages": str(self.num_pages),
+            "draft_model": "none" if self.draft_model is None else self.config.speculative.model,
         }
 
     def _global(self, tree):
@@ -343,7 +374,7 @@ class ModelRunner:
         placed: the devices never hold the checkpoint's float weights beside quantized ones."""
         host = self._weights_host(config)
         if host is None:
-            context = self._device_context(self._load_mapping())
+            context = self._device_context(self._load_mapping(self.layout))
             place = functools.partial(sharding.place, layout=self.layout, mesh=self.mesh)
         else:
             context = _MeshContext(Mesh(np.array([host]).reshape(1, 1), self.mesh.axis_names), {})
@@ -359,6 +390,28 @@ class ModelRunner:
         with self._device_context():
             return self.backend.prepare(serving, self.buckets, measure=config.warmup), info
 
+    def _load_draft(self, config: EngineConfig):
+        """(the draft model, its ModelInfo, its layout) for `speculative: {method: draft_model}`,
+        made on the devices and prepared by the backend as the served model is; else Nones."""
+        if config.speculative is None or config.speculative.method != "draft_model":
+            return None, None, None
+        from engine.formats.model_sources import resolve_model
+
+        path = str(resolve_model(config.speculative.model))
+        info = model_info(path)
+        if info.vocab_size != self.info.vocab_size:
+            raise ValueError(f"the draft model {config.speculative.model} has a vocabulary of {info.vocab_size} "
+                             f"tokens, the served model {self.info.vocab_size}: a draft must share its tokenizer")
+        layout = sharding.plan_layout(info, config.tensor_parallel_size)
+        place = functools.partial(sharding.place, layout=layout, mesh=self.mesh)
+        with self._device_context(self._load_mapping(layout)):
+            model, info = load_model(path, self.dtype)
+            serving = serving_model(model, path, info, layout, self.scan_layers, place, config.quantization)
+        with self._device_context(layout.axis_mapping):
+            draft = self.backend.prepare(serving, self.buckets, measure=config.warmup)
+        logger.info("draft model %s: %d layers, %d guesses per row", path, info.num_layers, config.max_drafts)
+        return draft, info, layout
+
     def _weights_host(self, config: EngineConfig) -> Optional[jax.Device]:
         """The host CPU device that quantized weights are made on before they go to the devices
         (so loading never holds the checkpoint's float weights on them); None: the weights are made
@@ -366,16 +419,19 @@ class ModelRunner:
         host = sharding.host_device() if config.quantization else None
         return None if host is None or host in self.mesh.devices.flat else host
 
-    def _load_mapping(self) -> dict[str, str]:
+    @staticmethod
+    def _load_mapping(layout: sharding.TensorParallelLayout) -> dict[str, str]:
         """The axis mapping to load weights under: the layout's, but KV heads that are to be
         repeated load whole (they split only after repeating)."""
-        mapping = dict(self.layout.axis_mapping)
-        if self.layout.kv_repeats > 1:
+        mapping = dict(layout.axis_mapping)
+        if layout.kv_repeats > 1:
             mapping.pop("kv_head", None)
         return mapping
 
-    def _cache_shape(self, num_pages: int) -> CacheShape:
-        return capacity.cache_shape(self.info, self.layout, self.page_size, num_pages, self.kv_cache_dtype)
+    def _cache_shape(self, num_pages: int, info=None, layout=None) -> CacheShape:
+        """The KV cache of `num_pages` pages of the served model (or of `info` split as `layout`)."""
+        return capacity.cache_shape(info or self.info, layout or self.layout, self.page_size, num_pages,
+                                    self.kv_cache_dtype)
 
     def _pool_pages(self) -> int:
         """KV pages: as configured; else from the memory the weights left (accelerators) or enough
@@ -390,6 +446,9 @@ class ModelRunner:
 
             free = 2**20 * int(np.min(process_allgather(np.array([free // 2**20], np.int32))))  # MiB: int32
         per_device = self.backend.cache_bytes_per_page(self._cache_shape(1)) // self.layout.size
+        if self.draft_model is not None:  # a page holds the draft's keys and values too
+            per_device += (self.backend.cache_bytes_per_page(self._cache_shape(1, self.draft_info, self.draft_layout))
+                           // self.draft_layout.size)
         pages = capacity.pages_for_memory(free, self.config.kv_cache_memory_fraction, per_device)
         if pages < self.max_pages_per_seq + 1:
             raise ValueError(f"{free / 2**30:.2f} GiB left per device after the weights hold {pages} KV pages, "
@@ -414,8 +473,9 @@ class ModelRunner:
                     sum(a.nbytes for a in jax.tree_util.tree_leaves(pool)) / 2**20)
         return pool
 
-    def _init_cache(self):
-        init = jax.jit(lambda: self.backend.init_cache(self._cache_shape(self.num_pages)),
+    def _init_cache(self, info=None, layout=None):
+        """The served model's KV pool (or that of `info` split as `layout`: the draft's)."""
+        init = jax.jit(lambda: self.backend.init_cache(self._cache_shape(self.num_pages, info, layout)),
                        out_shardings=self._cache_sharding)
         return init()
 
@@ -436,6 +496,15 @@ class ModelRunner:
 
     def _device_context(self, mapping: Optional[dict[str, str]] = None):
         return _MeshContext(self.mesh, self.layout.axis_mapping if mapping is None else mapping)
+
+
+def vocab_gather(mesh: Mesh, vocab_split: bool):
+    """f(logits) -> logits computed where their slice of the vocabulary lives, then gathered: left
+    to itself, XLA gathered a tied embedding's whole weight every step (500 MiB for Llama-3.2-1B)."""
+    replicated = sharding.replicated(mesh)
+    by_vocab = NamedSharding(mesh, PartitionSpec(None, sharding.MODEL_AXIS)) if vocab_split else replicated
+    constrain = jax.lax.with_sharding_constraint
+    return lambda logits: constrain(constrain(logits, by_vocab), replicated)
 
 
 def serving_model(model, model_dir: str, info, layout: sharding.TensorParallelLayout, scan_layers: bool,

@@ -1,0 +1,114 @@
+"""The draft model of speculative decoding (`speculative: {method: draft_model}`): a small model
+of the served model's vocabulary that guesses its next tokens. Device side, driven by the
+`ModelRunner`.
+
+Its KV cache has the served model's pages: the same page indices, in a pool of its own shape, so
+a sequence's pages hold both models' keys and values and the scheduler allocates for both at
+once. Two programs:
+
+- `forward`: every step's tokens through the draft, right after the served model's forward over
+  the same inputs (one program per bucket), so the draft's cache always holds what the served
+  model's does, prompts and prefix-cache pages included.
+- `propose`: from each sequence's last token (not yet in either cache), `num_tokens` greedy decode
+  steps of the draft, one token per row each, writing the draft's keys and values as it goes;
+  returns the guesses. Writes past the sequence's pages land in the scratch page, so a guess
+  after a page boundary may be poorer, never wrong: the served model checks every guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+
+from engine.backends.base import AttentionBackend
+from engine.core.pages import SCRATCH_PAGE
+from engine.core.step_plan import DraftInputs, StepInputs
+from engine.model.paged_model import ServingModel, forward, unembed
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftShape:
+    """The static sizes of the propose program."""
+
+    num_tokens: int
+    """Guesses per row (decode steps of the draft)."""
+    step_tokens: int
+    """Token slots of each decode step: a bucket that holds one token per row (the programs a
+    backend prepared its matmuls for)."""
+    page_size: int
+
+
+class DraftSteps:
+    """The draft's jitted programs over its flat weights (as engine.runner.model_runner._Steps)."""
+
+    def __init__(self, model: ServingModel, backend: AttentionBackend, shape: DraftShape, gathered, cache_sharding):
+        self.weights, treedef = jax.tree_util.tree_flatten(model)
+        unflatten = functools.partial(jax.tree_util.tree_unflatten, treedef)
+        constrain = jax.lax.with_sharding_constraint
+
+        @functools.partial(jax.jit, donate_argnums=(1,))
+        def forward_step(weights, cache, inputs: StepInputs, prev_tokens):
+            tokens = jnp.where(inputs.prev_slot >= 0, prev_tokens[jnp.maximum(inputs.prev_slot, 0)], inputs.tokens)
+            _, cache = forward(unflatten(weights), backend, cache, inputs._replace(tokens=tokens))
+            return constrain(cache, cache_sharding)
+
+        @functools.partial(jax.jit, donate_argnums=(1,))
+        def propose_step(weights, cache, draft: DraftInputs):
+            model = unflatten(weights)
+
+            def decode(carry, _):
+                cache, tokens, positions = carry
+                hidden, cache = forward(model, backend, cache, _decode_inputs(draft, tokens, positions, shape))
+                rows = hax.named(hidden.array[: tokens.shape[0]], ("row", model.Embed))
+                guesses = backend.argmax(gathered(unembed(model, rows).array)).astype(jnp.int32)
+                return (cache, guesses, positions + 1), guesses
+
+            (cache, _, _), guesses = jax.lax.scan(decode, (cache, draft.tokens, draft.positions), None,
+                                                  length=shape.num_tokens)
+            return guesses.T, constrain(cache, cache_sharding)
+
+        self._forward, self._propose = forward_step, propose_step
+
+    def forward(self, cache, inputs: StepInputs, prev_tokens):
+        """The step's tokens into the draft's cache (donated; the updated cache is returned)."""
+        return self._forward(self.weights, cache, inputs, prev_tokens)
+
+    def propose(self, cache, draft: DraftInputs):
+        """(guesses i32[S, num_tokens], updated cache); donates `cache`."""
+        return self._propose(self.weights, cache, draft)
+
+    def lower_forward(self, cache, inputs, prev_tokens):
+        return self._forward.lower(self.weights, cache, inputs, prev_tokens)
+
+    def lower_propose(self, cache, draft):
+        return self._propose.lower(self.weights, cache, draft)
+
+
+def _decode_inputs(draft: DraftInputs, tokens, positions, shape: DraftShape) -> StepInputs:
+    """One decode step of every row in the packed layout: row r's token at slot r, the slots past
+    the rows padding of the last row; positions past the page table write to the scratch page."""
+    rows, width = draft.page_table.shape
+    page_size, pad = shape.page_size, shape.step_tokens - rows
+    inside = positions < width * page_size
+    at = jnp.minimum(positions, width * page_size - 1)
+    page = jnp.take_along_axis(draft.page_table, (at // page_size)[:, None], axis=1)[:, 0]
+    dest = jnp.where(inside, page * page_size + at % page_size, SCRATCH_PAGE * page_size)
+    scratch = jnp.full(pad, SCRATCH_PAGE * page_size, jnp.int32)
+    index = jnp.arange(rows, dtype=jnp.int32)
+    return StepInputs(
+        tokens=jnp.concatenate([tokens, jnp.zeros(pad, jnp.int32)]),
+        positions=jnp.concatenate([at, jnp.zeros(pad, jnp.int32)]),
+        kv_dest=jnp.concatenate([dest, scratch]),
+        prev_slot=jnp.full(shape.step_tokens, -1, jnp.int32),
+        token_row=jnp.concatenate([index, jnp.full(pad, rows - 1, jnp.int32)]),
+        page_table=draft.page_table,
+        kv_lens=at + 1,
+        q_start=index,
+        q_lens=jnp.ones(rows, jnp.int32),
+        sample_index=index,
+        adapter=jnp.full(rows, -1, jnp.int32),
+    )
