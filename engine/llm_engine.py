@@ -20,11 +20,12 @@ device), then, once N is fetched and the grammars have taken its tokens, the mas
 and N+1's sampling is launched. The masks overlap N+1's forward pass; what waits is the sampling.
 
 Speculative decoding (`speculative`, engine.core.speculation): decoding rows carry guessed tokens
-from the proposer, and the step samples after each; the engine keeps the guesses the model agrees
-with. A step with guesses is finished before the next is planned (its rows' lengths depend on
-what was kept), and guesses are made only from tokens the host has: while a step is in flight,
-the engine waits for it first only when a sequence's known tokens already repeat (guesses are
-likely); otherwise steps keep overlapping.
+(prompt lookup's, on the host, or a draft model's, from the executor), and the step samples after
+each; the engine keeps the guesses the model agrees with. A step with guesses is finished before
+the next is planned (its rows' lengths depend on what was kept), and guesses are made only from
+tokens the host has: while a step is in flight, the engine waits for it first only when guesses
+are likely (prompt lookup: a sequence's known tokens already repeat; a draft model: always while
+a row has room for one); otherwise steps keep overlapping.
 
 LoRA adapters (`max_loras`): `add_adapter` reads an adapter into host memory under a name (any
 thread); a request that names it runs with it. The scheduler admits it once its adapter has one of
@@ -260,9 +261,9 @@ class LLMEngine:
         return any(seq.params.needs_penalties for seq in self.scheduler.running)
 
     def _guesses_likely(self) -> bool:
-        """Whether a decoding sequence's tokens known on the host already repeat and the step has
-        room for guesses (its next row would likely carry some, which needs the token in flight
-        on the host first)."""
+        """Whether the next step would likely carry guesses, which needs the tokens in flight on
+        the host first: the step has room for them, and a decoding sequence's known tokens
+        already repeat (prompt lookup) or a draft model can guess for one."""
         if self.speculative is None:
             return False
         decoding = [seq for seq in self.scheduler.running if seq.num_pending == 1]
@@ -280,7 +281,9 @@ class LLMEngine:
             return {}
         decoding = [seq for seq in self.scheduler.running if seq.num_pending == 1]
         spare = self.max_step_tokens - len(decoding)
-        limits = [(seq, 0 if seq.tokens_in_flight else draft_limit(seq, self.max_model_len)) for seq in decoding]
+        most = self.speculative.num_tokens
+        limits = [(seq, 0 if seq.tokens_in_flight else min(most, draft_limit(seq, self.max_model_len)))
+                  for seq in decoding]
         proposed = self._guesses([(seq, limit) for seq, limit in limits if limit]) if spare > 0 else {}
         counts = share_slots([len(g) for g in proposed.values()], spare)
         return {rid: guesses[:n] for (rid, guesses), n in zip(proposed.items(), counts) if n}

@@ -13,7 +13,8 @@ from scipy import stats
 
 from engine.core.config import EngineConfig, SpeculativeConfig
 from engine.core.request import FinishReason, SamplingParams
-from engine.core.scheduler import Sequence
+from engine.core.pages import PageAllocator
+from engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
 from engine.core.speculation import NgramProposer, draft_limit, kept_tokens, share_slots
 from engine.llm_engine import LLMEngine
 
@@ -74,6 +75,22 @@ def test_guesses_only_where_sampling_needs_nothing_of_the_host_and_the_length_li
     assert draft_limit(prefilling, max_model_len=100) == 0
 
 
+def test_pages_for_a_draft_models_guesses_are_taken_ahead_only_where_free():
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk=16,
+                                          max_model_len=32), PageAllocator(num_pages=9, page_size=4))
+    seq = Sequence("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=20), seed=0)
+    scheduler.add(seq)
+    scheduler.schedule()
+    seq.num_computed, seq.output_ids = 5, [6]  # the prompt computed, its first token sampled
+    assert len(seq.pages) == 2
+    scheduler.reserve_ahead(seq, 4)  # positions 5..8: the third page
+    assert len(seq.pages) == 3 and scheduler.allocator.num_free == 5
+    scheduler.reserve_ahead(seq, 4)  # held already
+    assert len(seq.pages) == 3
+    scheduler.reserve_ahead(seq, 40)  # 10 more pages: not free, none taken (nobody is preempted)
+    assert len(seq.pages) == 3 and scheduler.allocator.num_free == 5
+
+
 def test_speculative_config_refuses_what_it_cannot_do():
     for bad, says in (({"method": "eagle"}, "'ngram' or 'draft_model'"), ({"num_tokens": 0}, "at least 1"),
                       ({"method": "draft_model"}, "names the draft checkpoint"),
@@ -127,7 +144,8 @@ def test_a_draft_models_guesses_leave_the_greedy_tokens_of_transformers(small_vo
     assert_speculative_greedy_parity(engine, small_vocab_dir)
     stats = engine.stats()
     if drafter == "itself":
-        assert stats.spec_accepted_tokens >= 0.95 * stats.spec_draft_tokens > 0
+        # (guesses past a page the sequence did not hold yet would stand in the scratch page: ~5% lost here)
+        assert stats.spec_accepted_tokens >= 0.98 * stats.spec_draft_tokens > 0
     else:
         assert 0 < stats.spec_accepted_tokens < 0.2 * stats.spec_draft_tokens
 
