@@ -140,7 +140,9 @@ def test_a_draft_models_guesses_leave_the_greedy_tokens_of_transformers(small_vo
     (nearly all replaced); the output is transformers' either way."""
     engine = speculative_engine(small_vocab_dir, attention_backend=backend,
                                 speculative=draft(small_vocab_dir if drafter == "itself" else other_draft_dir))
-    assert engine.describe()["draft_model"] == str(small_vocab_dir if drafter == "itself" else other_draft_dir)
+    described = engine.describe()
+    assert (described["speculative"], described["num_speculative_tokens"], described["draft_model"]) == (
+        "draft_model", "3", str(small_vocab_dir if drafter == "itself" else other_draft_dir))
     assert_speculative_greedy_parity(engine, small_vocab_dir)
     stats = engine.stats()
     if drafter == "itself":

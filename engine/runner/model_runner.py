@@ -353,6 +353,8 @@ class ModelRunner:
             "mesh": ",".join(f"{name}={size}" for name, size in self.mesh.shape.items()),
             "page_size": str(self.page_size),
             "num_pages": str(self.num_pages),
+            "speculative": "none" if self.config.speculative is None else self.config.speculative.method,
+            "num_speculative_tokens": str(self.config.max_drafts),
             "draft_model": "none" if self.draft_model is None else self.config.speculative.model,
         }
 
