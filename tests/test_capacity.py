@@ -105,3 +105,19 @@ def test_the_engine_refuses_before_loading_a_weight(tiny_dir, monkeypatch):
     with pytest.raises(ValueError, match="the model does not fit: the weights take 0.00 GiB per device at "
                                          "tensor_parallel_size=1"):
         ModelRunner(EngineConfig(model=str(tiny_dir), attention_backend="xla"))
+
+
+def test_a_draft_models_weights_and_keys_and_values_are_counted(tiny_dir, tmp_path_factory):
+    """Speculative decoding with a draft model: its weights beside the served model's, its keys and
+    values in every page (the pool's pages hold both)."""
+    from engine.core.config import SpeculativeConfig
+
+    draft_dir = tmp_path_factory.mktemp("draft")
+    (draft_dir / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 1}))
+    config = EngineConfig(model=str(tiny_dir), speculative=SpeculativeConfig(method="draft_model",
+                                                                             model=str(draft_dir)))
+    for size in (1, 2, 4):
+        plan = capacity.plan(config, size, 2**20)
+        one_layer = capacity.plan(EngineConfig(model=str(draft_dir)), size, 2**20)
+        assert plan.weight_bytes == WEIGHT_BYTES[size] + one_layer.weight_bytes
+        assert plan.kv_bytes_per_page == PAGE_BYTES[size] + PAGE_BYTES[size] // 2

@@ -118,6 +118,27 @@ def test_speculative_decoding_compiles_a_sampler_for_every_guess_slot(tiny_dir, 
     assert report["fits"] is True
 
 
+def test_a_draft_models_programs_compile_beside_the_served_models(tiny_dir, tmp_path):
+    """With a draft model (one layer of the same shapes), its forward program per bucket and its
+    propose program (its decode steps in a loop, the Pallas kernel inside) compile for the slice;
+    weights per chip count both models, as the planner does, and each program's peak counts the
+    other model's weights and pool."""
+    draft_dir = tmp_path / "draft"
+    draft_dir.mkdir()
+    (draft_dir / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 1}))
+    report = aot(tiny_dir, "v5e:2x2", 4, tmp_path / "report.json", "--speculative-tokens", "3",
+                 "--draft-model", str(draft_dir))
+    names = [p["name"] for p in report["programs"]]
+    assert names[: 2 + len(SAMPLERS) + 1] == (["forward T=8"] + [f"sample R=8 {s}" for s in SAMPLERS]
+                                              + ["draft forward T=8", "draft propose x3"])
+    assert [n for n in names if n.startswith("draft forward")] == [f"draft forward T={t}" for t in (8, 1, 16, 32)]
+    assert report["fits"] is True and report["weight_bytes"] == report["planned_weight_bytes"]
+    alone = aot(tiny_dir, "v5e:2x2", 4, tmp_path / "alone.json")
+    assert report["weight_bytes"] > alone["weight_bytes"]
+    by_name = {p["name"]: p for p in report["programs"]}
+    assert by_name["forward T=8"]["resident_bytes"] > 0 and by_name["draft propose x3"]["resident_bytes"] > 0
+
+
 def test_a_slice_too_small_for_the_model_is_reported_not_fitting(tiny_dir, tmp_path):
     """Llama-3.1-70B's shapes on one v5e chip: the weights alone exceed its HBM. The planner says so
     (70.55 billion bfloat16 weights), and libtpu's compiler refuses the first program."""

@@ -41,10 +41,14 @@ class ProgramReport:
     code_bytes: int
     collectives: dict[str, int]
     """Collective operations one run executes (a loop's body counted once per iteration)."""
+    resident_bytes: int = 0
+    """Per chip, what stays on it beside the program's own arguments: with a draft model, the
+    other model's weights and KV pool."""
 
     @property
     def peak_bytes(self) -> int:
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+        return (self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+                + self.resident_bytes)
 
 
 @dataclasses.dataclass
@@ -141,7 +145,13 @@ def compile_for_topology(config, topology: str, chips_per_host: Optional[str] = 
     cache, cache_sharding = _cache(config, info, layout, mesh, backend, max(plan.pages, pages_per_seq + 1))
     steps = _Steps(model, backend, mesh, cache_sharding, buckets.max_samples,
                    vocab_split=layout.size > 1 and layout.shard_vocab)
-    programs, problem = _compile_all(steps, buckets, cache, mesh, info.vocab_size, layout.axis_mapping)
+    draft = _draft(config, mesh, backend, buckets, max(plan.pages, pages_per_seq + 1))
+    programs, problem = _compile_all(steps, buckets, cache, mesh, info.vocab_size, layout.axis_mapping, draft)
+    if draft is not None:  # each model's programs run beside the other's weights and pool
+        served = weight_bytes + sum(_bytes_per_device(a) for a in jax.tree_util.tree_leaves(cache))
+        for program in programs:
+            program.resident_bytes = served if program.name.startswith("draft") else draft.resident_bytes
+        weight_bytes += draft.weight_bytes
     return AotReport(topology, devices[0].device_kind, len(devices), len({d.process_index for d in devices}), size,
                      weight_bytes, plan.kv_bytes, plan.pages, plan.kv_tokens, plan.sequences_at(plan.max_model_len),
                      hbm_bytes, plan.weight_bytes, plan.problem() or problem,
@@ -167,6 +177,43 @@ def _sharded_model(config, layout, mesh, backend):
                                   is_leaf=lambda x: isinstance(x, hax.NamedArray))
 
 
+@dataclasses.dataclass
+class _Draft:
+    """A draft model's programs and arguments, as shapes on the topology's mesh."""
+
+    steps: object
+    """engine.runner.draft.DraftSteps"""
+    cache: object
+    weight_bytes: int
+    """Per chip."""
+    resident_bytes: int
+    """Per chip: its weights and KV pool."""
+
+
+def _draft(config, mesh, backend, buckets, pages: int) -> Optional[_Draft]:
+    """The draft model's programs (speculative decoding with `method: draft_model`; its model a
+    directory with a config.json), over the same pages as the served model's pool; else None."""
+    if config.speculative is None or config.speculative.method != "draft_model":
+        return None
+    import jax
+
+    from engine.model.loading import model_info
+    from engine.runner import sharding
+    from engine.runner.draft import DraftShape, DraftSteps
+    from engine.runner.model_runner import vocab_gather
+
+    draft_config = dataclasses.replace(config, model=config.speculative.model, speculative=None)
+    info = model_info(draft_config.model)
+    layout = sharding.plan_layout(info, config.tensor_parallel_size)
+    model = _sharded_model(draft_config, layout, mesh, backend)
+    cache, cache_sharding = _cache(draft_config, info, layout, mesh, backend, pages)
+    shape = DraftShape(config.max_drafts, buckets.decode_bucket().tokens, config.page_size)
+    steps = DraftSteps(model, backend, shape, vocab_gather(mesh, layout.size > 1 and layout.shard_vocab),
+                       cache_sharding)
+    weights = sum(_bytes_per_device(a) for a in jax.tree_util.tree_leaves(model))
+    return _Draft(steps, cache, weights, weights + sum(_bytes_per_device(a) for a in jax.tree_util.tree_leaves(cache)))
+
+
 def _cache(config, info, layout, mesh, backend, pages: int):
     """(the KV cache of `pages` pages as shapes placed on `mesh`, its sharding)."""
     import jax
@@ -183,9 +230,10 @@ def _cache(config, info, layout, mesh, backend, pages: int):
     return cache, cache_sharding
 
 
-def _compile_all(steps, buckets, cache, mesh, vocab_size: int,
-                 axis_mapping) -> tuple[list[ProgramReport], Optional[str]]:
-    """Every bucket's programs in the replica's compile order; stops at the first the compiler
+def _compile_all(steps, buckets, cache, mesh, vocab_size: int, axis_mapping,
+                 draft: Optional[_Draft] = None) -> tuple[list[ProgramReport], Optional[str]]:
+    """Every bucket's programs in the replica's compile order (with a draft model, its forward
+    program per bucket and its propose program with the first); stops at the first the compiler
     refuses for want of memory (the others would be too), saying which."""
     import haliax as hax
     import jax
@@ -205,6 +253,8 @@ def _compile_all(steps, buckets, cache, mesh, vocab_size: int,
             try:
                 compiled = steps.compile_bucket(bucket, buckets, cache, prev_tokens, vocab_size, place,
                                                 samplers=bucket.rows not in sampler_rows)
+                if draft is not None:
+                    compiled += _compile_draft(draft, bucket, buckets, place, prev_tokens, first=not sampler_rows)
             except Exception as exc:  # noqa: BLE001 -- the compiler's word that a program cannot fit is a finding
                 if "RESOURCE_EXHAUSTED" not in str(exc):
                     raise
@@ -214,6 +264,24 @@ def _compile_all(steps, buckets, cache, mesh, vocab_size: int,
                 logger.info("%s compiled in %.1f s", program.name, program.seconds)
             sampler_rows.add(bucket.rows)
     return programs, None
+
+
+def _compile_draft(draft: _Draft, bucket, buckets, place, prev_tokens, first: bool) -> list:
+    """The draft's forward program for `bucket` and, with the `first` bucket, its propose program."""
+    from engine.core.step_plan import draft_inputs, empty_step_plan
+    from engine.runner.model_runner import CompiledProgram
+
+    start = time.perf_counter()
+    inputs = place(empty_step_plan(bucket, buckets, step_id=-1).inputs)
+    programs = [CompiledProgram(f"draft forward T={bucket.tokens}",
+                                draft.steps.lower_forward(draft.cache, inputs, prev_tokens).compile(),
+                                time.perf_counter() - start)]
+    if first:
+        start = time.perf_counter()
+        propose = draft.steps.lower_propose(draft.cache, place(draft_inputs(buckets, []))).compile()
+        programs.append(CompiledProgram(f"draft propose x{draft.steps.num_tokens}", propose,
+                                        time.perf_counter() - start))
+    return programs
 
 
 def _with_sharding(leaf, where):
@@ -312,6 +380,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--kv-cache-memory-fraction", type=float, default=0.9)
     parser.add_argument("--speculative-tokens", type=int, default=0,
                         help="guessed tokens per decoding row (speculative decoding: more sampling slots); 0: none")
+    parser.add_argument("--draft-model", default=None,
+                        help="with --speculative-tokens: a draft model's directory (its config.json); its programs too")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -319,7 +389,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     from engine.core.config import EngineConfig, SpeculativeConfig
 
     chips = len(topology_devices(args.topology, args.chips_per_host))
-    speculative = SpeculativeConfig(num_tokens=args.speculative_tokens) if args.speculative_tokens else None
+    method = {"method": "draft_model", "model": args.draft_model} if args.draft_model else {}
+    speculative = SpeculativeConfig(num_tokens=args.speculative_tokens, **method) if args.speculative_tokens else None
     config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                           quantization=args.quantization, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,

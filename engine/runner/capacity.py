@@ -149,19 +149,40 @@ def plan(config, tensor_parallel_size: int, memory_bytes: int, cache_bytes_per_p
     from engine.runner.model_runner import serving_model
 
     info = model_info(config.model)
-    layout = sharding.plan_layout(info, tensor_parallel_size)
     dtype = resolve_dtype(config.dtype, info)
+    bytes_per_page = cache_bytes_per_page or AttentionBackend().cache_bytes_per_page
 
-    def weights(quantization):
-        model, _ = abstract_model(config.model, dtype, lambda m: serving_model(m, config.model, info, layout, True,
-                                                                              quantization=quantization))
-        return weight_bytes_per_device(model, layout.axis_mapping, sharding.MODEL_AXIS, layout.size)
+    def served(path: str, info) -> tuple[int, int]:
+        """(weight bytes, KV bytes per page) per device of the model at `path`."""
+        layout = sharding.plan_layout(info, tensor_parallel_size)
+        model, _ = abstract_model(path, dtype, lambda m: serving_model(m, path, info, layout, True,
+                                                                      quantization=config.quantization))
+        shape = cache_shape(info, layout, config.page_size, 1, config.kv_cache_dtype or dtype)
+        return (weight_bytes_per_device(model, layout.axis_mapping, sharding.MODEL_AXIS, layout.size),
+                bytes_per_page(shape) // layout.size)
 
-    shape = cache_shape(info, layout, config.page_size, 1, config.kv_cache_dtype or dtype)
-    per_page = (cache_bytes_per_page or AttentionBackend().cache_bytes_per_page)(shape) // layout.size
+    weights, per_page = served(config.model, info)
+    draft = _draft_model(config)
+    if draft is not None:  # a draft model's weights beside, its keys and values in every page
+        draft_weights, draft_page = served(draft, model_info(draft))
+        weights, per_page = weights + draft_weights, per_page + draft_page
+    layout = sharding.plan_layout(info, tensor_parallel_size)
     extra, why = _loading_extra(info, layout, dtype, config.quantization is not None)
-    return CapacityPlan(layout.size, weights(config.quantization), per_page, memory_bytes, config.page_size,
+    return CapacityPlan(layout.size, weights, per_page, memory_bytes, config.page_size,
                         max_model_len(config, info), config.kv_cache_memory_fraction, config.num_pages, extra, why)
+
+
+def _draft_model(config) -> Optional[str]:
+    """The local directory of the config's draft model (speculative decoding; planning reads its
+    config.json alone), or None."""
+    if config.speculative is None or config.speculative.method != "draft_model":
+        return None
+    from pathlib import Path
+
+    from engine.formats.model_sources import resolve_model
+
+    path = config.speculative.model
+    return path if Path(path).is_dir() else str(resolve_model(path))
 
 
 def _loading_extra(info, layout, dtype, quantized: bool) -> tuple[int, str]:

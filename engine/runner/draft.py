@@ -46,6 +46,7 @@ class DraftSteps:
     """The draft's jitted programs over its flat weights (as engine.runner.model_runner._Steps)."""
 
     def __init__(self, model: ServingModel, backend: AttentionBackend, shape: DraftShape, gathered, cache_sharding):
+        self.num_tokens = shape.num_tokens
         self.weights, treedef = jax.tree_util.tree_flatten(model)
         unflatten = functools.partial(jax.tree_util.tree_unflatten, treedef)
         constrain = jax.lax.with_sharding_constraint
