@@ -274,9 +274,10 @@ class LLMEngine:
         return any(self.proposer.propose(seq.token_ids[: seq.num_known_tokens], 1)
                    for seq in decoding if draft_limit(seq, self.max_model_len))
 
-    def _drafts(self) -> dict[str, list[int]]:
+    def _drafts(self, ready: list) -> dict[str, list[int]]:
         """Guesses for the decoding sequences whose every token is on the host, by request id,
-        sharing the token slots `max_step_tokens` leaves beside the decoding rows' own."""
+        sharing the token slots `max_step_tokens` leaves beside the decoding rows' own. `ready`:
+        the buckets compiled so far (a draft model's propose program takes a ready size)."""
         if self.speculative is None:
             return {}
         decoding = [seq for seq in self.scheduler.running if seq.num_pending == 1]
@@ -284,13 +285,16 @@ class LLMEngine:
         most = self.speculative.num_tokens
         limits = [(seq, 0 if seq.tokens_in_flight else min(most, draft_limit(seq, self.max_model_len)))
                   for seq in decoding]
-        proposed = self._guesses([(seq, limit) for seq, limit in limits if limit]) if spare > 0 else {}
+        limits = [(seq, limit) for seq, limit in limits if limit] if spare > 0 else []
+        if self.proposer is None:  # a draft guesses every row: share the slots first, then draft that many
+            limits = [(seq, n) for (seq, _), n in zip(limits, share_slots([n for _, n in limits], spare)) if n]
+        proposed = self._guesses(limits, ready)
         counts = share_slots([len(g) for g in proposed.values()], spare)
         return {rid: guesses[:n] for (rid, guesses), n in zip(proposed.items(), counts) if n}
 
-    def _guesses(self, sequences: list[tuple[Sequence, int]]) -> dict[str, list[int]]:
+    def _guesses(self, sequences: list[tuple[Sequence, int]], ready: list) -> dict[str, list[int]]:
         """Up to `limit` guesses for each (sequence, limit), by request id: prompt lookup's, or
-        the draft model's (one program for them all)."""
+        the draft model's (one program for them all, as many decode steps as the largest limit)."""
         if self.proposer is not None:
             guesses = {seq.request_id: self.proposer.propose(seq.token_ids, limit) for seq, limit in sequences}
             return {rid: tokens for rid, tokens in guesses.items() if tokens}
@@ -298,7 +302,9 @@ class LLMEngine:
             return {}
         for seq, limit in sequences:  # the draft writes keys and values where its guesses will stand
             self.scheduler.reserve_ahead(seq, limit)
-        drafted = self.executor.propose(draft_inputs(self.executor.buckets, [seq for seq, _ in sequences]))
+        steps = max(limit for _, limit in sequences)
+        drafted = self.executor.propose(draft_inputs(self.executor.buckets, [seq for seq, _ in sequences], steps,
+                                                     ready))
         return {seq.request_id: [int(t) for t in drafted[row, :limit]] for row, (seq, limit) in enumerate(sequences)}
 
     def _launch(self, previous: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
@@ -306,7 +312,7 @@ class LLMEngine:
         if not self.scheduler.has_work():
             return None
         ready = self.executor.ready_buckets()  # while programs compile, steps fit the ready ones
-        plan = self.scheduler.schedule(max_tokens=ready[-1].tokens, drafts=self._drafts())
+        plan = self.scheduler.schedule(max_tokens=ready[-1].tokens, drafts=self._drafts(ready))
         if not plan.rows:
             return None
         for slot, adapter in plan.loads:

@@ -129,14 +129,16 @@ def test_a_draft_models_programs_compile_beside_the_served_models(tiny_dir, tmp_
     report = aot(tiny_dir, "v5e:2x2", 4, tmp_path / "report.json", "--speculative-tokens", "3",
                  "--draft-model", str(draft_dir))
     names = [p["name"] for p in report["programs"]]
-    assert names[: 2 + len(SAMPLERS) + 1] == (["forward T=8"] + [f"sample R=8 {s}" for s in SAMPLERS]
-                                              + ["draft forward T=8", "draft propose x3"])
-    assert [n for n in names if n.startswith("draft forward")] == [f"draft forward T={t}" for t in (8, 1, 16, 32)]
+    assert names[: 1 + len(SAMPLERS) + 2] == (["forward T=8"] + [f"sample R=8 {s}" for s in SAMPLERS]
+                                              + ["draft forward T=8", "draft propose R=8 x3"])
+    assert [n for n in names if n.startswith("draft")] == ["draft forward T=8", "draft propose R=8 x3",
+                                                           "draft forward T=1", "draft propose R=1 x3",
+                                                           "draft forward T=16", "draft forward T=32"]
     assert report["fits"] is True and report["weight_bytes"] == report["planned_weight_bytes"]
     alone = aot(tiny_dir, "v5e:2x2", 4, tmp_path / "alone.json")
     assert report["weight_bytes"] > alone["weight_bytes"]
     by_name = {p["name"]: p for p in report["programs"]}
-    assert by_name["forward T=8"]["resident_bytes"] > 0 and by_name["draft propose x3"]["resident_bytes"] > 0
+    assert by_name["forward T=8"]["resident_bytes"] > 0 and by_name["draft propose R=1 x3"]["resident_bytes"] > 0
 
 
 def test_a_slice_too_small_for_the_model_is_reported_not_fitting(tiny_dir, tmp_path):

@@ -99,23 +99,28 @@ top-k/p filtering compile on first use."""
 
 
 class DraftInputs(NamedTuple):
-    """What a draft model's propose program reads (engine.runner.draft), per row: max_num_seqs
-    rows, a row that does not propose with token 0 at position 0 and no pages."""
+    """What a draft model's propose program reads (engine.runner.draft), per row: rows for a rung
+    of the token ladder (one program each), a row that does not propose with token 0 at position
+    0 and no pages."""
 
     tokens: np.ndarray  # i32[S] the sequence's last token (in neither model's cache yet)
     positions: np.ndarray  # i32[S] its position
     page_table: np.ndarray  # i32[S, L] the sequence's pages (past them: the scratch page)
+    steps: np.ndarray  # i32[1] decode steps to run: the most guesses a row takes
 
 
-def draft_inputs(buckets: ShapeBuckets, sequences: list[Sequence]) -> DraftInputs:
-    """The propose program's inputs for sequences whose every token is known, in rows 0.. ."""
-    rows, width = buckets.max_rows, buckets.max_pages_per_seq
+def draft_inputs(buckets: ShapeBuckets, sequences: list[Sequence], steps: int = 0,
+                 ready: Optional[Iterable[Bucket]] = None) -> DraftInputs:
+    """The propose program's inputs for sequences whose every token is known, in rows 0.., and
+    `steps` guesses: as many rows as the smallest rung of the ready buckets (default all) that
+    holds them (at least 1)."""
+    rows, width = buckets.for_step(max(1, len(sequences)), 1, ready).tokens, buckets.max_pages_per_seq
     tokens, positions = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
     page_table = np.full((rows, width), SCRATCH_PAGE, np.int32)
     for row, seq in enumerate(sequences):
         tokens[row], positions[row] = seq.token_ids[-1], seq.num_tokens - 1
         page_table[row, : len(seq.pages)] = seq.pages
-    return DraftInputs(tokens, positions, page_table)
+    return DraftInputs(tokens, positions, page_table, np.array([steps], np.int32))
 
 
 class PromptLogprobInputs(NamedTuple):

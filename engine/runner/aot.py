@@ -207,7 +207,7 @@ def _draft(config, mesh, backend, buckets, pages: int) -> Optional[_Draft]:
     layout = sharding.plan_layout(info, config.tensor_parallel_size)
     model = _sharded_model(draft_config, layout, mesh, backend)
     cache, cache_sharding = _cache(draft_config, info, layout, mesh, backend, pages)
-    shape = DraftShape(config.max_drafts, buckets.decode_bucket().tokens, config.page_size)
+    shape = DraftShape(config.max_drafts, config.page_size)
     steps = DraftSteps(model, backend, shape, vocab_gather(mesh, layout.size > 1 and layout.shard_vocab),
                        cache_sharding)
     weights = sum(_bytes_per_device(a) for a in jax.tree_util.tree_leaves(model))
@@ -254,7 +254,7 @@ def _compile_all(steps, buckets, cache, mesh, vocab_size: int, axis_mapping,
                 compiled = steps.compile_bucket(bucket, buckets, cache, prev_tokens, vocab_size, place,
                                                 samplers=bucket.rows not in sampler_rows)
                 if draft is not None:
-                    compiled += _compile_draft(draft, bucket, buckets, place, prev_tokens, first=not sampler_rows)
+                    compiled += _compile_draft(draft, bucket, buckets, place, prev_tokens)
             except Exception as exc:  # noqa: BLE001 -- the compiler's word that a program cannot fit is a finding
                 if "RESOURCE_EXHAUSTED" not in str(exc):
                     raise
@@ -266,8 +266,9 @@ def _compile_all(steps, buckets, cache, mesh, vocab_size: int, axis_mapping,
     return programs, None
 
 
-def _compile_draft(draft: _Draft, bucket, buckets, place, prev_tokens, first: bool) -> list:
-    """The draft's forward program for `bucket` and, with the `first` bucket, its propose program."""
+def _compile_draft(draft: _Draft, bucket, buckets, place, prev_tokens) -> list:
+    """The draft's forward program for `bucket` and, for buckets up to a full batch of decodes,
+    its propose program of as many rows."""
     from engine.core.step_plan import draft_inputs, empty_step_plan
     from engine.runner.model_runner import CompiledProgram
 
@@ -276,10 +277,10 @@ def _compile_draft(draft: _Draft, bucket, buckets, place, prev_tokens, first: bo
     programs = [CompiledProgram(f"draft forward T={bucket.tokens}",
                                 draft.steps.lower_forward(draft.cache, inputs, prev_tokens).compile(),
                                 time.perf_counter() - start)]
-    if first:
+    if bucket.tokens <= buckets.decode_bucket().tokens:
         start = time.perf_counter()
-        propose = draft.steps.lower_propose(draft.cache, place(draft_inputs(buckets, []))).compile()
-        programs.append(CompiledProgram(f"draft propose x{draft.steps.num_tokens}", propose,
+        propose = draft.steps.lower_propose(draft.cache, place(draft_inputs(buckets, [], ready=[bucket]))).compile()
+        programs.append(CompiledProgram(f"draft propose R={bucket.tokens} x{draft.steps.num_tokens}", propose,
                                         time.perf_counter() - start))
     return programs
 

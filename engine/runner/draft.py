@@ -10,9 +10,12 @@ once. Two programs:
   the same inputs (one program per bucket), so the draft's cache always holds what the served
   model's does, prompts and prefix-cache pages included.
 - `propose`: from each sequence's last token (not yet in either cache), `num_tokens` greedy decode
-  steps of the draft, one token per row each, writing the draft's keys and values as it goes;
-  returns the guesses. Writes past the sequence's pages land in the scratch page, so a guess
-  after a page boundary may be poorer, never wrong: the served model checks every guess.
+  steps of the draft at most (as many as the row taking the most guesses needs), one token per
+  row each, writing the draft's keys and values as it goes; returns the guesses. One program per
+  rung of the token ladder up to a full batch of decodes (the rows it proposes for), so a lone
+  sequence's guesses cost decode steps of one token. The engine gives each sequence the pages
+  its guesses stand in first; a write past them lands in the scratch page (a poorer guess after
+  it, never a wrong output: every guess is checked).
 """
 
 from __future__ import annotations
@@ -32,13 +35,10 @@ from engine.model.paged_model import ServingModel, forward, unembed
 
 @dataclasses.dataclass(frozen=True)
 class DraftShape:
-    """The static sizes of the propose program."""
+    """The static sizes of the propose programs (their rows come with their inputs)."""
 
     num_tokens: int
     """Guesses per row (decode steps of the draft)."""
-    step_tokens: int
-    """Token slots of each decode step: a bucket that holds one token per row (the programs a
-    backend prepared its matmuls for)."""
     page_size: int
 
 
@@ -61,16 +61,17 @@ class DraftSteps:
         def propose_step(weights, cache, draft: DraftInputs):
             model = unflatten(weights)
 
-            def decode(carry, _):
-                cache, tokens, positions = carry
+            def decode(step, carry):
+                cache, tokens, positions, guesses = carry
                 hidden, cache = forward(model, backend, cache, _decode_inputs(draft, tokens, positions, shape))
                 rows = hax.named(hidden.array[: tokens.shape[0]], ("row", model.Embed))
-                guesses = backend.argmax(gathered(unembed(model, rows).array)).astype(jnp.int32)
-                return (cache, guesses, positions + 1), guesses
+                tokens = backend.argmax(gathered(unembed(model, rows).array)).astype(jnp.int32)
+                return cache, tokens, positions + 1, guesses.at[:, step].set(tokens)
 
-            (cache, _, _), guesses = jax.lax.scan(decode, (cache, draft.tokens, draft.positions), None,
-                                                  length=shape.num_tokens)
-            return guesses.T, constrain(cache, cache_sharding)
+            guesses = jnp.zeros((draft.tokens.shape[0], shape.num_tokens), jnp.int32)
+            cache, _, _, guesses = jax.lax.fori_loop(0, jnp.minimum(draft.steps[0], shape.num_tokens), decode,
+                                                     (cache, draft.tokens, draft.positions, guesses))
+            return guesses, constrain(cache, cache_sharding)
 
         self._forward, self._propose = forward_step, propose_step
 
@@ -79,7 +80,8 @@ class DraftSteps:
         return self._forward(self.weights, cache, inputs, prev_tokens)
 
     def propose(self, cache, draft: DraftInputs):
-        """(guesses i32[S, num_tokens], updated cache); donates `cache`."""
+        """(guesses i32[S, num_tokens], of which the first `draft.steps` columns are made; the
+        updated cache); donates `cache`."""
         return self._propose(self.weights, cache, draft)
 
     def lower_forward(self, cache, inputs, prev_tokens):
@@ -90,22 +92,21 @@ class DraftSteps:
 
 
 def _decode_inputs(draft: DraftInputs, tokens, positions, shape: DraftShape) -> StepInputs:
-    """One decode step of every row in the packed layout: row r's token at slot r, the slots past
-    the rows padding of the last row; positions past the page table write to the scratch page."""
+    """One decode step of every row in the packed layout (row r's token in slot r, a rung of the
+    token ladder: the shapes a backend prepared its matmuls for); positions past the page table
+    write to the scratch page."""
     rows, width = draft.page_table.shape
-    page_size, pad = shape.page_size, shape.step_tokens - rows
+    page_size = shape.page_size
     inside = positions < width * page_size
     at = jnp.minimum(positions, width * page_size - 1)
     page = jnp.take_along_axis(draft.page_table, (at // page_size)[:, None], axis=1)[:, 0]
-    dest = jnp.where(inside, page * page_size + at % page_size, SCRATCH_PAGE * page_size)
-    scratch = jnp.full(pad, SCRATCH_PAGE * page_size, jnp.int32)
     index = jnp.arange(rows, dtype=jnp.int32)
     return StepInputs(
-        tokens=jnp.concatenate([tokens, jnp.zeros(pad, jnp.int32)]),
-        positions=jnp.concatenate([at, jnp.zeros(pad, jnp.int32)]),
-        kv_dest=jnp.concatenate([dest, scratch]),
-        prev_slot=jnp.full(shape.step_tokens, -1, jnp.int32),
-        token_row=jnp.concatenate([index, jnp.full(pad, rows - 1, jnp.int32)]),
+        tokens=tokens,
+        positions=at,
+        kv_dest=jnp.where(inside, page * page_size + at % page_size, SCRATCH_PAGE * page_size),
+        prev_slot=jnp.full(rows, -1, jnp.int32),
+        token_row=index,
         page_table=draft.page_table,
         kv_lens=at + 1,
         q_start=index,

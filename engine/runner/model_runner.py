@@ -220,8 +220,7 @@ class ModelRunner:
         self.draft_cache = None if self.draft_model is None else self._init_cache(self.draft_info, self.draft_layout)
         self._draft_cache_type = _types(self.draft_cache)
         self.draft_steps = None if self.draft_model is None else DraftSteps(
-            self.draft_model, self.backend, DraftShape(config.max_drafts, self.buckets.decode_bucket().tokens,
-                                                       self.page_size),
+            self.draft_model, self.backend, DraftShape(config.max_drafts, self.page_size),
             vocab_gather(self.mesh, self.draft_layout.size > 1 and self.draft_layout.shard_vocab),
             self._cache_sharding)
         self.steps = _Steps(self.model, self.backend, self.mesh, self._cache_sharding, self.buckets.max_samples,
@@ -333,8 +332,8 @@ class ModelRunner:
             if self.draft_steps is not None:
                 inputs = self._global(empty_step_plan(bucket, self.buckets, step_id=-1).inputs)
                 self.draft_steps.lower_forward(self._draft_cache_type, inputs, self._no_tokens).compile()
-                if not self._sampler_rows:  # the first bucket: the propose program too
-                    draft = self._global(draft_inputs(self.buckets, []))
+                if bucket.tokens <= self.buckets.decode_bucket().tokens:  # a propose program of as many rows
+                    draft = self._global(draft_inputs(self.buckets, [], ready=[bucket]))
                     self.draft_steps.lower_propose(self._draft_cache_type, draft).compile()
         self._sampler_rows.add(bucket.rows)
 
