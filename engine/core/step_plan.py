@@ -237,7 +237,10 @@ class StepPlanner:
         inputs.token_row[offset : offset + count] = k
         inputs.page_table[k, : len(seq.pages)] = seq.pages
         inputs.kv_lens[k], inputs.q_start[k], inputs.q_lens[k] = start + count, offset, count
-        inputs.sample_index[slot : slot + row.num_samples] = np.arange(offset + row.length - 1, offset + count)
+        if count == row.length:  # one sampling slot
+            inputs.sample_index[slot] = offset + count - 1
+        else:
+            inputs.sample_index[slot : slot + row.num_samples] = np.arange(offset + row.length - 1, offset + count)
         inputs.adapter[k] = seq.adapter_slot
         if end <= seq.num_known_tokens:
             return False
@@ -255,12 +258,13 @@ class StepPlanner:
         positions after each of its last 1 + k tokens, each with its request's parameters."""
         temperature, top_p, min_p = np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.float32)
         top_k, seed, position = np.zeros(n, np.int32), np.zeros(n, np.uint32), np.zeros(n, np.int32)
-        for i, row in rows:
-            params, span = row.seq.params, slice(i, i + row.num_samples)
+        for i, row in rows:  # scalar stores where a row has one slot (numpy's per-call cost dominates at batch 32)
+            params, span = row.seq.params, (i if not row.drafts else slice(i, i + row.num_samples))
             temperature[span], top_k[span], top_p[span], min_p[span] = (params.temperature, params.top_k,
                                                                         params.top_p, params.min_p)
             seed[span] = row.seq.seed % U32
-            position[span] = np.arange(row.seq.num_tokens, row.seq.num_tokens + row.num_samples)
+            position[span] = row.seq.num_tokens if not row.drafts else np.arange(
+                row.seq.num_tokens, row.seq.num_tokens + row.num_samples)
         params = [row.seq.params for _, row in rows]
         switches = SamplerSwitches(
             random=any(not p.greedy for p in params),
