@@ -15,8 +15,9 @@ sampling of speculative decoding with a draft that puts all its probability on i
 guess d is kept with probability p(d), and where it is not, the token comes from p without d,
 renormalized.
 
-Guesses come from `NgramProposer` (prompt lookup): the sequence's last n tokens are found
-earlier in the sequence and the tokens after their latest occurrence are the guesses.
+Guesses come from `NgramProposer` (prompt lookup: the sequence's last n tokens are found earlier
+in the sequence and the tokens after their latest occurrence are the guesses), or from a draft
+model on the devices (engine.runner.draft), which guesses greedily too.
 """
 
 from __future__ import annotations
