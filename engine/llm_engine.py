@@ -120,7 +120,6 @@ class LLMEngine:
         self._aborted: list[str] = []
         self._in_flight: Optional[LaunchedStep] = None
         self._seeds = random.Random(config.seed)
-        self.speculative = config.speculative
         ngram = config.speculative is not None and config.speculative.method == "ngram"
         self.proposer = NgramProposer(config.speculative) if ngram else None
         """Prompt-lookup guesses for decoding rows (speculative decoding by n-gram), or None."""
@@ -264,7 +263,7 @@ class LLMEngine:
         """Whether the next step would likely carry guesses, which needs the tokens in flight on
         the host first: the step has room for them, and a decoding sequence's known tokens
         already repeat (prompt lookup) or a draft model can guess for one."""
-        if self.speculative is None:
+        if self.config.speculative is None:
             return False
         decoding = [seq for seq in self.scheduler.running if seq.num_pending == 1]
         if len(decoding) >= self.max_step_tokens:
@@ -278,11 +277,11 @@ class LLMEngine:
         """Guesses for the decoding sequences whose every token is on the host, by request id,
         sharing the token slots `max_step_tokens` leaves beside the decoding rows' own. `ready`:
         the buckets compiled so far (a draft model's propose program takes a ready size)."""
-        if self.speculative is None:
+        if self.config.speculative is None:
             return {}
         decoding = [seq for seq in self.scheduler.running if seq.num_pending == 1]
         spare = self.max_step_tokens - len(decoding)
-        most = self.speculative.num_tokens
+        most = self.config.max_drafts
         limits = [(seq, 0 if seq.tokens_in_flight else min(most, draft_limit(seq, self.max_model_len)))
                   for seq in decoding]
         limits = [(seq, limit) for seq, limit in limits if limit] if spare > 0 else []

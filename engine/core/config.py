@@ -181,6 +181,11 @@ class EngineConfig:
         """Guessed tokens a decoding row may carry (0 without speculative decoding)."""
         return 0 if self.speculative is None else self.speculative.num_tokens
 
+    @property
+    def draft_model(self) -> Optional[str]:
+        """The draft checkpoint of speculative decoding by a draft model (None: no draft model)."""
+        return None if self.speculative is None else self.speculative.model
+
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")

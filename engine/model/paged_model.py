@@ -111,6 +111,13 @@ def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepI
     return model.norm(x), cache
 
 
+def with_previous_tokens(inputs: StepInputs, prev_tokens: jax.Array) -> StepInputs:
+    """The step's inputs with the tokens the previous step is sampling (placeholders on the host,
+    `inputs.prev_slot`) taken from its sampled tokens on the device."""
+    tokens = jnp.where(inputs.prev_slot >= 0, prev_tokens[jnp.maximum(inputs.prev_slot, 0)], inputs.tokens)
+    return inputs._replace(tokens=tokens)
+
+
 def layer_at(stacked, Block: hax.Axis, index):
     """Layer `index` of a stack of layers (weights with a leading `Block` axis), for a layer loop
     that does not slice the stack itself: modules that read a stacked weight in place

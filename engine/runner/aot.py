@@ -193,7 +193,7 @@ class _Draft:
 def _draft(config, mesh, backend, buckets, pages: int) -> Optional[_Draft]:
     """The draft model's programs (speculative decoding with `method: draft_model`; its model a
     directory with a config.json), over the same pages as the served model's pool; else None."""
-    if config.speculative is None or config.speculative.method != "draft_model":
+    if config.draft_model is None:
         return None
     import jax
 
@@ -202,7 +202,7 @@ def _draft(config, mesh, backend, buckets, pages: int) -> Optional[_Draft]:
     from engine.runner.draft import DraftShape, DraftSteps
     from engine.runner.model_runner import vocab_gather
 
-    draft_config = dataclasses.replace(config, model=config.speculative.model, speculative=None)
+    draft_config = dataclasses.replace(config, model=config.draft_model, speculative=None)
     info = model_info(draft_config.model)
     layout = sharding.plan_layout(info, config.tensor_parallel_size)
     model = _sharded_model(draft_config, layout, mesh, backend)

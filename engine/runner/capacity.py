@@ -175,13 +175,13 @@ def plan(config, tensor_parallel_size: int, memory_bytes: int, cache_bytes_per_p
 def _draft_model(config) -> Optional[str]:
     """The local directory of the config's draft model (speculative decoding; planning reads its
     config.json alone), or None."""
-    if config.speculative is None or config.speculative.method != "draft_model":
+    path = config.draft_model
+    if path is None:
         return None
     from pathlib import Path
 
     from engine.formats.model_sources import resolve_model
 
-    path = config.speculative.model
     return path if Path(path).is_dir() else str(resolve_model(path))
 
 

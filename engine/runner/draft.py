@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from engine.backends.base import AttentionBackend
 from engine.core.pages import SCRATCH_PAGE
 from engine.core.step_plan import DraftInputs, StepInputs
-from engine.model.paged_model import ServingModel, forward, unembed
+from engine.model.paged_model import ServingModel, forward, unembed, with_previous_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +53,7 @@ class DraftSteps:
 
         @functools.partial(jax.jit, donate_argnums=(1,))
         def forward_step(weights, cache, inputs: StepInputs, prev_tokens):
-            tokens = jnp.where(inputs.prev_slot >= 0, prev_tokens[jnp.maximum(inputs.prev_slot, 0)], inputs.tokens)
-            _, cache = forward(unflatten(weights), backend, cache, inputs._replace(tokens=tokens))
+            _, cache = forward(unflatten(weights), backend, cache, with_previous_tokens(inputs, prev_tokens))
             return constrain(cache, cache_sharding)
 
         @functools.partial(jax.jit, donate_argnums=(1,))

@@ -50,7 +50,7 @@ from engine.core.step_plan import (
 from engine.formats.peft import LoraAdapter
 from engine.model.loading import load_model, model_info, read_hf_config, resolve_dtype
 from engine.model.lora import LoraPool, LoraShape, load_slot, slot_arrays
-from engine.model.paged_model import ServingModel, forward, logits_at, unembed
+from engine.model.paged_model import ServingModel, forward, logits_at, unembed, with_previous_tokens
 from engine.model.quantize import quantize_model
 from engine.model.rope import Rope
 from engine.model.variant import Variant
@@ -111,9 +111,7 @@ class _Steps:
             """(hidden states f[max_samples, embed] of the tokens each sampling slot samples after,
             all final hidden states f[position, embed], updated cache)."""
             model = unflatten(weights)
-            # tokens the previous step is sampling (placeholders on the host) come from its output
-            tokens = jnp.where(inputs.prev_slot >= 0, prev_tokens[jnp.maximum(inputs.prev_slot, 0)], inputs.tokens)
-            hidden, cache = forward(model, backend, cache, inputs._replace(tokens=tokens), lora)
+            hidden, cache = forward(model, backend, cache, with_previous_tokens(inputs, prev_tokens), lora)
             # plain arrays leave: a NamedArray output is unflattened in Python per call
             rows = hidden.array[inputs.sample_index]
             return constrain(rows, replicated), constrain(hidden.array, replicated), constrain(cache, cache_sharding)
@@ -354,7 +352,7 @@ class ModelRunner:
             "num_pages": str(self.num_pages),
             "speculative": "none" if self.config.speculative is None else self.config.speculative.method,
             "num_speculative_tokens": str(self.config.max_drafts),
-            "draft_model": "none" if self.draft_model is None else self.config.speculative.model,
+            "draft_model": self.config.draft_model or "none",
         }
 
     def _global(self, tree):
@@ -394,14 +392,14 @@ class ModelRunner:
     def _load_draft(self, config: EngineConfig):
         """(the draft model, its ModelInfo, its layout) for `speculative: {method: draft_model}`,
         made on the devices and prepared by the backend as the served model is; else Nones."""
-        if config.speculative is None or config.speculative.method != "draft_model":
+        if config.draft_model is None:
             return None, None, None
         from engine.formats.model_sources import resolve_model
 
-        path = str(resolve_model(config.speculative.model))
+        path = str(resolve_model(config.draft_model))
         info = model_info(path)
         if info.vocab_size != self.info.vocab_size:
-            raise ValueError(f"the draft model {config.speculative.model} has a vocabulary of {info.vocab_size} "
+            raise ValueError(f"the draft model {config.draft_model} has a vocabulary of {info.vocab_size} "
                              f"tokens, the served model {self.info.vocab_size}: a draft must share its tokenizer")
         layout = sharding.plan_layout(info, config.tensor_parallel_size)
         place = functools.partial(sharding.place, layout=layout, mesh=self.mesh)
