@@ -17,8 +17,9 @@ from serve_app.config import AppConfig, ModelConfig
 from serve_app.embedding_server import EmbeddingServer
 from serve_app.ingress import Ingress
 from serve_app.server import ModelServer
+from serve_app.transcription_server import TranscriptionServer
 
-SERVERS = {"generate": ModelServer, "embed": EmbeddingServer}
+SERVERS = {"generate": ModelServer, "embed": EmbeddingServer, "transcribe": TranscriptionServer}
 """The replica class of each task."""
 PREFIX_ROUTER = "serve_app.routing:PrefixAffinityRouter"
 

@@ -52,15 +52,20 @@ class ModelConfig(BaseModel):
     cache_dir: Optional[str] = None
     """Where converted/downloaded models are kept on each replica's host (default: the engine's).
     Hub downloads go to the Hugging Face cache (HF_HUB_CACHE)."""
-    task: Literal["auto", "generate", "embed"] = "auto"
+    task: Literal["auto", "generate", "embed", "transcribe"] = "auto"
     """generate: a text model (/v1/completions, /v1/chat/completions); embed: a sentence encoder
-    (/v1/embeddings). auto: embed for a checkpoint in the sentence-transformers layout (modules.json)
-    or of a BERT-family model_type, and for embedding aliases; generate otherwise. Set it where the
-    checkpoint is not readable from the machine that builds the app."""
+    (/v1/embeddings); transcribe: a Whisper model (/v1/audio/transcriptions, /v1/audio/translations).
+    auto: embed for a checkpoint in the sentence-transformers layout (modules.json) or of a
+    BERT-family model_type, and for embedding aliases; transcribe for model_type whisper; generate
+    otherwise. Set it where the checkpoint is not readable from the machine that builds the app."""
     engine_cls: Optional[str] = None
     """Import path `module:Class` of the engine core, constructed as `cls(EngineConfig)`; imported
     lazily on the model-server replica (the serving layer never imports jax). None: the task's
-    (engine.llm_engine:LLMEngine, engine.embedding_engine:EmbeddingEngine)."""
+    (engine.llm_engine:LLMEngine, engine.embedding_engine:EmbeddingEngine,
+    engine.speech_engine:SpeechEngine)."""
+    max_audio_seconds: float = Field(3600.0, gt=0)
+    """transcribe: the longest audio one request may send (a 400 beyond it, found while decoding
+    the file, which stops there)."""
     tool_call_parser: Optional[Literal["hermes", "llama3_json"]] = None
     """How tool calls are read from the model's text under `tool_choice: auto`: hermes
     (`<tool_call>{...}</tool_call>`: Hermes, Qwen2.5, Qwen3) or llama3_json (`{"name": ...,
@@ -202,14 +207,17 @@ class ModelConfig(BaseModel):
         return "ModelServer-" + re.sub(r"[^A-Za-z0-9_.-]", "-", self.model_id)
 
 
-DEFAULT_ENGINES = {"generate": "engine.llm_engine:LLMEngine", "embed": "engine.embedding_engine:EmbeddingEngine"}
+DEFAULT_ENGINES = {"generate": "engine.llm_engine:LLMEngine", "embed": "engine.embedding_engine:EmbeddingEngine",
+                   "transcribe": "engine.speech_engine:SpeechEngine"}
 ENCODER_MODEL_TYPES = frozenset({"bert"})
 """config.json model types the embedding engine loads (engine/model/encoder.py)."""
+SPEECH_MODEL_TYPES = frozenset({"whisper"})
+"""config.json model types the speech engine loads (engine/model/whisper.py)."""
 
 
 def detect_task(spec: str) -> str:
     """embed for a local sentence-transformers / BERT-family checkpoint or an embedding alias,
-    generate for anything else, including a path this machine cannot read or a config.json that
+    transcribe for a local Whisper checkpoint, generate for anything else, including a path this machine cannot read or a config.json that
     does not parse: that model's replicas then fail to start with the reason, and the app's other
     models still serve."""
     path = Path(spec).expanduser()
@@ -220,6 +228,8 @@ def detect_task(spec: str) -> str:
             model_type = json.loads((path / "config.json").read_text()).get("model_type")
         except (OSError, ValueError, AttributeError):
             model_type = None
+        if model_type in SPEECH_MODEL_TYPES:
+            return "transcribe"
         return "embed" if model_type in ENCODER_MODEL_TYPES else "generate"
     return builtin_task(spec) or "generate"
 

@@ -62,6 +62,7 @@ from serve_app.lora import AdapterRoute, AdapterRoutes, LoraRef
 from serve_app.metrics import CountResponses, HttpResponses, render, replica_name
 from serve_app.model_states import READY, ModelState, ModelStates, serve_status
 from serve_app.protocol import (
+    AudioRequest,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -77,7 +78,13 @@ from serve_app.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    Transcription,
+    TranscriptionRequest,
+    TranscriptTextDelta,
+    TranslationRequest,
     UnloadLoraAdapterRequest,
+    VerboseTranscription,
+    parse_form,
     parse_request,
 )
 from serve_app.request_context import RequestContext
@@ -86,7 +93,8 @@ from serve_app.tracing import Tracing, headers_of, set_attributes, set_http_stat
 BROADCAST_TIMEOUT_S = 10.0
 REF_TEMPLATE = "#/components/schemas/{model}"
 SCHEMA_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest,
-                 LoadLoraAdapterRequest, UnloadLoraAdapterRequest, ErrorResponse)
+                 LoadLoraAdapterRequest, UnloadLoraAdapterRequest, TranscriptionRequest, TranslationRequest,
+                 Transcription, VerboseTranscription, ErrorResponse)
 """The POST routes' bodies and the error body: `_publish_schema` adds them to the components."""
 BEARER = HTTPBearer(auto_error=False, description="the server's API key, as `Authorization: Bearer <key>`")
 """Declares the /v1 routes' security scheme in the schema when a key is set; it never refuses a
@@ -268,7 +276,10 @@ def create_app(
 
     async def answer(raw: Request, request_cls: type[BaseModel], span) -> Response:
         try:
-            request = parse_request(request_cls, await raw.body())
+            if request_cls in AUDIO_ROUTES:
+                request = await read_audio_form(raw, request_cls)
+            else:
+                request = parse_request(request_cls, await raw.body())
             set_attributes(span, **{"gen_ai.request.model": request.model})
             check_limits(request, limits)
             route = routes.get(request.model)
@@ -279,6 +290,9 @@ def create_app(
                 raise Unavailable(problem)
             if isinstance(request, EmbeddingRequest):
                 return _json(await backend.call("embed", request, time.time()))
+            if isinstance(request, AudioRequest) and not request.stream:
+                body, media_type = await backend.call("transcribe", request, time.time())
+                return Response(body, media_type=media_type)
             if isinstance(request, TokenizeRequest):
                 return _json(await backend.call("tokenize", request))
             if isinstance(request, DetokenizeRequest):
@@ -318,6 +332,15 @@ def create_app(
     )
     async def chat_completions(raw: Request) -> Response:
         return await serve_request(raw, ChatCompletionRequest)
+
+    @v1.post("/audio/transcriptions", openapi_extra=_form_body(TranscriptionRequest),
+             responses=_audio_ok(TranscriptTextDelta))
+    async def audio_transcriptions(raw: Request) -> Response:
+        return await serve_request(raw, TranscriptionRequest)
+
+    @v1.post("/audio/translations", openapi_extra=_form_body(TranslationRequest), responses=_audio_ok())
+    async def audio_translations(raw: Request) -> Response:
+        return await serve_request(raw, TranslationRequest)
 
     @v1.post("/embeddings", openapi_extra=_json_body(EmbeddingRequest), responses=_ok(EmbeddingResponse, streams=False))
     async def embeddings(raw: Request) -> Response:
@@ -388,7 +411,45 @@ def create_app(
     return app
 
 
-ROUTE_TASKS = {CompletionRequest: "generate", ChatCompletionRequest: "generate", EmbeddingRequest: "embed"}
+ROUTE_TASKS = {CompletionRequest: "generate", ChatCompletionRequest: "generate", EmbeddingRequest: "embed",
+               TranscriptionRequest: "transcribe", TranslationRequest: "transcribe"}
+TASK_ROUTES = {"generate": ("a text generation model", "/v1/completions or /v1/chat/completions"),
+               "embed": ("an embedding model", "/v1/embeddings"),
+               "transcribe": ("a speech-to-text model", "/v1/audio/transcriptions or /v1/audio/translations")}
+"""What each task's model is called in an error, and where its requests go."""
+AUDIO_ROUTES = (TranscriptionRequest, TranslationRequest)
+MAX_FORM_FIELDS = 32
+"""Fields a multipart form may carry besides its file (an OpenAI client sends at most ~10)."""
+
+
+async def read_audio_form(raw: Request, request_cls: type[BaseModel]) -> AudioRequest:
+    """The `AudioRequest` of a multipart form: one `file` part and `request_cls`'s fields (array
+    fields may be sent as `name[]`, as the OpenAI clients do)."""
+    if not raw.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise BadRequest("send the audio as multipart/form-data with the file in the field 'file' (as the OpenAI "
+                         "clients do)", "file")
+    try:
+        form = await raw.form(max_files=1, max_fields=MAX_FORM_FIELDS)
+    except HTTPException as exc:  # starlette's refusal of a malformed or oversized form
+        raise BadRequest(f"the multipart form cannot be read: {exc.detail}", "file") from None
+    try:
+        fields: dict[str, Any] = {}
+        upload = None
+        for name, value in form.multi_items():
+            if name == "file":
+                upload = value
+            elif name.endswith("[]") or name == "timestamp_granularities":
+                fields.setdefault(name.removesuffix("[]"), []).append(value)
+            elif isinstance(value, str):
+                fields[name] = value
+            else:
+                raise BadRequest(f"the form field {name!r} holds a file; only 'file' may", name)
+        if upload is None or isinstance(upload, str):
+            raise BadRequest("the form has no audio file; send it in the field 'file'", "file")
+        params = parse_form(request_cls, fields)
+        return AudioRequest(params, await upload.read())
+    finally:
+        await form.close()
 
 
 async def _card(model_id: str, backend: ModelBackend) -> ModelCard:
@@ -423,8 +484,7 @@ def _backend(backends: dict[str, ModelBackend], model_id: str, request_cls: type
         raise _unknown_model(model_id, backends, routes)
     backend, task = backends[model_id], ROUTE_TASKS.get(request_cls)
     if task is not None and backend.task != task:
-        route = "/v1/embeddings" if backend.task == "embed" else "/v1/completions or /v1/chat/completions"
-        what = "an embedding model" if backend.task == "embed" else "a text generation model"
+        what, route = TASK_ROUTES[backend.task]
         raise BadRequest(f"model {model_id!r} is {what}; send this request to {route}", "model")
     return backend
 
@@ -457,6 +517,27 @@ def _json_body(model: type[BaseModel]) -> dict[str, Any]:
     """An operation's requestBody, declared only: the route validates the raw body itself."""
     schema = {"$ref": REF_TEMPLATE.format(model=model.__name__)}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _form_body(model: type[BaseModel]) -> dict[str, Any]:
+    """An audio route's requestBody, declared only: a multipart form of `model`'s fields and the file."""
+    schema = {"allOf": [{"$ref": REF_TEMPLATE.format(model=model.__name__)},
+                        {"type": "object", "required": ["file"], "properties": {
+                            "file": {"type": "string", "format": "binary",
+                                     "description": "The audio: wav, flac, mp3, ogg/opus, webm, m4a, ..."}}}]}
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
+
+
+def _audio_ok(chunk: Optional[type[BaseModel]] = None) -> dict[Any, Any]:
+    """An audio route's 200: JSON (json, verbose_json), text (text, srt, vtt) or, with `chunk`, events."""
+    content: dict[str, Any] = {
+        "application/json": {"schema": {"anyOf": [{"$ref": REF_TEMPLATE.format(model=m.__name__)}
+                                                  for m in (Transcription, VerboseTranscription)]}},
+        "text/plain": {"schema": {"type": "string"}}}
+    if chunk is not None:
+        content["text/event-stream"] = {"schema": {"type": "string", "description": f"data: <{chunk.__name__} or "
+                                                   "TranscriptTextDone JSON> events, then data: [DONE]"}}
+    return {200: {"content": content}}
 
 
 def _ok(model: type[BaseModel], chunk: Optional[type[BaseModel]] = None, streams: bool = True) -> dict[Any, Any]:

@@ -38,8 +38,17 @@ def invalid(param: str, message: str) -> PydanticCustomError:
 
 def parse_request(model: type[BaseModel], body: bytes) -> Any:
     """Validate a JSON body into `model`; any problem is a `BadRequest` naming the field."""
+    return _validated(lambda: model.model_validate_json(body))
+
+
+def parse_form(model: type[BaseModel], fields: dict[str, Any]) -> Any:
+    """Validate a multipart form's fields (strings, or lists of them) into `model`, as `parse_request`."""
+    return _validated(lambda: model.model_validate(fields))
+
+
+def _validated(validate) -> Any:
     try:
-        return model.model_validate_json(body)
+        return validate()
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         first = errors[0]
@@ -849,8 +858,126 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-Task = Literal["generate", "embed"]
-"""What a model serves: text (/v1/completions, /v1/chat/completions) or embeddings (/v1/embeddings)."""
+class TranslationRequest(OpenAIModel):
+    """POST /v1/audio/translations: a multipart form; the audio is its `file` part. The speech is
+    translated into English."""
+
+    model: str
+    prompt: Optional[str] = None
+    """Text in the audio's style or the words before it: fed before every 30-second window (its
+    last tokens, up to half the decoder's context)."""
+    response_format: Literal["json", "text", "srt", "verbose_json", "vtt"] = "json"
+    temperature: float = Field(0.0, ge=0.0, le=1.0)
+    """0: greedy decoding. Above 0: sampling at this temperature (no automatic fallback)."""
+    seed: Optional[int] = None
+    """This server's extension: makes sampling at temperature > 0 repeatable."""
+
+    @property
+    def task(self) -> str:
+        return "translate"
+
+
+class TranscriptionRequest(TranslationRequest):
+    """POST /v1/audio/transcriptions: a multipart form; the audio is its `file` part."""
+
+    language: Optional[str] = None
+    """The audio's language as an ISO-639-1 code ("en"); default: detected from its first 30 s."""
+    timestamp_granularities: list[Literal["segment", "word"]] = ["segment"]
+    """With verbose_json: "segment" (word timings are not supported)."""
+    stream: bool = False
+    """Server-sent events: `transcript.text.delta` as each window's text is final, then
+    `transcript.text.done` (response_format json or text)."""
+
+    @field_validator("language", mode="before")
+    @classmethod
+    def _language(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) and value.strip() else None
+
+    @model_validator(mode="after")
+    def _supported(self) -> "TranscriptionRequest":
+        if "word" in self.timestamp_granularities:
+            raise invalid("timestamp_granularities", "word timestamps are not supported; ask for 'segment' "
+                          "(verbose_json segments carry start and end times)")
+        if self.stream and self.response_format not in ("json", "text"):
+            raise invalid("stream", f"streaming sends text deltas; it takes response_format json or text, "
+                          f"not {self.response_format}")
+        return self
+
+    @property
+    def task(self) -> str:
+        return "transcribe"
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioRequest:
+    """A transcription or translation with its audio file's bytes: what the ingress hands a speech
+    replica (the form's fields validated, the file not yet decoded)."""
+
+    params: Union[TranscriptionRequest, TranslationRequest]
+    audio: bytes
+
+    @property
+    def model(self) -> str:
+        return self.params.model
+
+    @property
+    def stream(self) -> bool:
+        return getattr(self.params, "stream", False)
+
+
+class TranscriptionUsage(BaseModel):
+    type: Literal["duration"] = "duration"
+    seconds: int
+    """The audio's duration, rounded up to whole seconds."""
+
+
+class TranscriptionSegment(BaseModel):
+    id: int
+    seek: int
+    """The first 10 ms frame of the 30-second window the segment was decoded in."""
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+
+
+class Transcription(BaseModel):
+    """response_format json."""
+
+    text: str
+    usage: TranscriptionUsage
+
+
+class VerboseTranscription(BaseModel):
+    """response_format verbose_json."""
+
+    task: Literal["transcribe", "translate"]
+    language: str
+    """The language's English name ("english"), as OpenAI reports it."""
+    duration: float
+    text: str
+    segments: list[TranscriptionSegment]
+    usage: TranscriptionUsage
+
+
+class TranscriptTextDelta(BaseModel):
+    type: Literal["transcript.text.delta"] = "transcript.text.delta"
+    delta: str
+
+
+class TranscriptTextDone(BaseModel):
+    type: Literal["transcript.text.done"] = "transcript.text.done"
+    text: str
+    usage: TranscriptionUsage
+
+
+Task = Literal["generate", "embed", "transcribe"]
+"""What a model serves: text (/v1/completions, /v1/chat/completions), embeddings (/v1/embeddings)
+or speech to text (/v1/audio/transcriptions, /v1/audio/translations)."""
 
 
 class ModelCard(BaseModel):

@@ -34,5 +34,11 @@ def checkpoint_factory(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def whisper_dir(tmp_path_factory) -> Path:
+    """A tiny random multilingual Whisper checkpoint (tiny_models.make_whisper_checkpoint)."""
+    return tiny_models.make_whisper_checkpoint(tmp_path_factory.mktemp("ckpt-whisper"))
+
+
+@pytest.fixture(scope="session")
 def llama_dir(checkpoint_factory) -> Path:
     return checkpoint_factory("llama")

@@ -59,6 +59,8 @@ MODEL_FAULTY = "faulty-fake"
 """A replica whose engine (fake_engine.FaultyFakeEngine) fails or hangs when a test asks it to, with
 a 2 s step watchdog, a 1 s health-check period, and streams the ingress ends after 3 s of silence
 (keepalives every 0.5 s)."""
+MODEL_WHISPER = "tiny-whisper"
+"""tiny_models.make_whisper_checkpoint: /v1/audio/* on its own replica, beside the text models."""
 MAX_MODEL_LEN = 512
 DEFAULT_APP = Path(__file__).parent.parent / "deploy" / "config.yaml"
 MAX_ONGOING = 8
@@ -75,7 +77,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def serving(checkpoint_factory, tmp_path_factory):
+def serving(checkpoint_factory, tmp_path_factory, whisper_dir):
     import ray
     from ray import serve
 
@@ -125,6 +127,7 @@ def serving(checkpoint_factory, tmp_path_factory):
                      "health_check_period_s": 1, "num_cpus": 0.1, "stream_batch_ms": 5,
                      "stream_keepalive_s": 0.5, "stream_silence_timeout_s": 3},
                     {**embedder, "warmup": False, "num_cpus": 0.1},
+                    {"model": str(whisper_dir), "model_id": MODEL_WHISPER, "max_num_seqs": 4, "num_cpus": 0.1},
                     {"model": str(checkpoint), "model_id": MODEL_PAIR, **engine, "engine_cls": "fake_engine:FakeEngine",
                      "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "num_replicas": 2, "num_cpus": 0.1},
                 ],
@@ -382,6 +385,43 @@ def test_the_default_apps_embedding_model_puts_paraphrases_closest(client):
     assert response.usage.prompt_tokens == sum(len(tokenizer.encode(t)) for t in texts) == 20
     tasks = {m.id: m.task for m in client.models.list().data}
     assert tasks["all-minilm-l6-v2"] == "embed" and tasks[MODEL] == "generate"
+
+
+def test_speech_to_text_through_ray_serve(client, serving, whisper_dir):
+    """A Whisper replica in the same app: the openai client's transcription and stream, and the
+    speech model listed as such; its 30-second windows equal transformers' long-form generate."""
+    import io
+    import wave
+
+    import numpy as np
+
+    from serve_app.audio import log_mel
+
+    samples = (np.random.RandomState(4).randn(16000 * 35) * 3000).astype("<i2")
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1), out.setsampwidth(2), out.setframerate(16000), out.writeframes(samples.tobytes())
+    file = ("speech.wav", buffer.getvalue())
+    answer = client.audio.transcriptions.create(model=MODEL_WHISPER, file=file, language="en",
+                                                response_format="verbose_json")
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(whisper_dir).eval()
+    mel = log_mel(samples.astype(np.float32) / 32768, 80)
+    with torch.no_grad():
+        out = model.generate(torch.tensor(mel[None]), attention_mask=torch.ones((1, mel.shape[1]), dtype=torch.long),
+                             language="en", task="transcribe", return_timestamps=True, return_segments=True)
+    tokenizer, eot = transformers.AutoTokenizer.from_pretrained(whisper_dir), model.generation_config.eos_token_id
+    segments = [s["tokens"].tolist() for s in out["segments"][0]]
+    assert answer.text == tokenizer.decode([t for tokens in segments for t in tokens if t < eot]).strip()
+    worded = [tokens for tokens in segments if tokenizer.decode([t for t in tokens if t < eot]).strip()]
+    assert [s.tokens for s in answer.segments] == worded
+    assert answer.duration == 35.0 and answer.language == "english"
+    events = list(client.audio.transcriptions.create(model=MODEL_WHISPER, file=file, language="en", stream=True))
+    assert events[-1].type == "transcript.text.done" and events[-1].text == answer.text
+    assert "".join(e.delta for e in events[:-1]) == answer.text
+    tasks = {m.id: m.task for m in client.models.list().data}
+    assert tasks[MODEL_WHISPER] == "transcribe"
+    with pytest.raises(openai.BadRequestError, match="speech-to-text model"):
+        client.embeddings.create(model=MODEL_WHISPER, input="hello")
 
 
 def test_json_schema_and_a_named_tool_call_through_ray_serve(client):

@@ -280,3 +280,79 @@ def peft_model(model_dir: str | Path, adapter_dir: str | Path):
 
     base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     return peft.PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
+WHISPER_TASKS = ("<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
+                 "<|notimestamps|>")
+"""Whisper's special tokens after the language tokens, in its vocabulary's order."""
+
+
+def make_whisper_tokenizer(text_vocab: int = 300, text_tokens: int | None = None):
+    """A byte-level BPE tokenizer laid out as Whisper's: text tokens (BPE up to `text_vocab`, then
+    filler tokens `<f123>` up to `text_tokens`, as Whisper's 50257), then <|endoftext|>,
+    <|startoftranscript|>, one token per language of transformers' LANGUAGES, the task tokens
+    (WHISPER_TASKS) and 1501 timestamps <|0.00|> .. <|30.00|>, each id one more than the last."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=text_vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    if text_tokens is not None:
+        tok.add_tokens([f"<f{i}>" for i in range(tok.get_vocab_size(), text_tokens)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    specials = ["<|startoftranscript|>", *(f"<|{code}|>" for code in LANGUAGES), *WHISPER_TASKS]
+    fast.add_special_tokens({"additional_special_tokens": specials})
+    fast.add_tokens([f"<|{i * 0.02:.2f}|>" for i in range(1501)])
+    return fast
+
+
+def make_whisper_checkpoint(out_dir: str | Path, *, d_model: int = 64, num_layers: int = 2, num_heads: int = 4,
+                            ffn_dim: int = 128, num_mel_bins: int = 80, max_target_positions: int = 64,
+                            initializer_range: float = 0.2, seed: int = 0, text_tokens: int | None = None) -> Path:
+    """Write a random multilingual `WhisperForConditionalGeneration` with its tokenizer,
+    generation_config.json (language and task ids, suppressed tokens, timestamp settings as the
+    real checkpoints have them) and preprocessor_config.json. A short `max_target_positions` keeps
+    a window's decode short (a random model rarely stops early); `text_tokens` pads the text
+    vocabulary (50257 as Whisper's: with this tokenizer's 100 languages, 51866 ids in all)."""
+    import torch
+    import transformers
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_whisper_tokenizer(text_tokens=text_tokens)
+    ids = tokenizer.convert_tokens_to_ids
+    eot, sot = ids("<|endoftext|>"), ids("<|startoftranscript|>")
+    config = transformers.WhisperConfig(
+        vocab_size=len(tokenizer), num_mel_bins=num_mel_bins, d_model=d_model, encoder_layers=num_layers,
+        decoder_layers=num_layers, encoder_attention_heads=num_heads, decoder_attention_heads=num_heads,
+        encoder_ffn_dim=ffn_dim, decoder_ffn_dim=ffn_dim, max_target_positions=max_target_positions,
+        init_std=initializer_range, eos_token_id=eot, bos_token_id=eot, pad_token_id=eot,
+        decoder_start_token_id=sot)
+    torch.manual_seed(seed)
+    model = transformers.WhisperForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or "layer_norm" in name:
+                param.add_(torch.randn_like(param) * initializer_range)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    space = ids("Ġ")
+    generation = {
+        "decoder_start_token_id": sot, "eos_token_id": eot, "pad_token_id": eot, "bos_token_id": eot,
+        "max_length": max_target_positions, "is_multilingual": True, "return_timestamps": False,
+        "lang_to_id": {f"<|{code}|>": ids(f"<|{code}|>") for code in LANGUAGES},
+        "task_to_id": {"translate": ids("<|translate|>"), "transcribe": ids("<|transcribe|>")},
+        "no_timestamps_token_id": ids("<|notimestamps|>"), "prev_sot_token_id": ids("<|startofprev|>"),
+        "max_initial_timestamp_index": 50, "begin_suppress_tokens": [space, eot],
+        "suppress_tokens": [1, 2, 7, 8, 9, 10, 14, 25, 26, 27, 28, 29, 31, 58, 59, 60, 61, 62, 63, 90, 91, 92, 93],
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    transformers.WhisperFeatureExtractor(feature_size=num_mel_bins).save_pretrained(out)
+    return out

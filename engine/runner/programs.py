@@ -39,8 +39,11 @@ B = TypeVar("B", bound=Hashable)
 class StepCompiler(Generic[B]):
     """Compiles `order` with `compile_bucket`: the first now, the rest in the background."""
 
-    def __init__(self, order: list[B], compile_bucket: Callable[[B], None], describe: Callable[[B], str] = repr):
+    def __init__(self, order: list[B], compile_bucket: Callable[[B], None], describe: Callable[[B], str] = repr,
+                 first: int = 1):
         self.order = list(order)
+        self.first = first
+        """Buckets of `order` compiled before `start` returns: together they can serve any request."""
         self._compile_bucket = compile_bucket
         self._describe = describe
         self._ready: list[B] = []
@@ -53,14 +56,15 @@ class StepCompiler(Generic[B]):
         """What was compiled, in order (each bucket's repr): equal on every host of a replica."""
 
     def start(self, background: bool = True) -> float:
-        """Compile the first bucket (all of them with `background=False`); the rest go on in the
-        background. Returns the seconds until the first was ready."""
+        """Compile the first `first` buckets (all of them with `background=False`); the rest go on in
+        the background. Returns the seconds until the first ones were ready."""
         self._started = time.perf_counter()
-        self._compile(self.order[0])
+        for bucket in self.order[:self.first]:
+            self._compile(bucket)
         seconds = time.perf_counter() - self._started
-        logger.info("step program 1/%d %s ready in %.1f s: serving; the rest compile in the background",
-                    len(self.order), self._describe(self.order[0]), seconds)
-        if background and len(self.order) > 1:
+        logger.info("step programs 1-%d/%d %s ready in %.1f s: serving; the rest compile in the background",
+                    self.first, len(self.order), ", ".join(map(self._describe, self.order[:self.first])), seconds)
+        if background and len(self.order) > self.first:
             thread = threading.Thread(target=self._compile_rest, name="step-compiler", daemon=True)
             thread.start()
             # At exit, let the compile in progress finish: a thread killed inside XLA aborts the process.
@@ -107,7 +111,7 @@ class StepCompiler(Generic[B]):
         if lower_priority:
             _lower_priority()
         try:
-            for i, bucket in enumerate(self.order[1:], start=2):
+            for i, bucket in enumerate(self.order[self.first:], start=self.first + 1):
                 if self._stop.is_set():
                     return
                 start = time.perf_counter()

@@ -1,0 +1,131 @@
+"""Speech-to-text benchmark: real-time factor (audio seconds per second) of the speech engine at
+concurrency 1 and 8, next to transformers' Whisper `generate` (what its ASR pipeline runs) on the
+same checkpoint and the same features.
+
+    .venv/bin/python benchmarks/speech_bench.py                  # a random whisper-tiny-shaped model
+    .venv/bin/python benchmarks/speech_bench.py --model DIR      # a real Whisper checkpoint
+
+Work: `--clips` clips of `--seconds` of audio (noise for the random model, which decodes the same
+whatever it hears) turned into log-mel features once, then transcribed with timestamps (long-form:
+windows follow each other) in English. Ours: `AsyncTranscriber` over `SpeechEngine` (features in,
+segments out), all clips at once for concurrency 8 (windows of all clips share decode steps) or one
+after another for concurrency 1. transformers: `generate` per clip (concurrency 1) and on the batch
+of clips with an attention mask (its batched long-form). Compilation is excluded (an untimed round
+first); each figure is the median of `--rounds` rounds. Tokens decoded are printed beside the
+figures, and ours equal transformers' (`generate` is the parity reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def random_checkpoint(out: Path) -> Path:
+    """A random model of whisper-tiny's shape and vocabulary (tests/tiny_models.py)."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    from tiny_models import make_whisper_checkpoint
+
+    return make_whisper_checkpoint(out, d_model=384, num_layers=4, num_heads=6, ffn_dim=1536,
+                                   max_target_positions=448, initializer_range=0.02, text_tokens=50257)
+
+
+def features(seconds: float, clips: int, n_mels: int) -> list[np.ndarray]:
+    from serve_app.audio import log_mel
+
+    rng = np.random.default_rng(0)
+    return [log_mel((rng.standard_normal(int(16000 * seconds)) * 0.1).astype(np.float32), n_mels)
+            for _ in range(clips)]
+
+
+def ours(transcriber, mels: list[np.ndarray], concurrency: int) -> tuple[float, int]:
+    """(seconds, tokens) to transcribe every clip, `concurrency` at a time."""
+    from engine.async_transcriber import Done
+    from engine.core.transcription import TranscriptionOptions
+
+    options = TranscriptionOptions(language="en", timestamps=True)
+
+    async def one(mel) -> int:
+        tokens = 0
+        async for event in transcriber.transcribe(mel, mel.shape[1], options):
+            if isinstance(event, Done):
+                tokens = event.tokens
+        return tokens
+
+    async def run() -> int:
+        total = 0
+        for i in range(0, len(mels), concurrency):
+            total += sum(await asyncio.gather(*(one(m) for m in mels[i: i + concurrency])))
+        return total
+
+    start = time.perf_counter()
+    tokens = asyncio.run(run())
+    return time.perf_counter() - start, tokens
+
+
+def reference(model, mels: list[np.ndarray], concurrency: int) -> tuple[float, int]:
+    import torch
+
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(mels), concurrency):
+        batch = torch.tensor(np.stack(mels[i: i + concurrency]))
+        with torch.no_grad():
+            out = model.generate(batch, attention_mask=torch.ones(batch.shape[::2], dtype=torch.long),
+                                 language="en", task="transcribe", return_timestamps=True, return_segments=True)
+        tokens += sum(len(s["tokens"]) for clip in out["segments"] for s in clip)
+    return time.perf_counter() - start, tokens
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a Whisper checkpoint directory (default: random whisper-tiny)")
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--clips", type=int, default=8)
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--no-reference", action="store_true", help="skip transformers")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+    import transformers
+
+    from engine.async_transcriber import AsyncTranscriber
+    from engine.core.config import EngineConfig
+    from engine.speech_engine import SpeechEngine
+
+    model_dir = Path(args.model) if args.model else random_checkpoint(Path(tempfile.mkdtemp()) / "whisper-tiny")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    engine = SpeechEngine(EngineConfig(model=str(model_dir), dtype=args.dtype, max_num_seqs=max(levels)))
+    transcriber = AsyncTranscriber(engine)
+    hf = transformers.WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+    hf.eval()
+    mels = features(args.seconds, args.clips, engine.num_mel_bins)
+    audio_s = args.seconds * args.clips
+    print(f"{args.clips} clips x {args.seconds:g} s, model {model_dir.name}, {args.dtype}, "
+          f"torch threads {torch.get_num_threads()}")
+    for level in levels:
+        ours(transcriber, mels, level)  # compiles what this level uses
+        runs = [ours(transcriber, mels, level) for _ in range(args.rounds)]
+        seconds, tokens = statistics.median(r[0] for r in runs), runs[0][1]
+        print(f"ours          concurrency {level}: RTF {audio_s / seconds:7.1f} audio s/s  ({seconds:.2f} s, "
+              f"{tokens} tokens, {tokens / seconds:.0f} tok/s)")
+        if args.no_reference:
+            continue
+        refs = [reference(hf, mels, level) for _ in range(args.rounds)]
+        seconds, tokens = statistics.median(r[0] for r in refs), refs[0][1]
+        print(f"transformers  concurrency {level}: RTF {audio_s / seconds:7.1f} audio s/s  ({seconds:.2f} s, "
+              f"{tokens} tokens, {tokens / seconds:.0f} tok/s)")
+    transcriber.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Whisper speech-to-text: levanter's model (`levanter.models.whisper`) with cached decoding.
+
+Reads a Hugging Face Whisper checkpoint directory: config.json (model_type "whisper"),
+generation_config.json (the special tokens; read by engine.core.transcription) and safetensors
+weights, loaded into levanter's `WhisperModel` (torch's (Out, In) linear weights transposed into
+levanter's (In, Out) layout; the encoder's positions are levanter's sinusoids, which is what
+Whisper's frozen `embed_positions` hold).
+
+Two programs run it (engine.speech_engine compiles them):
+  * `encode`: log-mel windows [batch, n_mels, 3000 frames] through levanter's encoder, then each
+    decoder layer's cross-attention keys and values of the encoder output, stored in the slots
+    the windows decode in. A window's encoder output is computed once.
+  * `decode`: tokens [slot, position] of every slot through the decoder, each slot at its own
+    offset in a self-attention cache of `max_target_positions` per slot. Returns the logits at each
+    slot's last fed token and, at each slot's probe position, log P(<|nospeech|>).
+
+Named axes: "slot", "decoder_layers", "position" (decoder tokens fed), "key_position" (the self-
+attention cache), "source" (encoder positions, 1500 per window), "heads", "head_size",
+"embed_dim", "vocab_size". Invariant: a slot's cache entries past the tokens it has fed are never
+read (attention is causal over absolute positions), so a slot is reused without clearing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import NamedTuple
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+Slot, Pos, KPos, Source = "slot", "position", "key_position", "source"
+_NEG = -1e9
+"""Added to masked attention scores: exp() of it is 0 in float32."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WhisperCheckpoint:
+    """A Whisper checkpoint directory and what config.json says of it."""
+
+    path: Path
+    hf_config: dict
+    dtype: str
+    """The weights' dtype as config.json declares it (float32 when it does not say)."""
+
+    @property
+    def num_mel_bins(self) -> int:
+        return self.hf_config["num_mel_bins"]
+
+    @property
+    def max_target_positions(self) -> int:
+        return self.hf_config["max_target_positions"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config["vocab_size"]
+
+    def generation_config(self) -> dict:
+        """generation_config.json: Whisper's special tokens, suppressed tokens and timestamp rules."""
+        path = self.path / "generation_config.json"
+        if not path.is_file():
+            raise ValueError(f"{self.path} has no generation_config.json; a Whisper checkpoint needs it for its "
+                             "language, task and timestamp tokens (save the model with save_pretrained)")
+        return json.loads(path.read_text())
+
+
+def read_checkpoint(model_dir: str | Path) -> WhisperCheckpoint:
+    path = Path(model_dir).expanduser().absolute()
+    hf = json.loads((path / "config.json").read_text())
+    if hf.get("model_type") != "whisper":
+        raise ValueError(f"{path} holds a {hf.get('model_type')!r} model, not Whisper; serve it with another task")
+    dtype = {"float16": "bfloat16"}.get(hf.get("torch_dtype") or hf.get("dtype") or "float32",
+                                       hf.get("torch_dtype") or hf.get("dtype") or "float32")
+    return WhisperCheckpoint(path, hf, dtype)
+
+
+def levanter_config(checkpoint: WhisperCheckpoint):
+    from levanter.models.whisper import WhisperConfig
+    from levanter.utils.activation import ActivationFunctionEnum
+
+    hf = checkpoint.hf_config
+    if hf.get("scale_embedding"):
+        raise ValueError(f"{checkpoint.path}: scale_embedding=true Whisper variants are not supported")
+    return WhisperConfig(
+        vocab_size=hf["vocab_size"], num_mel_bins=hf["num_mel_bins"], encoder_layers=hf["encoder_layers"],
+        encoder_attention_heads=hf["encoder_attention_heads"], encoder_ffn_dim=hf["encoder_ffn_dim"],
+        decoder_layers=hf["decoder_layers"], decoder_attention_heads=hf["decoder_attention_heads"],
+        decoder_ffn_dim=hf["decoder_ffn_dim"], d_model=hf["d_model"],
+        max_source_positions=hf["max_source_positions"], max_length=hf["max_target_positions"],
+        activation_function=ActivationFunctionEnum(hf.get("activation_function", "gelu")),
+        gradient_checkpointing=False)
+
+
+def load_whisper(checkpoint: WhisperCheckpoint, dtype: str):
+    """levanter's WhisperModel with the checkpoint's weights, in `dtype`."""
+    from levanter.models.whisper import WhisperModel
+    from safetensors.numpy import load_file
+
+    config = levanter_config(checkpoint)
+    shapes = eqx.filter_eval_shape(WhisperModel.init, hax.Axis("vocab_size", config.vocab_size), config,
+                                   key=jax.random.PRNGKey(0))
+    state = {}
+    for file in sorted(checkpoint.path.glob("*.safetensors")):
+        state.update(load_file(file))
+    if not state:
+        raise ValueError(f"{checkpoint.path} has no .safetensors weights; save the model with safe_serialization")
+    state = {key.removeprefix("model."): _levanter_layout(key, value) for key, value in state.items()}
+    model = hax.state_dict.from_torch_compatible_state_dict(shapes, state)
+    cast = jnp.dtype(dtype)
+    model = jax.tree_util.tree_map(lambda a: a.astype(cast) if eqx.is_inexact_array(a) else a, model)
+    logger.info("loaded Whisper checkpoint %s (%d+%d layers, %s)", checkpoint.path, config.encoder_layers,
+                config.decoder_layers, dtype)
+    return model
+
+
+def _levanter_layout(key: str, value: np.ndarray) -> np.ndarray:
+    """torch's (Out, In) linear weight as levanter's Whisper stores it, (In, Out)."""
+    linear = key.endswith(".weight") and value.ndim == 2 and ("_proj." in key or ".fc1." in key or ".fc2." in key)
+    return np.ascontiguousarray(value.T) if linear and not key.startswith("proj_out") else value
+
+
+class DecoderCache(NamedTuple):
+    """Self-attention keys and values [decoder_layers, slot, key_position, heads, head_size]."""
+
+    k: hax.NamedArray
+    v: hax.NamedArray
+
+
+class CrossCache(NamedTuple):
+    """Cross-attention keys and values of each slot's window [decoder_layers, slot, source, heads, head_size]."""
+
+    k: hax.NamedArray
+    v: hax.NamedArray
+
+
+def empty_caches(model, slots: int, dtype) -> tuple[DecoderCache, CrossCache]:
+    config = model.config
+    layers, heads, size = config.DecoderLayer, config.DecoderHeads, config.DecoderHeadSize
+    self_axes = (layers, hax.Axis(Slot, slots), hax.Axis(KPos, config.max_length), heads, size)
+    cross_axes = (layers, hax.Axis(Slot, slots), hax.Axis(Source, config.max_source_positions), heads, size)
+    return (DecoderCache(hax.zeros(self_axes, dtype), hax.zeros(self_axes, dtype)),
+            CrossCache(hax.zeros(cross_axes, dtype), hax.zeros(cross_axes, dtype)))
+
+
+def encode(model, mel: jax.Array, slots: jax.Array, cross: CrossCache) -> CrossCache:
+    """Encode windows mel [batch, n_mels, frames] and store each one's cross-attention keys and
+    values in slot `slots[i]` (an index past the last slot drops that row: padding)."""
+    config = model.config
+    mel = hax.named(mel, ("batch", config.Mels.name, "position"))
+    audio = model.encoder(mel).rename({"position": Source})  # [batch, source, embed_dim]
+    layers = model.decoder.transformer.layers.stacked
+
+    def project(layer):
+        attn = layer.encoder_attn
+        return attn.k_proj(audio), attn.v_proj(audio)
+
+    k, v = hax.vmap(project, config.DecoderLayer)(layers)  # [decoder_layers, batch, source, heads, head_size]
+    order = (config.DecoderLayer.name, "batch", Source, "heads", "head_size")
+    k_new = k.rearrange(order).array.astype(cross.k.dtype)
+    v_new = v.rearrange(order).array.astype(cross.v.dtype)
+    return CrossCache(
+        hax.named(cross.k.array.at[:, slots].set(k_new, mode="drop"), cross.k.axes),
+        hax.named(cross.v.array.at[:, slots].set(v_new, mode="drop"), cross.v.axes))
+
+
+def decode(model, tokens: jax.Array, starts: jax.Array, counts: jax.Array, probes: jax.Array, nospeech: int,
+           cache: DecoderCache, cross: CrossCache) -> tuple[jax.Array, jax.Array, DecoderCache]:
+    """Feed tokens [rows, T] into the first `rows` slots (rows <= the caches' slots): slot s feeds its
+    first counts[s] tokens at positions starts[s] + t (counts[s] = 0: the slot is idle; its cache
+    is untouched). Returns (float32 logits [slot, vocab]
+    at each slot's last fed token, float32 [slot] log P(nospeech) after the token at index
+    probes[s] of the feed (meaningless where no probe is asked), the updated cache)."""
+    config = model.config
+    num_slots, length = tokens.shape
+    offsets = jnp.arange(length)
+    positions = starts[:, None] + offsets[None, :]  # [slot, T]
+    writes = jnp.where(offsets[None, :] < counts[:, None], positions, config.max_length)  # past the end: dropped
+    embeddings = model.decoder.embeddings
+    x = embeddings.token_embeddings.weight.array[tokens] + embeddings.position_embeddings.weight.array[
+        jnp.minimum(positions, config.max_length - 1)]
+    x = hax.named(x, (Slot, Pos, config.Embed.name))
+    causal = jnp.arange(config.max_length)[None, None, :] <= positions[:, :, None]  # [slot, T, key_position]
+    slot_index = jnp.arange(num_slots)[:, None]
+    cross_k = cross.k[Slot, hax.ds(0, num_slots)]  # the rows fed, not every slot
+    cross_v = cross.v[Slot, hax.ds(0, num_slots)]
+
+    def layer_step(carry, layer, layer_index, cross_k, cross_v):
+        x, cache_k, cache_v = carry
+        h = layer.attn_ln(x)
+        attn = layer.self_attn
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)  # [slot, position, heads, head_size]
+        layer_index = layer_index.array
+        cache_k = cache_k.at[layer_index, slot_index, writes].set(_ordered(k, cache_k.dtype), mode="drop")
+        cache_v = cache_v.at[layer_index, slot_index, writes].set(_ordered(v, cache_v.dtype), mode="drop")
+        keys = hax.named(cache_k[layer_index, :num_slots], (Slot, KPos, "heads", "head_size"))
+        values = hax.named(cache_v[layer_index, :num_slots], (Slot, KPos, "heads", "head_size"))
+        x = x + attn.out_proj(_attention(q, keys, values, KPos, hax.named(causal, (Slot, Pos, KPos))).astype(x.dtype))
+        h = layer.encoder_attn_ln(x)
+        cross_attn = layer.encoder_attn
+        x = x + cross_attn.out_proj(_attention(cross_attn.q_proj(h), cross_k, cross_v, Source, None).astype(x.dtype))
+        x = x + layer.mlp(layer.mlp_ln(x))
+        return (x, cache_k, cache_v), None
+
+    layers = model.decoder.transformer.layers.stacked
+    (x, cache_k, cache_v), _ = hax.scan(layer_step, config.DecoderLayer)(
+        (x, cache.k.array, cache.v.array), layers, hax.arange(config.DecoderLayer), cross_k, cross_v)
+    x = model.decoder.transformer.layer_norm(x)
+    last = hax.named(x.array[jnp.arange(num_slots), jnp.maximum(counts - 1, 0)], (Slot, config.Embed.name))
+    probe = hax.named(x.array[jnp.arange(num_slots), jnp.clip(probes, 0, length - 1)], (Slot, config.Embed.name))
+    logits = embeddings.unembed(last).array.astype(jnp.float32)
+    probe_logits = embeddings.unembed(probe).array.astype(jnp.float32)
+    nospeech_logprob = jax.nn.log_softmax(probe_logits, axis=-1)[:, nospeech]
+    return logits, nospeech_logprob, DecoderCache(hax.named(cache_k, cache.k.axes), hax.named(cache_v, cache.v.axes))
+
+
+def _ordered(x: hax.NamedArray, dtype) -> jax.Array:
+    return x.rearrange((Slot, Pos, "heads", "head_size")).array.astype(dtype)
+
+
+def _attention(q: hax.NamedArray, k: hax.NamedArray, v: hax.NamedArray, key_axis: str, mask) -> hax.NamedArray:
+    """Softmax attention of q [.., position, heads, head_size] over k/v's `key_axis`, in float32."""
+    scale = 1.0 / np.sqrt(q.axis_size("head_size"))
+    scores = hax.dot(q.astype(jnp.float32) * scale, k.astype(jnp.float32), axis="head_size")
+    if mask is not None:
+        scores = hax.where(mask, scores, _NEG)
+    weights = hax.nn.softmax(scores, axis=key_axis)
+    return hax.dot(weights, v.astype(jnp.float32), axis=key_axis)

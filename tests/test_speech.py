@@ -1,0 +1,238 @@
+"""The speech engine against transformers' Whisper `generate`: the same tokens on the same
+features (short and long-form, transcribe and translate, with and without timestamps, a detected
+language, a prompt), windows of several requests decoding together, and Whisper's rules."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from engine.async_transcriber import AsyncTranscriber, Done, Language, Segments
+from engine.core import transcription as rules
+from engine.core.config import EngineConfig
+from engine.core.request import InvalidRequestError
+from engine.core.transcription import TranscriptionOptions
+
+SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def hf(whisper_dir):
+    import transformers
+
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(whisper_dir).eval()
+    return model, transformers.WhisperFeatureExtractor(feature_size=80)
+
+
+@pytest.fixture(scope="module")
+def transcriber(whisper_dir):
+    from engine.speech_engine import SpeechEngine
+
+    engine = SpeechEngine(EngineConfig(model=str(whisper_dir), max_num_seqs=SLOTS, compilation_cache_dir=None))
+    transcriber = AsyncTranscriber(engine)
+    yield transcriber
+    transcriber.shutdown()
+
+
+def noise(seconds: float, seed: int) -> np.ndarray:
+    return (np.random.RandomState(seed).randn(int(16000 * seconds)) * 0.1).astype(np.float32)
+
+
+def short_features(hf, seconds: float, seed: int) -> np.ndarray:
+    """[80, 3000]: transformers' features of a clip padded to 30 s."""
+    return hf[1](noise(seconds, seed), sampling_rate=16000, return_tensors="np").input_features[0]
+
+
+async def collect(transcriber, mel, frames, options):
+    """(tokens of every segment in order, segments, language event, done event)."""
+    segments, language, done = [], None, None
+    async for event in transcriber.transcribe(mel, frames, options):
+        if isinstance(event, Segments):
+            segments += event.segments
+        elif isinstance(event, Language):
+            language = event
+        elif isinstance(event, Done):
+            done = event
+    return [t for s in segments for t in s.tokens], segments, language, done
+
+
+def hf_tokens(model, mel, **kwargs) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor(mel[None]), return_segments=True, **kwargs)
+    return [t for s in out["segments"][0] for t in s["tokens"].tolist()], out["segments"][0]
+
+
+@pytest.mark.parametrize("task", ["transcribe", "translate"])
+@pytest.mark.parametrize("timestamps", [False, True])
+@pytest.mark.parametrize("language", ["en", None])
+def test_short_audio_equals_transformers(transcriber, hf, task, timestamps, language):
+    """A 7 s clip, padded to 30 s as Whisper's feature extractor pads it: with the window as long as
+    the features (3000 frames, as transformers treats a short clip) the tokens are generate's."""
+    mel = short_features(hf, 7, seed=1)
+    ours, _, lang, _ = asyncio.run(collect(transcriber, mel, 3000, TranscriptionOptions(task, language, timestamps)))
+    expected, _ = hf_tokens(hf[0], mel, task=task, language=language, return_timestamps=timestamps)
+    assert ours == expected
+    assert lang.detected == (language is None)
+    if language is None:
+        with torch.no_grad():
+            detected = hf[0].detect_language(torch.tensor(mel[None])).item()
+        assert hf[0].generation_config.lang_to_id[f"<|{lang.code}|>"] == detected
+
+
+@pytest.mark.parametrize("language", ["en", None])
+def test_long_audio_equals_transformers_long_form(transcriber, hf, language):
+    """75 s of audio decoded window after window, each starting where the last one's speech ended:
+    the same tokens, segments and times as transformers' long-form generate."""
+    model, extractor = hf
+    features = extractor(noise(75, seed=2), sampling_rate=16000, return_tensors="np", truncation=False,
+                         padding="longest", return_attention_mask=True)
+    mel = features.input_features[0]
+    ours, segments, _, done = asyncio.run(collect(transcriber, mel, mel.shape[1],
+                                                  TranscriptionOptions(language=language, timestamps=True)))
+    expected, hf_segments = hf_tokens(model, mel, attention_mask=torch.tensor(features.attention_mask),
+                                      task="transcribe", language=language, return_timestamps=True)
+    assert ours == expected
+    assert [(round(s.start, 2), round(s.end, 2)) for s in segments] == [
+        (round(float(s["start"]), 2), round(float(s["end"]), 2)) for s in hf_segments]
+    assert done.windows >= 3
+    assert segments[-1].seek > 3000  # later windows started past the first
+
+
+def test_long_audio_always_decodes_with_timestamps(transcriber, hf):
+    """Without timestamps asked, audio past 30 s still gets them: they place the windows."""
+    mel = hf[1](noise(45, seed=3), sampling_rate=16000, return_tensors="np", truncation=False,
+                padding="longest").input_features[0]
+    with_ts, *_ = asyncio.run(collect(transcriber, mel, mel.shape[1], TranscriptionOptions(language="en",
+                                                                                         timestamps=True)))
+    without, *_ = asyncio.run(collect(transcriber, mel, mel.shape[1], TranscriptionOptions(language="en")))
+    assert without == with_ts
+
+
+def test_prompt_equals_transformers(transcriber, hf, whisper_dir):
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(whisper_dir)
+    prompt = tokenizer.encode(" The quick brown fox", add_special_tokens=False)
+    mel = short_features(hf, 5, seed=4)
+    options = TranscriptionOptions(language="en", timestamps=True, prompt=tuple(prompt))
+    ours, *_ = asyncio.run(collect(transcriber, mel, 3000, options))
+    prev = hf[0].generation_config.prev_sot_token_id
+    expected, _ = hf_tokens(hf[0], mel, language="en", return_timestamps=True,
+                            prompt_ids=torch.tensor([prev, *prompt]))
+    assert ours == expected
+
+
+def test_concurrent_requests_batch_and_equal_alone(transcriber, hf):
+    """More requests than slots, at once: each gets the tokens it gets alone."""
+    mels = [short_features(hf, 3 + i, seed=10 + i) for i in range(SLOTS + 2)]
+    options = [TranscriptionOptions(language="en", timestamps=bool(i % 2)) for i in range(len(mels))]
+    alone = [asyncio.run(collect(transcriber, m, 3000, o))[0] for m, o in zip(mels, options)]
+    steps = transcriber.num_steps
+
+    async def together():
+        return await asyncio.gather(*(collect(transcriber, m, 3000, o) for m, o in zip(mels, options)))
+
+    assert [r[0] for r in asyncio.run(together())] == alone
+    solo_steps = sum(1 + len(tokens) for tokens in alone)  # at least one step per token alone
+    assert transcriber.num_steps - steps < solo_steps  # windows shared steps
+
+
+def test_seeded_sampling_repeats(transcriber, hf):
+    mel = short_features(hf, 4, seed=5)
+    options = TranscriptionOptions(language="en", temperature=0.8, seed=7)
+    first = asyncio.run(collect(transcriber, mel, 3000, options))[0]
+    assert asyncio.run(collect(transcriber, mel, 3000, options))[0] == first
+    greedy = asyncio.run(collect(transcriber, mel, 3000, TranscriptionOptions(language="en")))[0]
+    assert first != greedy
+
+
+def test_abandoned_request_frees_its_slot(transcriber, hf):
+    mel = hf[1](noise(75, seed=6), sampling_rate=16000, return_tensors="np", truncation=False,
+                padding="longest").input_features[0]
+
+    async def abandon():
+        events = transcriber.transcribe(mel, mel.shape[1], TranscriptionOptions(language="en"))
+        async for event in events:
+            if isinstance(event, Segments):
+                break
+        await events.aclose()
+
+    for _ in range(SLOTS + 1):  # more than the slots: each must have been given back
+        asyncio.run(abandon())
+    result = asyncio.run(collect(transcriber, short_features(hf, 2, seed=1), 3000, TranscriptionOptions("transcribe")))
+    assert result[3] is not None
+    deadline = 100
+    while transcriber.busy_slots() and deadline:
+        asyncio.run(asyncio.sleep(0.05))
+        deadline -= 1
+    assert transcriber.busy_slots() == 0
+
+
+@pytest.mark.parametrize("options, param, message", [
+    (TranscriptionOptions(language="xx"), "language", "unknown language 'xx'"),
+    (TranscriptionOptions(task="summarize"), "task", "task must be transcribe or translate"),
+    (TranscriptionOptions(temperature=1.5), "temperature", "between 0 and 1"),
+])
+def test_unservable_options_are_refused(transcriber, hf, options, param, message):
+    with pytest.raises(InvalidRequestError, match=message) as caught:
+        asyncio.run(collect(transcriber, short_features(hf, 1, seed=0), 3000, options))
+    assert caught.value.param == param
+
+
+def test_english_only_model_refuses_translation_and_other_languages():
+    tokens = rules.WhisperTokens(eot=10, sot=11, prev=12, no_timestamps=14, languages={}, tasks={}, suppress=(),
+                                 begin_suppress=(), max_initial_timestamp_index=50, max_length=448,
+                                 max_target_positions=448, multilingual=False)
+    assert rules.check_options(tokens, TranscriptionOptions(task="translate"))[1] == "model"
+    assert rules.check_options(tokens, TranscriptionOptions(language="fr"))[1] == "language"
+    assert rules.check_options(tokens, TranscriptionOptions(language="en")) is None
+    assert rules.prefix(tokens, TranscriptionOptions(), None) == [11, 14]  # <|startoftranscript|><|notimestamps|>
+
+
+def test_split_window_equals_transformers():
+    """Every way a window's tokens can end, split as transformers' `_retrieve_segment` splits them."""
+    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
+
+    begin = 100
+    tokens = rules.WhisperTokens(eot=50, sot=51, prev=52, no_timestamps=begin - 1, languages={}, tasks={},
+                                 suppress=(), begin_suppress=(), max_initial_timestamp_index=50, max_length=448,
+                                 max_target_positions=448, multilingual=False)
+    cases = [
+        [begin + 0, 5, 6, begin + 40, begin + 40, 7, begin + 90],  # ends on a single timestamp
+        [begin + 0, 5, begin + 40, begin + 41, 7, 8],  # ends mid-segment: seek to the last pair
+        [begin + 2, 5, begin + 40, begin + 40, 7, begin + 60, begin + 60],  # ends on a pair
+        [5, 6, 7],  # no timestamps
+        [5, begin + 30, 6],  # one timestamp, no pair
+    ]
+    for sampled in cases:
+        pieces, consumed = rules.split_window(tokens, sampled, seek=1000, window_frames=2500)
+        expected, offset = WhisperGenerationMixin._retrieve_segment(
+            torch.tensor(sampled), [{}], torch.tensor([10.0], dtype=torch.float64), begin, torch.tensor([2500]),
+            0.02, 0.01, 2, 0, 0, False, torch.zeros((1, 4)))
+        assert [(round(s, 6), round(e, 6), t) for s, e, t in pieces] == [
+            (round(float(s["start"]), 6), round(float(s["end"]), 6), s["tokens"].tolist()) for s in expected]
+        assert consumed == int(offset)
+
+
+def test_timestamp_rules_pairs_and_order():
+    begin, eot = 100, 50
+    tokens = rules.WhisperTokens(eot=eot, sot=51, prev=52, no_timestamps=begin - 1, languages={}, tasks={},
+                                 suppress=(3,), begin_suppress=(4,), max_initial_timestamp_index=5, max_length=448,
+                                 max_target_positions=448, multilingual=False)
+    window = rules.WindowRules(tokens, timestamps=True)
+    flat = np.zeros(200, np.float32)
+    first = window.scores(flat, [])
+    assert np.isfinite(first).nonzero()[0].tolist() == list(range(begin, begin + 6))  # a timestamp <= index 5 first
+    after_text = window.scores(flat, [begin + 2, 7])  # an open segment closes after its start, never at it
+    assert np.isneginf(after_text[begin:begin + 3]).all() and np.isfinite(after_text[begin + 3:]).all()
+    assert np.isneginf(after_text[:begin]).all()  # 97 equal timestamps outweigh any one text token
+    text_likely = flat.copy()
+    text_likely[7] = 10.0
+    assert np.isfinite(window.scores(text_likely, [begin + 2, 7])[7])
+    after_open = window.scores(flat, [begin + 2, 7, begin + 9])  # a closing timestamp: another or the end
+    assert np.isneginf(after_open[:eot]).all()
+    after_pair = window.scores(flat, [begin + 2, 7, begin + 9, begin + 9])  # a closed pair: no timestamp next
+    assert np.isneginf(after_pair[begin:]).all() and np.isneginf(after_pair[3])
