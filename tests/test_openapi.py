@@ -21,6 +21,8 @@ PATHS = {
     "/v1/completions": {"post"},
     "/v1/chat/completions": {"post"},
     "/v1/embeddings": {"post"},
+    "/v1/audio/transcriptions": {"post"},
+    "/v1/audio/translations": {"post"},
     "/tokenize": {"post"},
     "/detokenize": {"post"},
     "/v1/models": {"get"},
@@ -108,6 +110,17 @@ def test_each_post_declares_its_request_body(document, path):
     assert schema["title"] == name and schema["type"] == "object"
     assert {"model", field} <= set(schema["properties"]) and {"model", field} <= set(schema["required"])
     assert schema["additionalProperties"] is False  # unknown fields are 400s
+
+
+@pytest.mark.parametrize("path, name", [("/v1/audio/transcriptions", "TranscriptionRequest"),
+                                        ("/v1/audio/translations", "TranslationRequest")])
+def test_audio_routes_declare_a_multipart_form(document, path, name):
+    body = document["paths"][path]["post"]["requestBody"]
+    fields, file = body["content"]["multipart/form-data"]["schema"]["allOf"]
+    schema = resolve(document, fields["$ref"])
+    assert schema["title"] == name and "model" in schema["required"] and schema["additionalProperties"] is False
+    assert file["required"] == ["file"] and file["properties"]["file"]["format"] == "binary"
+    assert ("language" in schema["properties"]) == (name == "TranscriptionRequest")
 
 
 def test_every_ref_resolves_and_every_schema_is_valid(document):
