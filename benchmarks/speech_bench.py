@@ -46,41 +46,43 @@ def features(seconds: float, clips: int, n_mels: int) -> list[np.ndarray]:
             for _ in range(clips)]
 
 
-def ours(transcriber, mels: list[np.ndarray], concurrency: int) -> tuple[float, int]:
-    """(seconds, tokens) to transcribe every clip, `concurrency` at a time."""
-    from engine.async_transcriber import Done
+def ours(transcriber, mels: list[np.ndarray], concurrency: int) -> tuple[float, list[list[int]], int]:
+    """(seconds, each clip's segment tokens, tokens sampled) to transcribe every clip, `concurrency` at a time."""
+    from engine.async_transcriber import Done, Segments
     from engine.core.transcription import TranscriptionOptions
 
     options = TranscriptionOptions(language="en", timestamps=True)
 
-    async def one(mel) -> int:
-        tokens = 0
+    async def one(mel) -> tuple[list[int], int]:
+        tokens, sampled = [], 0
         async for event in transcriber.transcribe(mel, mel.shape[1], options):
-            if isinstance(event, Done):
-                tokens = event.tokens
-        return tokens
+            if isinstance(event, Segments):
+                tokens += [t for s in event.segments for t in s.tokens]
+            elif isinstance(event, Done):
+                sampled = event.tokens
+        return tokens, sampled
 
-    async def run() -> int:
-        total = 0
+    async def run() -> list[tuple[list[int], int]]:
+        results = []
         for i in range(0, len(mels), concurrency):
-            total += sum(await asyncio.gather(*(one(m) for m in mels[i: i + concurrency])))
-        return total
+            results += await asyncio.gather(*(one(m) for m in mels[i: i + concurrency]))
+        return results
 
     start = time.perf_counter()
-    tokens = asyncio.run(run())
-    return time.perf_counter() - start, tokens
+    results = asyncio.run(run())
+    return time.perf_counter() - start, [r[0] for r in results], sum(r[1] for r in results)
 
 
-def reference(model, mels: list[np.ndarray], concurrency: int) -> tuple[float, int]:
+def reference(model, mels: list[np.ndarray], concurrency: int) -> tuple[float, list[list[int]]]:
     import torch
 
-    start, tokens = time.perf_counter(), 0
+    start, tokens = time.perf_counter(), []
     for i in range(0, len(mels), concurrency):
         batch = torch.tensor(np.stack(mels[i: i + concurrency]))
         with torch.no_grad():
             out = model.generate(batch, attention_mask=torch.ones(batch.shape[::2], dtype=torch.long),
                                  language="en", task="transcribe", return_timestamps=True, return_segments=True)
-        tokens += sum(len(s["tokens"]) for clip in out["segments"] for s in clip)
+        tokens += [[t for s in clip for t in s["tokens"].tolist()] for clip in out["segments"]]
     return time.perf_counter() - start, tokens
 
 
@@ -115,15 +117,15 @@ def main(argv=None) -> None:
     for level in levels:
         ours(transcriber, mels, level)  # compiles what this level uses
         runs = [ours(transcriber, mels, level) for _ in range(args.rounds)]
-        seconds, tokens = statistics.median(r[0] for r in runs), runs[0][1]
+        seconds, kept, sampled = statistics.median(r[0] for r in runs), runs[0][1], runs[0][2]
         print(f"ours          concurrency {level}: RTF {audio_s / seconds:7.1f} audio s/s  ({seconds:.2f} s, "
-              f"{tokens} tokens, {tokens / seconds:.0f} tok/s)")
+              f"{sampled} tokens sampled, {sum(map(len, kept))} kept)")
         if args.no_reference:
             continue
         refs = [reference(hf, mels, level) for _ in range(args.rounds)]
-        seconds, tokens = statistics.median(r[0] for r in refs), refs[0][1]
+        seconds, expected = statistics.median(r[0] for r in refs), refs[0][1]
         print(f"transformers  concurrency {level}: RTF {audio_s / seconds:7.1f} audio s/s  ({seconds:.2f} s, "
-              f"{tokens} tokens, {tokens / seconds:.0f} tok/s)")
+              f"{sum(map(len, expected))} kept; the same tokens as ours: {expected == kept})")
     transcriber.shutdown()
 
 

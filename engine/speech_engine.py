@@ -64,7 +64,7 @@ class SpeechEngine:
         self.dtype = checkpoint.dtype if config.dtype == "auto" else config.dtype
         model = whisper.load_whisper(checkpoint, self.dtype)
         self._cache, self._cross = whisper.empty_caches(model, self.num_slots, jnp.dtype(self.dtype))
-        self._params, self._static = eqx.partition(model, eqx.is_array)
+        self._params, self._static = eqx.partition((model, whisper.decoder_layers(model)), eqx.is_array)
         self._encode = jax.jit(self._encode_fn, donate_argnums=(3,))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(5,))
         self.rows = _ladder(self.num_slots, ROW_BASE)
@@ -143,11 +143,12 @@ class SpeechEngine:
     # ---- programs ----
 
     def _encode_fn(self, params, mel, slots, cross):
-        return whisper.encode(eqx.combine(params, self._static), mel, slots, cross)
+        model, layers = eqx.combine(params, self._static)
+        return whisper.encode(model, layers, mel, slots, cross)
 
     def _decode_fn(self, params, tokens, starts, counts, probes, cache, cross):
-        return whisper.decode(eqx.combine(params, self._static), tokens, starts, counts, probes,
-                              self.tokens.nospeech, cache, cross)
+        model, layers = eqx.combine(params, self._static)
+        return whisper.decode(model, layers, tokens, starts, counts, probes, self.tokens.nospeech, cache, cross)
 
     def _ready(self) -> list[tuple[str, int, int]]:
         return self.compiler.ready()

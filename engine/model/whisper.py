@@ -14,10 +14,14 @@ Two programs run it (engine.speech_engine compiles them):
     offset in a self-attention cache of `max_target_positions` per slot. Returns the logits at each
     slot's last fed token and, at each slot's probe position, log P(<|nospeech|>).
 
-Named axes: "slot", "decoder_layers", "position" (decoder tokens fed), "key_position" (the self-
-attention cache), "source" (encoder positions, 1500 per window), "heads", "head_size",
-"embed_dim", "vocab_size". Invariant: a slot's cache entries past the tokens it has fed are never
-read (attention is causal over absolute positions), so a slot is reused without clearing.
+Named axes: "slot", "position" (decoder tokens fed), "key_position" (the self-attention cache),
+"source" (encoder positions, 1500 per window), "heads", "head_size", "embed_dim", "vocab_size".
+The decoder's layers run unrolled over per-layer modules and per-layer cache buffers
+(`decoder_layers`): each step reads every cache in place (on the CPU a scanned loop copied each
+layer's slab of the cross-attention cache, ~20 MB a layer at 8 slots of whisper-tiny). Whisper
+decoders are shallow (4 to 32 layers), so compile time stays small. Invariant: a slot's cache
+entries past the tokens it has fed are never read (attention is causal over absolute positions),
+so a slot is reused without clearing.
 """
 
 from __future__ import annotations
@@ -127,56 +131,63 @@ def _levanter_layout(key: str, value: np.ndarray) -> np.ndarray:
 
 
 class DecoderCache(NamedTuple):
-    """Self-attention keys and values [decoder_layers, slot, key_position, heads, head_size]."""
+    """Self-attention keys and values, one [slot, heads, key_position, head_size] array per decoder layer."""
 
-    k: hax.NamedArray
-    v: hax.NamedArray
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
 
 class CrossCache(NamedTuple):
-    """Cross-attention keys and values of each slot's window [decoder_layers, slot, source, heads, head_size]."""
+    """Cross-attention keys and values of each slot's window, one [slot, heads, source, head_size]
+    array per decoder layer. Per-layer buffers, not one stacked array: a step reads each in place
+    (slicing a layer out of a stack copies it on the CPU, tens of MB a step). Heads before
+    positions: attention's batch axes lead, so its dots read the cache without transposing it
+    (which cost 10x the attention itself at 8 slots on the CPU)."""
 
-    k: hax.NamedArray
-    v: hax.NamedArray
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
+def decoder_layers(model) -> tuple:
+    """The decoder's layers as separate modules (each its own buffers), for `decode`'s unrolled loop."""
+    stacked = model.decoder.transformer.layers
+    return tuple(jax.tree_util.tree_map(jnp.copy, stacked.get_layer(i)) for i in range(stacked.Layers.size))
 
 
 def empty_caches(model, slots: int, dtype) -> tuple[DecoderCache, CrossCache]:
     config = model.config
-    layers, heads, size = config.DecoderLayer, config.DecoderHeads, config.DecoderHeadSize
-    self_axes = (layers, hax.Axis(Slot, slots), hax.Axis(KPos, config.max_length), heads, size)
-    cross_axes = (layers, hax.Axis(Slot, slots), hax.Axis(Source, config.max_source_positions), heads, size)
-    return (DecoderCache(hax.zeros(self_axes, dtype), hax.zeros(self_axes, dtype)),
-            CrossCache(hax.zeros(cross_axes, dtype), hax.zeros(cross_axes, dtype)))
+    heads, size = config.DecoderHeads.size, config.DecoderHeadSize.size
+    layers = range(config.DecoderLayer.size)
+
+    def zeros(length):
+        return tuple(jnp.zeros((slots, heads, length, size), dtype) for _ in layers)
+
+    return (DecoderCache(zeros(config.max_length), zeros(config.max_length)),
+            CrossCache(zeros(config.max_source_positions), zeros(config.max_source_positions)))
 
 
-def encode(model, mel: jax.Array, slots: jax.Array, cross: CrossCache) -> CrossCache:
+def encode(model, layers: tuple, mel: jax.Array, slots: jax.Array, cross: CrossCache) -> CrossCache:
     """Encode windows mel [batch, n_mels, frames] and store each one's cross-attention keys and
     values in slot `slots[i]` (an index past the last slot drops that row: padding)."""
     config = model.config
     mel = hax.named(mel, ("batch", config.Mels.name, "position"))
     audio = model.encoder(mel).rename({"position": Source})  # [batch, source, embed_dim]
-    layers = model.decoder.transformer.layers.stacked
-
-    def project(layer):
+    ks, vs = [], []
+    for layer, k_cache, v_cache in zip(layers, cross.k, cross.v):
         attn = layer.encoder_attn
-        return attn.k_proj(audio), attn.v_proj(audio)
-
-    k, v = hax.vmap(project, config.DecoderLayer)(layers)  # [decoder_layers, batch, source, heads, head_size]
-    order = (config.DecoderLayer.name, "batch", Source, "heads", "head_size")
-    k_new = k.rearrange(order).array.astype(cross.k.dtype)
-    v_new = v.rearrange(order).array.astype(cross.v.dtype)
-    return CrossCache(
-        hax.named(cross.k.array.at[:, slots].set(k_new, mode="drop"), cross.k.axes),
-        hax.named(cross.v.array.at[:, slots].set(v_new, mode="drop"), cross.v.axes))
+        k, v = (_ordered(proj(audio), ("batch", "heads", Source), k_cache.dtype) for proj in (attn.k_proj, attn.v_proj))
+        ks.append(k_cache.at[slots].set(k, mode="drop"))
+        vs.append(v_cache.at[slots].set(v, mode="drop"))
+    return CrossCache(tuple(ks), tuple(vs))
 
 
-def decode(model, tokens: jax.Array, starts: jax.Array, counts: jax.Array, probes: jax.Array, nospeech: int,
-           cache: DecoderCache, cross: CrossCache) -> tuple[jax.Array, jax.Array, DecoderCache]:
+def decode(model, layers: tuple, tokens: jax.Array, starts: jax.Array, counts: jax.Array, probes: jax.Array,
+           nospeech: int, cache: DecoderCache, cross: CrossCache) -> tuple[jax.Array, jax.Array, DecoderCache]:
     """Feed tokens [rows, T] into the first `rows` slots (rows <= the caches' slots): slot s feeds its
     first counts[s] tokens at positions starts[s] + t (counts[s] = 0: the slot is idle; its cache
-    is untouched). Returns (float32 logits [slot, vocab]
-    at each slot's last fed token, float32 [slot] log P(nospeech) after the token at index
-    probes[s] of the feed (meaningless where no probe is asked), the updated cache)."""
+    is untouched). Returns (float32 logits [rows, vocab] at each slot's last fed token, float32
+    [rows] log P(nospeech) after the token at index probes[s] of the feed (meaningless where no
+    probe is asked), the updated cache)."""
     config = model.config
     num_slots, length = tokens.shape
     offsets = jnp.arange(length)
@@ -186,46 +197,46 @@ def decode(model, tokens: jax.Array, starts: jax.Array, counts: jax.Array, probe
     x = embeddings.token_embeddings.weight.array[tokens] + embeddings.position_embeddings.weight.array[
         jnp.minimum(positions, config.max_length - 1)]
     x = hax.named(x, (Slot, Pos, config.Embed.name))
-    causal = jnp.arange(config.max_length)[None, None, :] <= positions[:, :, None]  # [slot, T, key_position]
+    causal = hax.named(jnp.arange(config.max_length)[None, None, :] <= positions[:, :, None], (Slot, Pos, KPos))
     slot_index = jnp.arange(num_slots)[:, None]
-    cross_k = cross.k[Slot, hax.ds(0, num_slots)]  # the rows fed, not every slot
-    cross_v = cross.v[Slot, hax.ds(0, num_slots)]
-
-    def layer_step(carry, layer, layer_index, cross_k, cross_v):
-        x, cache_k, cache_v = carry
+    rows = slice(None) if num_slots == cache.k[0].shape[0] else slice(0, num_slots)  # the rows fed
+    new_k, new_v = [], []
+    for layer, k_cache, v_cache, cross_k, cross_v in zip(layers, cache.k, cache.v, cross.k, cross.v):
         h = layer.attn_ln(x)
         attn = layer.self_attn
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)  # [slot, position, heads, head_size]
-        layer_index = layer_index.array
-        cache_k = cache_k.at[layer_index, slot_index, writes].set(_ordered(k, cache_k.dtype), mode="drop")
-        cache_v = cache_v.at[layer_index, slot_index, writes].set(_ordered(v, cache_v.dtype), mode="drop")
-        keys = hax.named(cache_k[layer_index, :num_slots], (Slot, KPos, "heads", "head_size"))
-        values = hax.named(cache_v[layer_index, :num_slots], (Slot, KPos, "heads", "head_size"))
-        x = x + attn.out_proj(_attention(q, keys, values, KPos, hax.named(causal, (Slot, Pos, KPos))).astype(x.dtype))
+        # [slot, :, writes] indexes as [slot, position, heads, head_size]: the new keys' own order
+        k_cache = k_cache.at[slot_index, :, writes].set(_ordered(k, (Slot, Pos, "heads"), k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[slot_index, :, writes].set(_ordered(v, (Slot, Pos, "heads"), v_cache.dtype), mode="drop")
+        new_k.append(k_cache)
+        new_v.append(v_cache)
+        keys, values = (hax.named(c[rows], (Slot, "heads", KPos, "head_size")) for c in (k_cache, v_cache))
+        x = x + attn.out_proj(_attention(q, keys, values, KPos, causal).astype(x.dtype))
         h = layer.encoder_attn_ln(x)
         cross_attn = layer.encoder_attn
-        x = x + cross_attn.out_proj(_attention(cross_attn.q_proj(h), cross_k, cross_v, Source, None).astype(x.dtype))
+        cross_keys, cross_values = (hax.named(c[rows], (Slot, "heads", Source, "head_size"))
+                                    for c in (cross_k, cross_v))
+        x = x + cross_attn.out_proj(_attention(cross_attn.q_proj(h), cross_keys, cross_values, Source, None)
+                                    .astype(x.dtype))
         x = x + layer.mlp(layer.mlp_ln(x))
-        return (x, cache_k, cache_v), None
-
-    layers = model.decoder.transformer.layers.stacked
-    (x, cache_k, cache_v), _ = hax.scan(layer_step, config.DecoderLayer)(
-        (x, cache.k.array, cache.v.array), layers, hax.arange(config.DecoderLayer), cross_k, cross_v)
     x = model.decoder.transformer.layer_norm(x)
     last = hax.named(x.array[jnp.arange(num_slots), jnp.maximum(counts - 1, 0)], (Slot, config.Embed.name))
     probe = hax.named(x.array[jnp.arange(num_slots), jnp.clip(probes, 0, length - 1)], (Slot, config.Embed.name))
     logits = embeddings.unembed(last).array.astype(jnp.float32)
     probe_logits = embeddings.unembed(probe).array.astype(jnp.float32)
     nospeech_logprob = jax.nn.log_softmax(probe_logits, axis=-1)[:, nospeech]
-    return logits, nospeech_logprob, DecoderCache(hax.named(cache_k, cache.k.axes), hax.named(cache_v, cache.v.axes))
+    return logits, nospeech_logprob, DecoderCache(tuple(new_k), tuple(new_v))
 
 
-def _ordered(x: hax.NamedArray, dtype) -> jax.Array:
-    return x.rearrange((Slot, Pos, "heads", "head_size")).array.astype(dtype)
+def _ordered(x: hax.NamedArray, leading: tuple[str, ...], dtype) -> jax.Array:
+    """x's array with the `leading` axes first, then head_size, in `dtype`."""
+    return x.rearrange((*leading, "head_size")).array.astype(dtype)
 
 
 def _attention(q: hax.NamedArray, k: hax.NamedArray, v: hax.NamedArray, key_axis: str, mask) -> hax.NamedArray:
-    """Softmax attention of q [.., position, heads, head_size] over k/v's `key_axis`, in float32."""
+    """Softmax attention of q [slot, position, heads, head_size] over k/v's `key_axis`, in float32; q is
+    laid out [slot, heads, position, head_size] first, as the caches are."""
+    q = q.rearrange((Slot, "heads", Pos, "head_size"))
     scale = 1.0 / np.sqrt(q.axis_size("head_size"))
     scores = hax.dot(q.astype(jnp.float32) * scale, k.astype(jnp.float32), axis="head_size")
     if mask is not None:
