@@ -356,3 +356,36 @@ def make_whisper_checkpoint(out_dir: str | Path, *, d_model: int = 64, num_layer
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     transformers.WhisperFeatureExtractor(feature_size=num_mel_bins).save_pretrained(out)
     return out
+
+
+def make_llava_checkpoint(out_dir: str | Path, *, seed: int = 0, image_size: int = 32, patch_size: int = 8) -> Path:
+    """Write a random `LlavaForConditionalGeneration`: a small CLIP tower (LLaVA-1.5's settings:
+    feature layer -2, "default") and a Llama decoder over `make_tokenizer`'s vocabulary plus an
+    `<image>` token, with its CLIPImageProcessor and the ChatML template."""
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    text = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    initializer_range=0.2, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                                    pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    vision = transformers.CLIPVisionConfig(image_size=image_size, patch_size=patch_size, hidden_size=32,
+                                           intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                           projection_dim=32)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text,
+                                      image_token_index=tokenizer.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(part in name for part in ("bias", "norm", "layrnorm", "class_embedding")):
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    transformers.CLIPImageProcessor(size={"shortest_edge": image_size},
+                                    crop_size={"height": image_size, "width": image_size}).save_pretrained(out)
+    return out

@@ -40,7 +40,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from engine.formats import hub, object_store
+from engine.formats import hub, llava, object_store
 from engine.formats.checkpoint_files import missing_shards
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,8 @@ class ModelSource:
 
 
 def resolve_model(source: str | ModelSource, cache_dir: str | Path | None = None) -> Path:
-    """The absolute path of a local Hugging Face checkpoint directory for `source` (see module doc).
+    """The absolute path of a local Hugging Face checkpoint directory for `source` (see module doc);
+    for a LLaVA checkpoint, its decoder's text checkpoint (engine.formats.llava), built once.
 
     A local path wins over an alias or a repo id of the same name. Raises ValueError for a source
     that is none of the kinds, a directory that is not a checkpoint, a repo or revision that does not
@@ -132,9 +133,16 @@ def resolve_model(source: str | ModelSource, cache_dir: str | Path | None = None
     """
     if isinstance(source, str):
         source = ModelSource(source, cache_dir=None if cache_dir is None else str(cache_dir))
+    cache = Path(source.cache_dir).expanduser() if source.cache_dir is not None else default_cache_dir()
+    path = _resolve(source, cache)
+    if not llava.is_llava(path):
+        return path
+    return _cached(cache / llava.entry_name(path), str(path), lambda out: llava.build(path, out))
+
+
+def _resolve(source: ModelSource, cache: Path) -> Path:
     spec = source.model
     path = Path(spec).expanduser()
-    cache = Path(source.cache_dir).expanduser() if source.cache_dir is not None else default_cache_dir()
     if source.levanter_model is not None:
         from engine.formats import levanter_checkpoint
 
