@@ -46,6 +46,7 @@ from typing import Any, Optional
 from engine.core.adapters import Adapter, AdapterSlots
 from engine.core.config import EngineConfig
 from engine.core.grammar import GrammarCompiler
+from engine.core.images import ImageInput, ImageSlots
 from engine.core.pages import PageAllocator
 from engine.core.request import (
     EngineStats,
@@ -120,6 +121,14 @@ class LLMEngine:
         self._aborted: list[str] = []
         self._in_flight: Optional[LaunchedStep] = None
         self._seeds = random.Random(config.seed)
+        layout = self.executor.image_layout
+        self.image_token_id: Optional[int] = None if layout is None else layout[0]
+        """The prompt's image placeholder token (a model that takes images), else None."""
+        self.images = None if layout is None else ImageSlots(layout[2], layout[1], self.vocab_size)
+        """Which image each device slot holds (engine.core.images), or None: a text-only model."""
+        if self.images is not None and config.draft_model:
+            raise ValueError("a draft model cannot guess after image tokens; use speculative method ngram or none "
+                             "with a vision-language model")
         ngram = config.speculative is not None and config.speculative.method == "ngram"
         self.proposer = NgramProposer(config.speculative) if ngram else None
         """Prompt-lookup guesses for decoding rows (speculative decoding by n-gram), or None."""
@@ -137,10 +146,13 @@ class LLMEngine:
 
     # ---- the surface ----
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None) -> None:
-        """Raise InvalidRequestError if this request can never be served (an invalid grammar or
-        an unknown adapter included). Thread-safe."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None,
+                 images: tuple[ImageInput, ...] = ()) -> None:
+        """Raise InvalidRequestError if this request can never be served (an invalid grammar, an
+        unknown adapter, images the prompt does not place or a text-only model cannot see
+        included). Thread-safe."""
         check_request(prompt_ids, params, self.vocab_size, self.max_model_len)
+        self._check_images(prompt_ids, params, images)
         if adapter is not None and adapter not in self._adapters:
             raise InvalidRequestError(f"LoRA adapter {adapter!r} is not loaded; loaded: "
                                       f"{', '.join(sorted(self._adapters)) or 'none'}", "model")
@@ -152,13 +164,16 @@ class LLMEngine:
             self.grammars.compile(params.grammar)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    adapter: Optional[str] = None) -> None:
-        """Queue a request; `adapter`: the name of a LoRA adapter to run it with (None: the base model)."""
-        self.validate(prompt_ids, params, adapter)
+                    adapter: Optional[str] = None, images: tuple[ImageInput, ...] = ()) -> None:
+        """Queue a request; `adapter`: the name of a LoRA adapter to run it with (None: the base
+        model); `images`: one per run of tokens_per_image image placeholders in the prompt, in order."""
+        self.validate(prompt_ids, params, adapter, images)
         if request_id in self._sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        seq = Sequence(request_id, list(prompt_ids), params, seed)
+        prompt, slots = self._place_images(list(prompt_ids), images)
+        seq = Sequence(request_id, prompt, params, seed)
+        seq.image_slots = slots
         seq.adapter = None if adapter is None else self._adapters[adapter]
         seq.prompt_logprobs = [None] * len(prompt_ids)
         if params.grammar is not None:
@@ -170,7 +185,7 @@ class LLMEngine:
         """Free the request's pages now; its stream ends with an `abort` delta at the next step."""
         seq = self._sequences.pop(request_id, None)
         if seq is not None:
-            self.scheduler.finish(seq)
+            self._end(seq)
             self._aborted.append(request_id)
 
     def add_adapter(self, name: str, path: str) -> None:
@@ -391,8 +406,51 @@ class LLMEngine:
             del seq.output_ids[generated + len(tokens) - 1 :]  # tokens after the last one sent, never sent
             seq.tokens_in_flight = 0
             self._sequences.pop(seq.request_id, None)
-            self.scheduler.finish(seq)
+            self._end(seq)
         return delta
+
+    def _end(self, seq: Sequence) -> None:
+        """A sequence is done (finished or aborted): its pages and image slots go back."""
+        self.scheduler.finish(seq)
+        for slot in seq.image_slots:
+            self.images.release(slot)
+        seq.image_slots = []
+
+    def _check_images(self, prompt_ids: list[int], params: SamplingParams, images: tuple[ImageInput, ...]) -> None:
+        if self.images is None:
+            if images:
+                raise InvalidRequestError("this model takes no images; send text only, or serve a vision-language "
+                                          "model", "messages")
+            return
+        runs = _placeholder_runs(prompt_ids, self.image_token_id)
+        n = self.images.tokens_per_image
+        if len(runs) != len(images) or any(length != n for _, length in runs):
+            raise InvalidRequestError(f"the prompt places {len(runs)} images ({[length for _, length in runs]} "
+                                      f"placeholder tokens) but the request sends {len(images)}, each taking {n}",
+                                      "messages")
+        if len({image.content_hash for image in images}) > self.images.slots:
+            raise InvalidRequestError(f"the request sends more distinct images than the {self.images.slots} this "
+                                      "server holds at once; send fewer, or raise image_slots", "messages")
+        if images and params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt logprobs are not computed for prompts with images; leave them out",
+                                      "prompt_logprobs")
+
+    def _place_images(self, prompt: list[int], images: tuple[ImageInput, ...]) -> tuple[list[int], list[int]]:
+        """(the prompt with each image's placeholders replaced by its image tokens, the image slots
+        it holds); an image no slot holds has its features computed into one first."""
+        slots = []
+        try:
+            for (start, length), image in zip(_placeholder_runs(prompt, self.image_token_id), images):
+                slot, fresh = self.images.acquire(image.content_hash)
+                slots.append(slot)
+                if fresh:
+                    self.executor.add_image(slot, image.pixels)
+                prompt[start: start + length] = self.images.token_ids(slot)
+        except RuntimeError as exc:
+            for slot in slots:
+                self.images.release(slot)
+            raise InvalidRequestError(f"{exc}; retry when they finish, or raise image_slots", "messages") from None
+        return prompt, slots
 
     def _keep(self, row: Row, sampled: list[int]) -> list[int]:
         """The tokens a row emits: its sampled token, or for a row with guesses the guesses the
@@ -450,3 +508,16 @@ def _row_results(plan: Plan, slots: RowSlots, out: StepOutput) -> list[RowResult
 def _token_logprob(token: int, logprob, top_ids, top_lps, k: int) -> TokenLogprob:
     top = tuple((int(t), float(lp)) for t, lp in zip(top_ids[:k], top_lps[:k]))
     return TokenLogprob(int(token), float(logprob), top)
+
+
+def _placeholder_runs(prompt: list[int], token: Optional[int]) -> list[tuple[int, int]]:
+    """(start, length) of each run of `token` in `prompt`."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(prompt):
+        if t != token:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs

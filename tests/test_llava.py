@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from parity import TIGHT, make_prompts, run_to_completion, tokens_of
 from tiny_models import make_llava_checkpoint
 
 from engine.core.config import EngineConfig
-from engine.core.request import SamplingParams
+from engine.core.images import ImageInput
+from engine.core.request import InvalidRequestError, SamplingParams
 from engine.formats import llava
 from engine.formats.model_sources import resolve_model
 from engine.llm_engine import LLMEngine
+from serve_app.images import content_hash
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +49,85 @@ def test_text_prompts_equal_transformers_llava(checkpoint, tmp_path):
             expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert tokens_of(outputs[str(i)]) == expected
+
+
+def image(seed: int) -> ImageInput:
+    pixels = np.random.default_rng(seed).standard_normal((3, 32, 32)).astype(np.float32)
+    return ImageInput(content_hash(pixels), pixels)
+
+
+def with_images(text: list[int], count: int, placeholder: int, per_image: int, after: int = 3) -> list[int]:
+    """`text` with `count` runs of placeholders, the first after `after` tokens, then one every 5."""
+    prompt, at = list(text), after
+    for _ in range(count):
+        prompt[at:at] = [placeholder] * per_image
+        at += per_image + 5
+    return prompt
+
+
+@pytest.fixture(scope="module")
+def vision_engine(checkpoint, tmp_path_factory):
+    text = resolve_model(str(checkpoint), cache_dir=tmp_path_factory.mktemp("cache"))
+    return LLMEngine(EngineConfig(model=str(text), **{**TIGHT, "max_model_len": 160, "num_pages": 120,
+                                                      "max_num_batched_tokens": 48}, image_slots=3))
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_prompts_with_images_equal_transformers(vision_engine, checkpoint, count):
+    """Greedy tokens of prompts with one and with two images (read in several steps: the step
+    budget is smaller than the prompt) equal LlavaForConditionalGeneration's."""
+    import transformers
+
+    reference = transformers.LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    placeholder, per_image = vision_engine.image_token_id, vision_engine.images.tokens_per_image
+    images = tuple(image(seed) for seed in range(count))
+    prompt = with_images(make_prompts(lengths=(14,), vocab=300, seed=count)[0], count, placeholder, per_image)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    vision_engine.add_request("r", prompt, params, images=images)
+    deltas = []
+    while vision_engine.has_work():
+        deltas += vision_engine.step()
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), pixel_values=torch.tensor(np.stack([i.pixels for i in images])),
+                                      max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+    assert tokens_of(deltas) == expected
+    assert deltas[0].num_prompt_tokens == len(prompt)
+    assert vision_engine.images.held() == 0
+
+
+def test_the_same_image_in_a_second_turn_hits_the_prefix_cache(vision_engine):
+    placeholder, per_image = vision_engine.image_token_id, vision_engine.images.tokens_per_image
+    first = with_images(make_prompts(lengths=(10,), vocab=300, seed=7)[0], 1, placeholder, per_image, after=1)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    turn = run_to_completion_with_images(vision_engine, first, (image(11),), params)
+    follow_up = first + tokens_of(turn) + [5, 6, 7]
+    again = run_to_completion_with_images(vision_engine, follow_up, (image(11),), params)
+    assert again[0].num_cached_tokens >= per_image  # the image's pages were reused
+    other = run_to_completion_with_images(vision_engine, follow_up, (image(12),), params)
+    assert other[0].num_cached_tokens < 1 + per_image  # another image at the same place: only the text before it
+
+
+def run_to_completion_with_images(engine, prompt, images, params):
+    engine.add_request("turn", prompt, params, images=images)
+    deltas = []
+    while engine.has_work():
+        deltas += engine.step()
+    return deltas
+
+
+def test_image_requests_are_checked(vision_engine, llama_dir):
+    placeholder, per_image = vision_engine.image_token_id, vision_engine.images.tokens_per_image
+    text = make_prompts(lengths=(30,), vocab=300)[0]
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(InvalidRequestError, match="places 1 images") as caught:
+        vision_engine.validate(with_images(text, 1, placeholder, per_image), params, images=())
+    assert caught.value.param == "messages"
+    with pytest.raises(InvalidRequestError, match="places 0 images"):
+        vision_engine.validate(text, params, images=(image(0),))
+    with pytest.raises(InvalidRequestError, match="more distinct images than the 3"):
+        vision_engine.validate(with_images(text, 4, placeholder, per_image), params,
+                               images=tuple(image(s) for s in range(4)))
+    text_engine = LLMEngine(EngineConfig(model=str(llama_dir), **TIGHT))
+    with pytest.raises(InvalidRequestError, match="this model takes no images"):
+        text_engine.validate(text, params, images=(image(0),))

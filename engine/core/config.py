@@ -170,6 +170,11 @@ class EngineConfig:
     max_lora_rank: int = 16
     """The largest rank of an adapter the engine takes (slots are this size; lower ranks are
     zero-padded)."""
+    image_slots: int = 8
+    """A vision-language model (LLaVA): images whose features the devices hold at once
+    (engine/core/images.py). Running requests hold their images' slots; a released image keeps
+    its slot, for a follow-up turn's prefix-cache hit, until another image needs it. Each slot
+    costs tokens_per_image x hidden_size values in the weights' dtype (LLaVA-1.5-7B: 576 x 4096)."""
     speculative: Optional[SpeculativeConfig] = None
     """Speculative decoding, e.g. {method: ngram, num_tokens: 4}; None: one token per row and step.
     Steps that carry guesses run one at a time (the next step's rows depend on how many were kept);
@@ -218,6 +223,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.image_slots < 1:
+            raise ValueError(f"image_slots must be at least 1, got {self.image_slots}")
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras must be non-negative and max_lora_rank at least 1, got {self.max_loras} "
                              f"and {self.max_lora_rank}")

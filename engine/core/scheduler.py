@@ -87,6 +87,8 @@ class Sequence:
     """The LoRA adapter the request runs with (None: the base model)."""
     adapter_slot: int = -1
     """The device slot of `adapter` while the sequence runs (-1: none)."""
+    image_slots: list[int] = dataclasses.field(default_factory=list)
+    """The image slots (engine.core.images) the prompt's images hold until the sequence ends."""
 
     @property
     def hash_root(self) -> int:

@@ -304,7 +304,8 @@ class StepPlanner:
             if known:
                 counts[i] = np.bincount(np.asarray(known) % vocab, minlength=vocab)
             if params.repetition_penalty != 1.0:
-                prompt_mask[i, np.asarray(seq.prompt_ids) % vocab] = True
+                prompt = np.asarray(seq.prompt_ids)
+                prompt_mask[i, prompt[prompt < vocab]] = True  # image tokens are no vocabulary entry
             for token, value in params.logit_bias:
                 bias[i, token] += value
             if len(seq.output_ids) < params.min_tokens:

@@ -28,6 +28,8 @@ class Executor(Protocol):
     """The projections LoRA adapters may adapt (empty: the executor holds no adapter slots)."""
     flat_step_tokens: int
     """Tokens a step holds at about the cost of one (engine.runner.model_runner.ModelRunner)."""
+    image_layout: Optional[tuple[int, int, int]]
+    """(placeholder token id, tokens per image, image slots) of a model that takes images, else None."""
 
     def warmup(self, background: bool = True) -> float:
         """Compile the first step program (all with `background=False`); the rest compile in the
@@ -52,6 +54,10 @@ class Executor(Protocol):
 
     def load_adapter(self, slot: int, adapter: Any) -> None:
         """Put an adapter's factors (engine.formats.peft.LoraAdapter) into LoRA slot `slot`,
+        after the steps launched so far."""
+
+    def add_image(self, slot: int, pixels: Any) -> None:
+        """Compute an image's features (preprocessed pixels f[3, H, W]) into image slot `slot`,
         after the steps launched so far."""
 
     def propose(self, draft: DraftInputs):

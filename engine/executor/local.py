@@ -18,6 +18,7 @@ class LocalExecutor:
         self.buckets, self.num_pages, self.max_model_len = r.buckets, r.num_pages, r.max_model_len
         self.vocab_size, self.info = r.vocab_size, r.info
         self.lora_targets, self.flat_step_tokens = r.lora_targets, r.flat_step_tokens
+        self.image_layout = r.image_layout
 
     def warmup(self, background: bool = True) -> float:
         return self.runner.warmup(background)
@@ -39,6 +40,9 @@ class LocalExecutor:
 
     def load_adapter(self, slot: int, adapter) -> None:
         self.runner.load_adapter(slot, adapter)
+
+    def add_image(self, slot: int, pixels) -> None:
+        self.runner.add_image(slot, pixels)
 
     def propose(self, draft):
         return self.runner.propose(draft)

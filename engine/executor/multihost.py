@@ -88,7 +88,7 @@ class EngineWorker:
         return {"buckets": r.buckets, "num_pages": r.num_pages, "max_model_len": r.max_model_len,
                 "vocab_size": r.vocab_size, "info": r.info, "describe": r.describe(), "phases": phases,
                 "lora_targets": r.lora_targets, "flat_step_tokens": r.flat_step_tokens,
-                "pid": os.getpid(), "labels": _node_labels()}
+                "image_layout": r.image_layout, "pid": os.getpid(), "labels": _node_labels()}
 
     def warmup(self, background: bool = True) -> float:
         return self.runner.warmup(background)
@@ -130,6 +130,10 @@ class EngineWorker:
     def load_adapter(self, slot: int, adapter) -> None:
         """Put a LoRA adapter's factors into slot `slot` of this host's share of the pool."""
         self.runner.load_adapter(slot, adapter)
+
+    def add_image(self, slot: int, pixels) -> None:
+        """Compute an image's features into slot `slot` of this host's image pool."""
+        self.runner.add_image(slot, pixels)
 
     def propose(self, draft):
         """The draft model's guesses (every host runs the program; each returns the whole)."""
@@ -196,6 +200,7 @@ class MultiHostExecutor:
         self.max_model_len, self.vocab_size, self.info = info["max_model_len"], info["vocab_size"], info["info"]
         self.lora_targets: tuple[str, ...] = info["lora_targets"]
         self.flat_step_tokens: int = info["flat_step_tokens"]
+        self.image_layout = info["image_layout"]
         self._describe = info["describe"]
         logger.info("%d engine workers started in %.1f s (worker 0: %s)", config.num_hosts,
                     time.perf_counter() - start, ", ".join(f"{k} {v:.1f}" for k, v in info["phases"].items()))
@@ -282,6 +287,14 @@ class MultiHostExecutor:
 
         ref = ray.put(allowed)
         self._samplings[step_id] = [w.sample.remote(step_id, ref) for w in self.workers]
+
+    def add_image(self, slot: int, pixels) -> None:
+        """Send an image's pixels to every worker, each computing its features into slot `slot`
+        between the steps launched so far and the next; a failure surfaces at the next fetch."""
+        import ray
+
+        ref = ray.put(pixels)
+        self._loads += [w.add_image.remote(slot, ref) for w in self.workers]
 
     def load_adapter(self, slot: int, adapter) -> None:
         """Send an adapter's factors to every worker, between the steps launched so far and the

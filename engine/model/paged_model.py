@@ -78,14 +78,35 @@ class ServingModel(eqx.Module):
         return self.layers[0] if isinstance(self.layers, tuple) else self.layers.stacked
 
 
+class ImageRows(eqx.Module):
+    """The image features the devices hold (engine.core.images): `slots` images of
+    `tokens_per_image` rows each, f[slots x tokens_per_image, embed] in the embeddings' dtype. A
+    token id at or past `vocab_size` is an image token and embeds as its row."""
+
+    rows: jax.Array
+    vocab_size: int = eqx.field(static=True)
+    tokens_per_image: int = eqx.field(static=True)
+    slots: int = eqx.field(static=True)
+
+    def embed(self, model: ServingModel, tokens: NamedArray) -> NamedArray:
+        offset = tokens.array - self.vocab_size
+        is_image = offset >= 0
+        row = (offset // self.tokens_per_image % self.slots) * self.tokens_per_image + offset % self.tokens_per_image
+        text = model.embeddings.embed(hax.named(jnp.where(is_image, 0, tokens.array), tokens.axes))
+        image = hax.named(self.rows[jnp.where(is_image, row, 0)].astype(text.dtype), text.axes)
+        return hax.where(hax.named(is_image, tokens.axes), image, text)
+
+
 def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepInputs,
-            lora: Optional[LoraPool] = None) -> tuple[NamedArray, object]:
-    """Run every layer over the step's tokens (with `lora`: each adapted by its row's adapter).
-    Returns the final hidden states (position, embed) and the updated cache."""
+            lora: Optional[LoraPool] = None, images: Optional[ImageRows] = None) -> tuple[NamedArray, object]:
+    """Run every layer over the step's tokens (with `lora`: each adapted by its row's adapter; with
+    `images`: image tokens embedded as their feature rows). Returns the final hidden states
+    (position, embed) and the updated cache."""
     Pos = hax.Axis("position", inputs.tokens.shape[0])
     onehot = None if lora is None else lora.onehot(hax.named(inputs.adapter[inputs.token_row], Pos))
     adapters = lambda index: None if lora is None else lora.for_step(index, onehot)  # noqa: E731
-    x = model.embeddings.embed(hax.named(inputs.tokens, Pos))
+    tokens = hax.named(inputs.tokens, Pos)
+    x = model.embeddings.embed(tokens) if images is None else images.embed(model, tokens)
     if model.variant.embed_scale is not None:  # in the embeddings' dtype, as transformers rounds it
         x = x * jnp.asarray(model.variant.embed_scale, x.dtype)
     x = x.astype(backend.activation_dtype(x.dtype))

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import haliax as hax
@@ -50,7 +51,7 @@ from engine.core.step_plan import (
 from engine.formats.peft import LoraAdapter
 from engine.model.loading import load_model, model_info, read_hf_config, resolve_dtype
 from engine.model.lora import LoraPool, LoraShape, load_slot, slot_arrays
-from engine.model.paged_model import ServingModel, forward, logits_at, unembed, with_previous_tokens
+from engine.model.paged_model import ImageRows, ServingModel, forward, logits_at, unembed, with_previous_tokens
 from engine.model.quantize import quantize_model
 from engine.model.rope import Rope
 from engine.model.variant import Variant
@@ -107,11 +108,11 @@ class _Steps:
         gathered = vocab_gather(mesh, vocab_split)
 
         @functools.partial(jax.jit, donate_argnums=(1,))
-        def forward_step(weights, cache, inputs, prev_tokens, lora):
+        def forward_step(weights, cache, inputs, prev_tokens, lora, images):
             """(hidden states f[max_samples, embed] of the tokens each sampling slot samples after,
             all final hidden states f[position, embed], updated cache)."""
             model = unflatten(weights)
-            hidden, cache = forward(model, backend, cache, with_previous_tokens(inputs, prev_tokens), lora)
+            hidden, cache = forward(model, backend, cache, with_previous_tokens(inputs, prev_tokens), lora, images)
             # plain arrays leave: a NamedArray output is unflattened in Python per call
             rows = hidden.array[inputs.sample_index]
             return constrain(rows, replicated), constrain(hidden.array, replicated), constrain(cache, cache_sharding)
@@ -135,10 +136,11 @@ class _Steps:
 
         self._forward, self._sample, self._prompt_logprobs = forward_step, sample_step, prompt_logprobs_step
 
-    def forward(self, cache, inputs, prev_tokens, lora: Optional[LoraPool] = None):
+    def forward(self, cache, inputs, prev_tokens, lora: Optional[LoraPool] = None, images: Optional[ImageRows] = None):
         """(the sampling slots' hidden states f[max_samples, embed], final hidden states
-        f[position, embed], updated cache); donates `cache`. `lora`: the adapters' pool, if any."""
-        return self._forward(self.weights, cache, inputs, prev_tokens, lora)
+        f[position, embed], updated cache); donates `cache`. `lora`: the adapters' pool, if any;
+        `images`: the image features, if the model takes images."""
+        return self._forward(self.weights, cache, inputs, prev_tokens, lora, images)
 
     def sample(self, rows, sampling, switches: SamplerSwitches) -> SampleOutput:
         return self._sample(self.head_weights, rows, sampling, switches=switches)
@@ -147,15 +149,17 @@ class _Steps:
         """`sample` lowered for these arguments' types (`rows` may be a ShapeDtypeStruct)."""
         return self._sample.lower(self.head_weights, rows, sampling, switches=switches)
 
-    def lower_forward(self, cache, inputs, prev_tokens, lora: Optional[LoraPool] = None):
+    def lower_forward(self, cache, inputs, prev_tokens, lora: Optional[LoraPool] = None,
+                      images: Optional[ImageRows] = None):
         """`forward` lowered for these arguments' types (`cache` may be ShapeDtypeStructs)."""
-        return self._forward.lower(self.weights, cache, inputs, prev_tokens, lora)
+        return self._forward.lower(self.weights, cache, inputs, prev_tokens, lora, images)
 
     def prompt_logprobs(self, hidden, index, targets):
         return self._prompt_logprobs(self.weights, hidden, index, targets)
 
     def compile_bucket(self, bucket: Bucket, buckets: ShapeBuckets, cache, prev_tokens, vocab_size: int,
-                       place, samplers: bool = True, lora: Optional[LoraPool] = None) -> list[CompiledProgram]:
+                       place, samplers: bool = True, lora: Optional[LoraPool] = None,
+                       images: Optional[ImageRows] = None) -> list[CompiledProgram]:
         """Lower and compile (never run) one bucket's forward program and, with `samplers`, the
         common sampler variants for its rows, with a padding step's arguments: `place` turns its
         host arrays into the step's arguments (or their types); `cache`, `prev_tokens` and `lora`
@@ -164,7 +168,7 @@ class _Steps:
         every_token = np.full((bucket.rows, mask_words(vocab_size)), -1, np.int32)
         inputs, sampling, masked = place((plan.inputs, plan.sampling, plan.sampling._replace(allowed=every_token)))
         start = time.perf_counter()
-        lowered = self.lower_forward(cache, inputs, prev_tokens, lora)
+        lowered = self.lower_forward(cache, inputs, prev_tokens, lora, images)
         forward = lowered.compile()
         programs = [CompiledProgram(f"forward T={bucket.tokens}", forward, time.perf_counter() - start)]
         if samplers:
@@ -210,6 +214,11 @@ class ModelRunner:
         self.lora = self._lora_pool()
         """The LoRA adapters' pool on the devices (engine.model.lora), or None without `max_loras`."""
         self._lora_type = _types(self.lora)
+        self.vision, self.images, self._write_image = self._load_vision(config)
+        """The vision tower and projector (engine.model.vision), the pool of image features
+        (paged_model.ImageRows) and the program writing one image's features into it; all None
+        for a text-only model."""
+        self._images_type = _types(self.images)
         self._cache_sharding = NamedSharding(self.mesh, self.backend.cache_partition(sharding.MODEL_AXIS))
         self.num_pages = self._pool_pages()
         self.cache = self._init_cache()
@@ -243,7 +252,7 @@ class ModelRunner:
         prev_tokens = self._last_tokens if plan.reads_step is not None else self._no_tokens
         inputs, sampling, prompt_inputs = self._global((plan.inputs, plan.sampling, plan.prompt_logprobs))
         with self._device_context():
-            rows, hidden, self.cache = self.steps.forward(self.cache, inputs, prev_tokens, self.lora)
+            rows, hidden, self.cache = self.steps.forward(self.cache, inputs, prev_tokens, self.lora, self.images)
             if self.draft_steps is not None:  # the draft's cache takes every token the served model's does
                 self.draft_cache = self.draft_steps.forward(self.draft_cache, inputs, prev_tokens)
             out = self.steps.sample(rows, sampling, plan.switches) if sample else None
@@ -273,6 +282,22 @@ class ModelRunner:
         with self._device_context():
             guesses, self.draft_cache = self.draft_steps.propose(self.draft_cache, self._global(draft))
         return _to_host(guesses)
+
+    def add_image(self, slot: int, pixels: np.ndarray) -> None:
+        """Compute an image's features (pixels f[3, H, W], preprocessed) into slot `slot` of the pool
+        (after the steps launched so far, which read the slot's previous image)."""
+        if self.images is None:
+            raise RuntimeError("this runner's model takes no images (engine bug)")
+        index, pixels = self._global((np.asarray(slot, np.int32), np.asarray(pixels, np.float32)[None]))
+        with self._device_context():
+            self.images = self._write_image(self.images, index, pixels)
+
+    @property
+    def image_layout(self) -> Optional[tuple[int, int, int]]:
+        """(image token id of the prompt's placeholders, tokens per image, slots), or None: no images."""
+        if self.images is None:
+            return None
+        return self.vision_config.image_token_id, self.images.tokens_per_image, self.images.slots
 
     @property
     def flat_step_tokens(self) -> int:
@@ -326,7 +351,7 @@ class ModelRunner:
         with self._device_context():
             self.steps.compile_bucket(bucket, self.buckets, self._cache_type, self._no_tokens, self.vocab_size,
                                       self._global, samplers=bucket.rows not in self._sampler_rows,
-                                      lora=self._lora_type)
+                                      lora=self._lora_type, images=self._images_type)
             if self.draft_steps is not None:
                 inputs = self._global(empty_step_plan(bucket, self.buckets, step_id=-1).inputs)
                 self.draft_steps.lower_forward(self._draft_cache_type, inputs, self._no_tokens).compile()
@@ -388,6 +413,38 @@ class ModelRunner:
             logger.info("weights made %s on %s, then placed on the devices", config.quantization, host)
         with self._device_context():
             return self.backend.prepare(serving, self.buckets, measure=config.warmup), info
+
+    def _load_vision(self, config: EngineConfig):
+        """(vision model, empty ImageRows, write program) of a LLaVA checkpoint's text entry (its
+        `vision` link, engine.formats.llava); (None, None, None) for any other model."""
+        from engine.formats.llava import VISION_LINK
+
+        source = Path(config.model) / VISION_LINK
+        self.vision_config = None
+        if not source.is_dir():
+            return None, None, None
+        import equinox as eqx
+
+        from engine.model.vision import image_features, image_tokens, load_vision, read_vision_config
+
+        self.vision_config = read_vision_config(source)
+        tokens = image_tokens(self.vision_config)
+        replicated = sharding.replicated(self.mesh)
+        with self._device_context():
+            tower = jax.device_put(load_vision(source, self.dtype), replicated)
+            rows = jax.device_put(jnp.zeros((config.image_slots * tokens, self.info.hidden_size), self.dtype),
+                                  replicated)
+        params, static = eqx.partition(tower, eqx.is_array)
+
+        @functools.partial(jax.jit, donate_argnums=(0,))
+        def write(images: ImageRows, slot, pixels) -> ImageRows:
+            features = image_features(eqx.combine(params, static), pixels)[0].astype(images.rows.dtype)
+            return dataclasses.replace(images, rows=jax.lax.dynamic_update_slice(
+                images.rows, features, (slot * images.tokens_per_image, 0)))
+
+        logger.info("vision tower %s: %d tokens per image, %d image slots", self.vision_config.tower, tokens,
+                    config.image_slots)
+        return tower, ImageRows(rows, self.vocab_size, tokens, config.image_slots), write
 
     def _load_draft(self, config: EngineConfig):
         """(the draft model, its ModelInfo, its layout) for `speculative: {method: draft_model}`,
