@@ -89,19 +89,21 @@ class AsyncEngine:
     # ---- request-facing API (any thread with an event loop) ----
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None,
+        images: tuple = (),
     ) -> AsyncIterator[TokenDelta]:
-        """Stream the request's deltas until one has a finish reason. Raises InvalidRequestError
+        """Stream the request's deltas until one has a finish reason. `images`: the prompt's
+        (engine.core.images.ImageInput, for a vision-language model). Raises InvalidRequestError
         before anything is queued if the request can never fit, EngineDeadError if the loop died."""
         self._raise_if_dead()
-        self.validate(prompt_ids, params, adapter)
+        self.validate(prompt_ids, params, adapter, images)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             self._raise_if_dead()  # a failure after the check above has not seen this stream
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
             self._streams[request_id] = stream
-        self._commands.put(("add", request_id, list(prompt_ids), params, adapter))
+        self._commands.put(("add", request_id, list(prompt_ids), params, adapter, images))
         finished = False
         try:
             while True:
@@ -118,9 +120,16 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None,
+                 images: tuple = ()) -> None:
         """Raise InvalidRequestError if the engine could never serve this request (any thread)."""
-        self.core.validate(prompt_ids, params, adapter)
+        self.core.validate(prompt_ids, params, adapter, *((images,) if images else ()))
+
+    @property
+    def image_layout(self) -> Optional[tuple[int, int]]:
+        """(image placeholder token id, tokens per image) of a model that takes images, else None."""
+        token = getattr(self.core, "image_token_id", None)
+        return None if token is None else (token, self.core.images.tokens_per_image)
 
     def add_adapter(self, name: str, path: str) -> None:
         """Read a LoRA adapter and serve it as `name` (blocking; the core's `add_adapter` is
@@ -218,13 +227,13 @@ class AsyncEngine:
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt_ids, params, adapter = command
+            _, request_id, prompt_ids, params, adapter, images = command
             with self._lock:
                 stream = self._streams.get(request_id)
             if stream is None:  # the caller gave up before the loop saw the request
                 return
             try:
-                self.core.add_request(request_id, prompt_ids, params, adapter)
+                self.core.add_request(request_id, prompt_ids, params, adapter, *((images,) if images else ()))
             except InvalidRequestError as exc:
                 stream.put(exc)
         elif kind == "abort":

@@ -63,6 +63,9 @@ class ModelConfig(BaseModel):
     lazily on the model-server replica (the serving layer never imports jax). None: the task's
     (engine.llm_engine:LLMEngine, engine.embedding_engine:EmbeddingEngine,
     engine.speech_engine:SpeechEngine)."""
+    max_image_pixels: int = Field(40_000_000, ge=1)
+    """A vision-language model: the most pixels an image may have (checked from its header, before
+    it is decoded; a 400 beyond)."""
     max_audio_seconds: float = Field(3600.0, gt=0)
     """transcribe: the longest audio one request may send (a 400 beyond it, found while decoding
     the file, which stops there)."""
@@ -277,6 +280,9 @@ class RequestLimits(BaseModel):
     """Entries of `stop_token_ids` (checked on every generated token)."""
     max_logit_bias_entries: int = Field(300, ge=0)
     """Entries of `logit_bias` (OpenAI's limit is 300)."""
+    max_images_per_request: int = Field(8, ge=0)
+    """Image parts in one chat request (a vision-language model's input; each takes its model's
+    tokens per image of the context)."""
     max_logprobs: int = Field(MAX_TOP_LOGPROBS, ge=0, le=MAX_TOP_LOGPROBS)
     """Largest `logprobs` (completions) and `top_logprobs` (chat); the engine computes at most
     20 alternatives per token (a compiled shape), as OpenAI's API allows."""

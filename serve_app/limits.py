@@ -78,11 +78,13 @@ def check_limits(request: Any, limits: RequestLimits) -> None:
     if not isinstance(request, (CompletionRequest, ChatCompletionRequest)):
         return
     prompts = len(request.prompts) if isinstance(request, CompletionRequest) else 1
+    images = 0 if isinstance(request, CompletionRequest) else sum(len(m.image_urls) for m in request.messages)
     choices, longest_stop = prompts * request.n, max(map(len, request.stops), default=0)
     logprobs = "logprobs" if isinstance(request, CompletionRequest) else "top_logprobs"
     checks = [
         ("prompt", f"prompt holds {prompts} prompts", prompts, "max_prompts_per_request",
          "split them over several requests"),
+        ("messages", f"the messages hold {images} images", images, "max_images_per_request", "send fewer"),
         ("n", f"n is {request.n}", request.n, "max_n", "lower n"),
         ("n", f"prompts x n is {choices} choices ({prompts} x {request.n})", choices, "max_choices_per_request",
          "send fewer prompts or a lower n"),

@@ -19,7 +19,16 @@ import json
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from engine.core.request import Grammar, SamplingParams
@@ -418,10 +427,16 @@ class MessageToolCall(OpenAIModel):
     function: CalledFunction
 
 
+IMAGE_MARKER = "<|jax-serve:image|>"
+"""Where an image part stands in a message's text; the tokenizer puts the model's image
+placeholder there (serve_app.tokenizer)."""
+
+
 class ChatMessage(OpenAIModel):
-    """One message of the conversation. Content is text, or a list of text parts (joined by
-    newlines). An assistant message may carry the `tool_calls` it made (then content may be null);
-    a `tool` message answers one of them (`tool_call_id`)."""
+    """One message of the conversation. Content is text, or a list of text and `image_url` parts
+    (joined by newlines; an image stands as IMAGE_MARKER, its URL kept in `image_urls`). An
+    assistant message may carry the `tool_calls` it made (then content may be null); a `tool`
+    message answers one of them (`tool_call_id`)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[dict[str, Any]]] = ""
@@ -452,6 +467,8 @@ class ChatMessage(OpenAIModel):
             _arguments_object(call.function.arguments)
         return self
 
+    _image_urls: list[str] = PrivateAttr(default_factory=list)
+
     @field_validator("content")
     @classmethod
     def _content(cls, value: Union[str, list[dict[str, Any]]]) -> str:
@@ -459,12 +476,29 @@ class ChatMessage(OpenAIModel):
             return value
         texts = []
         for part in value:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(
-                    "content", f"content parts of type {part.get('type')!r} are not supported yet; send text parts"
-                )
-            texts.append(part["text"])
+            if part.get("type") == "image_url":
+                _image_url(part)
+                texts.append(IMAGE_MARKER)
+            elif part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                raise invalid("content", f"content parts of type {part.get('type')!r} are not supported; send "
+                              "text and image_url parts")
         return "\n".join(texts)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_image_urls(cls, data: Any, handler) -> "ChatMessage":
+        message = handler(data)
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, list):
+            message._image_urls = [_image_url(p) for p in content if p.get("type") == "image_url"]
+        return message
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        return self._image_urls
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: `developer` is the newer name of `system`;
@@ -482,6 +516,17 @@ class ChatMessage(OpenAIModel):
                 for c in self.tool_calls
             ]
         return message
+
+
+def _image_url(part: dict[str, Any]) -> str:
+    """The URL of an `image_url` content part (`{"image_url": {"url": ..., "detail": ...}}`)."""
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else image if isinstance(image, str) else None
+    if not isinstance(url, str) or not url:
+        raise invalid("content", "an image_url part needs image_url.url: a data: URI (or an http(s) URL)")
+    if isinstance(image, dict) and image.get("detail", "auto") not in ("auto", "low", "high"):
+        raise invalid("content", f"image_url.detail must be auto, low or high, not {image.get('detail')!r}")
+    return url
 
 
 def _arguments_object(arguments: str) -> Any:

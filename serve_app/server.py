@@ -25,11 +25,13 @@ import uuid
 from typing import AsyncIterator, Callable, Optional, Union
 
 from engine.async_engine import AsyncEngine
+from engine.core.images import ImageInput
 from engine.core.request import Grammar, SamplingParams, TokenDelta
 from serve_app import reasoning
 from serve_app.config import ModelConfig, TracingConfig
 from serve_app.detokenize import TextStream, TokenStrings, special_ids
 from serve_app.errors import BadRequest, to_api_error
+from serve_app.images import ImageProcessor, content_hash, decode_image, parse_data_uri
 from serve_app.lora import LoraRef, ReplicaAdapters
 from serve_app.metrics import RequestTracker, ServerMetrics, replica_name
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
@@ -72,6 +74,8 @@ class Sample:
     request_id: str
     prompt: PromptInput
     params: SamplingParams
+    images: tuple[ImageInput, ...] = ()
+    """The prompt's images, one per run of placeholders (engine.core.images)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +119,10 @@ class ModelServer(Replica):
         self._think_tags = _special_tags(self.tokenizer, reasoning.TAGS) if self._thinks else frozenset()
         self._strings = TokenStrings(self.tokenizer)
         self.engine = AsyncEngine(core, watchdog_s=engine_config.step_timeout_s)
+        self._image_layout = self.engine.image_layout
+        """(placeholder token id, tokens per image) of a vision-language model, else None."""
+        self._image_processor = ImageProcessor.from_dir(model_dir) if self._image_layout else None
+        self._max_image_pixels = config.max_image_pixels
         self.metrics = ServerMetrics(config.model_id, replica_name(), self.engine.stats, self.engine.describe())
         self._stream_interval_s = config.stream_batch_ms / 1000.0
         self._stream_chunks_per_s = config.stream_chunks_per_s
@@ -216,9 +224,11 @@ class ModelServer(Replica):
     def _job(self, request: OpenAIRequest, adapter: Optional[str] = None, span=None) -> Job:
         chat = isinstance(request, ChatCompletionRequest)
         calls = thinking = None
+        images: tuple[ImageInput, ...] = ()
         if chat:
             prompts = [self.prompts.chat(request.messages, request.tools if request.tool_mode != "none" else (),
-                                         template_kwargs=request.template_kwargs())]
+                                         template_kwargs=request.template_kwargs(), image_tokens=self._image_layout)]
+            images = tuple(self._image(url) for m in request.messages for url in m.image_urls)
             params = request.to_sampling_params(default_max_tokens=self._room_after(prompts[0]))
             params, calls = self._tool_plan(request, params)
             if self._thinks:  # a constraint applies to the answer, after the thinking
@@ -231,13 +241,13 @@ class ModelServer(Replica):
         self.prompts.check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
         self.prompts.check_token_ids(params.stop_token_ids, "stop_token_ids")
         for prompt in prompts:
-            self.engine.validate(prompt.ids, params, adapter)
+            self.engine.validate(prompt.ids, params, adapter, images)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         formatter_cls = ChatFormatter if chat else CompletionFormatter
         n = request.n
         return Job(
             samples=[
-                Sample(p * n + i, f"{request_id}-{p * n + i}", prompt, _seeded(params, i))
+                Sample(p * n + i, f"{request_id}-{p * n + i}", prompt, _seeded(params, i), images)
                 for p, prompt in enumerate(prompts)
                 for i in range(n)
             ],
@@ -274,6 +284,14 @@ class ModelServer(Replica):
             calls = functools.partial(NamedCallStream, name)
         return dataclasses.replace(params, grammar=Grammar("json_schema", json.dumps(schema), "tools")), calls
 
+    def _image(self, url: str) -> ImageInput:
+        """An image part's preprocessed pixels: a data: URI decoded (refused past max_image_pixels)."""
+        if not url.startswith("data:"):
+            raise BadRequest("image URLs are not fetched by this server; send the image inline as a data: URI "
+                             "(data:image/png;base64,...)", "messages")
+        pixels = self._image_processor(decode_image(parse_data_uri(url), self._max_image_pixels))
+        return ImageInput(content_hash(pixels), pixels)
+
     def _room_after(self, prompt: PromptInput) -> int:
         """Tokens left in the context after the prompt (at least 1, so that the engine's own
         length check reports a prompt that does not fit)."""
@@ -297,7 +315,8 @@ class ModelServer(Replica):
         reason, counts = "abort", ChoiceCounts(0, 0, 0)
         scheduled = None  # when the engine first scheduled it (its first delta says)
         try:
-            deltas = self.engine.generate(sample.request_id, sample.prompt.ids, sample.params, job.adapter)
+            deltas = self.engine.generate(sample.request_id, sample.prompt.ids, sample.params, job.adapter,
+                                          sample.images)
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     update = ChoiceUpdate(sample.index)

@@ -14,7 +14,15 @@ import jinja2
 
 from engine.formats.transformers_files import load_tokenizer
 from serve_app.errors import BadRequest
-from serve_app.protocol import ChatMessage, DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, Tool
+from serve_app.protocol import (
+    IMAGE_MARKER,
+    ChatMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    Tool,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,19 +53,37 @@ class PromptTokenizer:
         return PromptInput(list(prompt))
 
     def chat(self, messages: list[ChatMessage], tools: Sequence[Tool] = (), add_generation_prompt: bool = True,
-             add_special_tokens: bool = False, template_kwargs: Optional[dict[str, Any]] = None) -> PromptInput:
+             add_special_tokens: bool = False, template_kwargs: Optional[dict[str, Any]] = None,
+             image_tokens: Optional[tuple[int, int]] = None) -> PromptInput:
         """The conversation (and the tools, if any) rendered by the model's chat template, with
-        `template_kwargs` as more template variables."""
+        `template_kwargs` as more template variables. `image_tokens`: (placeholder id, tokens per
+        image) of a model that takes images: each image part becomes the placeholder's text, and
+        its token is repeated once per image token (as the model's processor expands it)."""
         if not self.hf.chat_template:
             raise BadRequest(f"model {self.model_id!r} has no chat template; use /v1/completions", "messages")
         rendered = [m.template_dict() for m in messages]
+        images = sum(len(m.image_urls) for m in messages)
+        if images and image_tokens is None:
+            raise BadRequest(f"model {self.model_id!r} takes no images; send text only, or a vision-language model",
+                             "messages")
+        if images:
+            placeholder = self.hf.convert_ids_to_tokens(image_tokens[0])
+            for message in rendered:
+                message["content"] = message["content"].replace(IMAGE_MARKER, placeholder)
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] or None
         try:
             text = self.hf.apply_chat_template(rendered, tools=tool_dicts, tokenize=False,
                                                add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
         except jinja2.TemplateError as exc:
             raise BadRequest(f"the model's chat template rejected the messages: {exc}", "messages") from None
-        return PromptInput(self.hf.encode(text, add_special_tokens=add_special_tokens), rendered=text)
+        ids = self.hf.encode(text, add_special_tokens=add_special_tokens)
+        if image_tokens is not None:
+            token, per_image = image_tokens
+            if ids.count(token) != images:
+                raise BadRequest(f"the chat template placed {ids.count(token)} images of the {images} sent (or a "
+                                 "text part names the image token); send images as image_url parts", "messages")
+            ids = [t for i in ids for t in ([i] * per_image if i == token else [i])]
+        return PromptInput(ids, rendered=text)
 
     def check_token_ids(self, ids: Any, param: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

@@ -88,9 +88,9 @@ def test_prompts_with_images_equal_transformers(vision_engine, checkpoint, count
     while vision_engine.has_work():
         deltas += vision_engine.step()
     with torch.no_grad():
-        expected = reference.generate(torch.tensor([prompt]), pixel_values=torch.tensor(np.stack([i.pixels for i in images])),
-                                      max_new_tokens=10, do_sample=False, eos_token_id=None,
-                                      pad_token_id=0)[0, len(prompt):].tolist()
+        pixels = torch.tensor(np.stack([i.pixels for i in images]))
+        expected = reference.generate(torch.tensor([prompt]), pixel_values=pixels, max_new_tokens=10,
+                                      do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert tokens_of(deltas) == expected
     assert deltas[0].num_prompt_tokens == len(prompt)
     assert vision_engine.images.held() == 0
@@ -131,3 +131,78 @@ def test_image_requests_are_checked(vision_engine, llama_dir):
     text_engine = LLMEngine(EngineConfig(model=str(llama_dir), **TIGHT))
     with pytest.raises(InvalidRequestError, match="this model takes no images"):
         text_engine.validate(text, params, images=(image(0),))
+
+
+def png_data_uri(seed: int):
+    """(a data: URI of a random 52 x 40 PNG, the PIL image)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    picture = Image.fromarray(np.random.default_rng(seed).integers(0, 256, (40, 52, 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode(), picture
+
+
+def test_chat_with_images_through_the_openai_client(checkpoint, tmp_path):
+    """image_url parts through the app and the official client: the answer is transformers' greedy
+    one for the same prompt and pixels (one image, then two); the image repeated in the second turn
+    is a prefix-cache hit (the metric); a text-only model refuses images with a 400."""
+    import transformers
+    from serving_helpers import app_in_process
+
+    reference = transformers.LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    processor = transformers.CLIPImageProcessor.from_pretrained(checkpoint)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    first, first_image = png_data_uri(1)
+    second, second_image = png_data_uri(2)
+    args = dict(cache_dir=str(tmp_path), max_model_len=160, num_pages=120, page_size=4, max_num_batched_tokens=64)
+    with app_in_process(checkpoint, "tiny-llava", **args) as (server, http, client):
+        def expected(messages, images):
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            placeholder = reference.config.image_token_id
+            ids = [t for i in tokenizer.encode(text) for t in ([i] * 16 if i == placeholder else [i])]
+            pixels = processor(images, return_tensors="pt").pixel_values
+            with torch.no_grad():
+                out = reference.generate(torch.tensor([ids]), pixel_values=pixels, max_new_tokens=8, do_sample=False,
+                                         eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+            return tokenizer.decode(out), len(ids)
+
+        def ask(content):
+            return client.chat.completions.create(model="tiny-llava", max_tokens=8, temperature=0.0,
+                                                  extra_body={"ignore_eos": True},
+                                                  messages=[{"role": "user", "content": content}])
+
+        one = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": first}}]
+        answer = ask(one)
+        text, prompt_tokens = expected([{"role": "user", "content": "What is this?\n<image>"}], [first_image])
+        assert answer.choices[0].message.content == text and answer.usage.prompt_tokens == prompt_tokens
+
+        def hits():
+            return sum(float(line.split()[-1]) for line in http.get("/metrics").text.splitlines()
+                       if line.startswith("vllm:prefix_cache_hits_total"))
+
+        before = hits()
+        two = one + [{"type": "text", "text": "And this?"}, {"type": "image_url", "image_url": {"url": second}}]
+        answer = ask(two)
+        text, prompt_tokens = expected([{"role": "user", "content": "What is this?\n<image>\nAnd this?\n<image>"}],
+                                       [first_image, second_image])
+        assert answer.choices[0].message.content == text and answer.usage.prompt_tokens == prompt_tokens
+        assert hits() - before >= 16  # the first image's pages, written by the first request
+        refused = http.post("/v1/chat/completions", json={"model": "tiny-llava", "messages": [{"role": "user",
+                            "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]})
+        assert refused.status_code == 400 and "data: URI" in refused.json()["error"]["message"]
+
+
+def test_a_text_model_refuses_images(llama_dir):
+    from serve_app.errors import BadRequest
+    from serve_app.protocol import ChatMessage
+    from serve_app.tokenizer import PromptTokenizer
+
+    message = ChatMessage.model_validate({"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]})
+    with pytest.raises(BadRequest, match="takes no images") as caught:
+        PromptTokenizer(str(llama_dir), "tiny").chat([message])
+    assert caught.value.param == "messages"

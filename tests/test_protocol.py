@@ -428,8 +428,8 @@ def test_chat_400s(body, message, param):
             "messages.0.tool_calls",
         ),
         (
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
-            "content parts of type 'image_url' are not supported yet; send text parts",
+            {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "u"}}]},
+            "content parts of type 'input_audio' are not supported; send text and image_url parts",
             "messages.0.content",
         ),
         (
