@@ -40,5 +40,11 @@ def whisper_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llava_dir(tmp_path_factory) -> Path:
+    """A tiny random LLaVA checkpoint (tiny_models.make_llava_checkpoint)."""
+    return tiny_models.make_llava_checkpoint(tmp_path_factory.mktemp("ckpt-llava"))
+
+
+@pytest.fixture(scope="session")
 def llama_dir(checkpoint_factory) -> Path:
     return checkpoint_factory("llama")

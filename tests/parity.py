@@ -100,3 +100,37 @@ def peft_greedy(model_dir, adapter_dir, prompt: list[int], new_tokens: int) -> l
     out = peft_model(model_dir, adapter_dir).generate(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens,
                                                       do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def png_data_uri(seed: int):
+    """(a data: URI of a random 52 x 40 PNG, the PIL image)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    picture = Image.fromarray(np.random.default_rng(seed).integers(0, 256, (40, 52, 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode(), picture
+
+
+def llava_greedy(checkpoint, messages: list[dict], images: list, new_tokens: int) -> tuple[str, int]:
+    """(transformers' greedy answer text, prompt tokens) of a LLaVA chat whose messages mark each
+    image as "<image>": rendered by the checkpoint's template, each placeholder repeated once per
+    image token, pixels from its CLIPImageProcessor."""
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    model = HF_MODELS.get(str(checkpoint)) or transformers.LlavaForConditionalGeneration.from_pretrained(
+        checkpoint, dtype=torch.float32).eval()
+    HF_MODELS[str(checkpoint)] = model
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    vision = config.vision_config
+    per_image = (vision.image_size // vision.patch_size) ** 2
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = [t for i in tokenizer.encode(text) for t in ([i] * per_image if i == config.image_token_id else [i])]
+    pixels = transformers.CLIPImageProcessor.from_pretrained(checkpoint)(images, return_tensors="pt").pixel_values
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), pixel_values=pixels, max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    return tokenizer.decode(out), len(ids)

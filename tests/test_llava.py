@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from parity import TIGHT, make_prompts, run_to_completion, tokens_of
+from parity import TIGHT, llava_greedy, make_prompts, png_data_uri, run_to_completion, tokens_of
 from tiny_models import make_llava_checkpoint
 
 from engine.core.config import EngineConfig
@@ -133,42 +133,18 @@ def test_image_requests_are_checked(vision_engine, llama_dir):
         text_engine.validate(text, params, images=(image(0),))
 
 
-def png_data_uri(seed: int):
-    """(a data: URI of a random 52 x 40 PNG, the PIL image)."""
-    import base64
-    import io
-
-    from PIL import Image
-
-    picture = Image.fromarray(np.random.default_rng(seed).integers(0, 256, (40, 52, 3), dtype=np.uint8))
-    buffer = io.BytesIO()
-    picture.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode(), picture
-
-
 def test_chat_with_images_through_the_openai_client(checkpoint, tmp_path):
     """image_url parts through the app and the official client: the answer is transformers' greedy
     one for the same prompt and pixels (one image, then two); the image repeated in the second turn
     is a prefix-cache hit (the metric); a text-only model refuses images with a 400."""
-    import transformers
     from serving_helpers import app_in_process
 
-    reference = transformers.LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    processor = transformers.CLIPImageProcessor.from_pretrained(checkpoint)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
     first, first_image = png_data_uri(1)
     second, second_image = png_data_uri(2)
     args = dict(cache_dir=str(tmp_path), max_model_len=160, num_pages=120, page_size=4, max_num_batched_tokens=64)
     with app_in_process(checkpoint, "tiny-llava", **args) as (server, http, client):
         def expected(messages, images):
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            placeholder = reference.config.image_token_id
-            ids = [t for i in tokenizer.encode(text) for t in ([i] * 16 if i == placeholder else [i])]
-            pixels = processor(images, return_tensors="pt").pixel_values
-            with torch.no_grad():
-                out = reference.generate(torch.tensor([ids]), pixel_values=pixels, max_new_tokens=8, do_sample=False,
-                                         eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-            return tokenizer.decode(out), len(ids)
+            return llava_greedy(checkpoint, messages, images, 8)
 
         def ask(content):
             return client.chat.completions.create(model="tiny-llava", max_tokens=8, temperature=0.0,

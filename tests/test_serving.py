@@ -61,6 +61,8 @@ a 2 s step watchdog, a 1 s health-check period, and streams the ingress ends aft
 (keepalives every 0.5 s)."""
 MODEL_WHISPER = "tiny-whisper"
 """tiny_models.make_whisper_checkpoint: /v1/audio/* on its own replica, beside the text models."""
+MODEL_LLAVA = "tiny-llava"
+"""tiny_models.make_llava_checkpoint: chat with image_url parts."""
 MAX_MODEL_LEN = 512
 DEFAULT_APP = Path(__file__).parent.parent / "deploy" / "config.yaml"
 MAX_ONGOING = 8
@@ -77,7 +79,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def serving(checkpoint_factory, tmp_path_factory, whisper_dir):
+def serving(checkpoint_factory, tmp_path_factory, whisper_dir, llava_dir):
     import ray
     from ray import serve
 
@@ -128,6 +130,8 @@ def serving(checkpoint_factory, tmp_path_factory, whisper_dir):
                      "stream_keepalive_s": 0.5, "stream_silence_timeout_s": 3},
                     {**embedder, "warmup": False, "num_cpus": 0.1},
                     {"model": str(whisper_dir), "model_id": MODEL_WHISPER, "max_num_seqs": 4, "num_cpus": 0.1},
+                    {"model": str(llava_dir), "model_id": MODEL_LLAVA, **engine, "num_cpus": 0.1, "warmup": False,
+                     "cache_dir": str(tmp_path_factory.mktemp("llava-cache"))},
                     {"model": str(checkpoint), "model_id": MODEL_PAIR, **engine, "engine_cls": "fake_engine:FakeEngine",
                      "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "num_replicas": 2, "num_cpus": 0.1},
                 ],
@@ -422,6 +426,23 @@ def test_speech_to_text_through_ray_serve(client, serving, whisper_dir):
     assert tasks[MODEL_WHISPER] == "transcribe"
     with pytest.raises(openai.BadRequestError, match="speech-to-text model"):
         client.embeddings.create(model=MODEL_WHISPER, input="hello")
+
+
+def test_chat_with_an_image_through_ray_serve(client, llava_dir):
+    """A LLaVA replica in the same app: an image_url part crosses the Ray hops and the answer is
+    transformers' greedy one."""
+    from parity import llava_greedy, png_data_uri
+
+    uri, picture = png_data_uri(3)
+    answer = client.chat.completions.create(
+        model=MODEL_LLAVA, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri, "detail": "low"}},
+                                               {"type": "text", "text": "Describe it."}]}])
+    text, prompt_tokens = llava_greedy(llava_dir, [{"role": "user", "content": "<image>\nDescribe it."}], [picture], 6)
+    assert answer.choices[0].message.content == text and answer.usage.prompt_tokens == prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="takes no images"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": uri}}]}])
 
 
 def test_json_schema_and_a_named_tool_call_through_ray_serve(client):
