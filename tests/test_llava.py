@@ -182,3 +182,22 @@ def test_a_text_model_refuses_images(llama_dir):
     with pytest.raises(BadRequest, match="takes no images") as caught:
         PromptTokenizer(str(llama_dir), "tiny").chat([message])
     assert caught.value.param == "messages"
+
+
+def test_the_processors_chat_template_is_the_tokenizers(checkpoint, tmp_path):
+    """llava-hf keeps the chat template in the processor's chat_template.json."""
+    import shutil
+
+    from engine.formats.transformers_files import load_tokenizer
+
+    copy = tmp_path / "llava"
+    shutil.copytree(checkpoint, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    jinja = copy / "chat_template.jinja"  # where transformers 4.57 saves it; older ones: tokenizer_config.json
+    template = jinja.read_text() if jinja.is_file() else config.pop("chat_template")
+    jinja.unlink(missing_ok=True)
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    (copy / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert load_tokenizer(copy).chat_template == template
+    (copy / "chat_template.json").unlink()
+    assert not load_tokenizer(copy).chat_template

@@ -74,7 +74,7 @@ def load_tokenizer(model_dir: str | Path):
     config_file = path / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     if config.get("tokenizer_class") not in TRANSFORMERS5_TOKENIZERS:
-        return AutoTokenizer.from_pretrained(str(path))
+        return _with_processor_template(AutoTokenizer.from_pretrained(str(path)), path)
     if not (path / "tokenizer.json").is_file():
         raise ValueError(f"{path} has a {config['tokenizer_class']} tokenizer (transformers 5) but no tokenizer.json")
     kwargs = {field: config[field] for field in _TOKENIZER_FIELDS if config.get(field) is not None}
@@ -83,4 +83,13 @@ def load_tokenizer(model_dir: str | Path):
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), **kwargs)
     template = path / "chat_template.jinja"
     tokenizer.chat_template = template.read_text() if template.is_file() else config.get("chat_template")
+    return _with_processor_template(tokenizer, path)
+
+
+def _with_processor_template(tokenizer, path: Path):
+    """`tokenizer`, given the processor's chat template (chat_template.json, where multimodal
+    checkpoints such as llava-hf keep it) when it has none of its own."""
+    processor = path / "chat_template.json"
+    if not tokenizer.chat_template and processor.is_file():
+        tokenizer.chat_template = json.loads(processor.read_text()).get("chat_template")
     return tokenizer
