@@ -15,29 +15,30 @@ The worker loop (one thread; the only caller of the engine):
 Audio longer than one window is always decoded with timestamps: they say where a window's speech
 ends and the next begins (as transformers and OpenAI's whisper do).
 
-Failure is final and reaches every caller, as in engine.async_embedder: an engine call raising, a
-call past `watchdog_s` (`check()`), or `shutdown()`. A caller that stops iterating frees its slot
-at the next step. Pure Python + numpy: importing this module does not import jax.
+Failure is final and reaches every caller (engine.job_worker: an engine call raising, a call past
+`watchdog_s`, `shutdown()`). A caller that stops iterating frees its slot at the next step.
+Pure Python + numpy: importing this module does not import jax.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import queue
-import threading
-import time
 from typing import AsyncIterator, Optional, Protocol, Union
 
 import numpy as np
 
 from engine.core import transcription as rules
-from engine.core.request import EngineDeadError, InvalidRequestError
-from engine.core.transcription import FRAMES_PER_WINDOW, Feed, Segment, TranscriptionOptions, WhisperTokens
-from engine.liveness import liveness_failure
-
-logger = logging.getLogger(__name__)
+from engine.core.request import InvalidRequestError
+from engine.core.transcription import (
+    FRAMES_PER_WINDOW,
+    Feed,
+    Segment,
+    TranscriptionOptions,
+    WhisperTokens,
+)
+from engine.job_worker import JobWorker
 
 
 class SpeechCore(Protocol):
@@ -119,25 +120,18 @@ class _Job:
             pass
 
 
-class AsyncTranscriber:
+class AsyncTranscriber(JobWorker):
     """Owns the worker thread. `transcribe()` is the whole request-facing API."""
 
     def __init__(self, engine: SpeechCore, *, watchdog_s: float = 600.0):
+        super().__init__("speech", watchdog_s)
         self.engine = engine
         self.tokens = engine.tokens
-        self._watchdog_s = watchdog_s
-        self._incoming: queue.SimpleQueue[Optional[_Job]] = queue.SimpleQueue()
         self._waiting: list[_Job] = []
         self._slots: list[Optional[_Job]] = [None] * engine.num_slots
-        self._pending: set[_Job] = set()
-        """Jobs not yet finished (guarded by `_lock`)."""
-        self._lock = threading.Lock()
-        self._error: Optional[BaseException] = None
-        self._call_started: Optional[float] = None
-        self._stopping = threading.Event()
         self._description = engine.describe()
         self.num_steps = 0
-        self._thread = threading.Thread(target=self._run, name="speech-loop", daemon=True)
+        """Decode calls made so far."""
         self._thread.start()
 
     # ---- request-facing API ----
@@ -162,10 +156,7 @@ class AsyncTranscriber:
         known = options.language or (None if self.tokens.multilingual else "en")
         job = _Job(mel, frames, options, loop, asyncio.Queue(), language=known,
                    rng=np.random.default_rng(options.seed))
-        with self._lock:
-            self._raise_if_dead()
-            self._pending.add(job)
-        self._incoming.put(job)
+        self._submit(job)
         try:
             while True:
                 event = await job.events.get()
@@ -176,43 +167,23 @@ class AsyncTranscriber:
                     return
         finally:
             job.cancelled = True
-            with self._lock:
-                self._pending.discard(job)
+            self._settled(job)
 
     def describe(self) -> dict[str, str]:
         return self._description
-
-    @property
-    def error(self) -> Optional[BaseException]:
-        return self._error
-
-    def check(self) -> None:
-        failure = liveness_failure(self._call_started, self._watchdog_s, self._thread, "a speech engine call",
-                                   "calls", "the speech worker thread")
-        if failure is not None:
-            self._die(failure)
-        self._raise_if_dead()
-
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        self._stopping.set()
-        self._incoming.put(None)
-        self._thread.join(timeout_s)
-        self._die(RuntimeError("the transcriber was shut down"))
 
     def busy_slots(self) -> int:
         return sum(job is not None for job in self._slots)
 
     # ---- worker thread ----
 
-    def _run(self) -> None:
-        try:
-            while not self._stopping.is_set() and self._error is None:
-                self._admit()
-                if any(self._slots):
-                    self._step()
-        except BaseException as exc:  # the engine is unusable: fail every caller, mark dead
-            logger.exception("speech worker died")
-            self._die(exc)
+    def _work(self) -> None:
+        self._admit()
+        if any(self._slots):
+            self._step()
+
+    def _fail(self, job: _Job, error: BaseException) -> None:
+        job.send(error)
 
     def _admit(self) -> None:
         """Take arrivals (blocking while there is nothing to do), free the slots of cancelled
@@ -220,7 +191,7 @@ class AsyncTranscriber:
         block = not any(self._slots) and not self._waiting
         while True:
             try:
-                job = self._incoming.get(block=block)
+                job = self._queue.get(block=block)
             except queue.Empty:
                 break
             if job is None:
@@ -298,28 +269,7 @@ class AsyncTranscriber:
         if job.seek >= job.frames:
             job.send(Done(job.windows, job.sampled))
             self._slots[job.slot] = None
-            with self._lock:
-                self._pending.discard(job)
-
-    def _call(self, method, *args):
-        self._call_started = time.monotonic()
-        try:
-            return method(*args)
-        finally:
-            self._call_started = None
-
-    def _die(self, cause: BaseException) -> None:
-        with self._lock:
-            if self._error is not None:
-                return
-            self._error = cause
-            jobs = list(self._pending)
-        for job in jobs:
-            job.send(EngineDeadError(f"speech worker died: {cause!r}"))
-
-    def _raise_if_dead(self) -> None:
-        if self._error is not None:
-            raise EngineDeadError(f"speech worker died: {self._error!r}; restart the replica")
+            self._settled(job)
 
 
 def _window_of(mel: np.ndarray, seek: int) -> np.ndarray:
