@@ -84,7 +84,7 @@ def test_int8_weights_split_like_their_float_originals_and_answer_as_on_one_devi
     import dataclasses
 
     import jax.numpy as jnp
-    from parity import make_prompts, run_to_completion, tokens_of
+    from parity import make_prompts, tokens_of
 
     from engine.core.request import SamplingParams
 
@@ -113,7 +113,7 @@ def test_int8_weights_made_on_the_host_reach_the_devices_as_served(checkpoint_fa
     import dataclasses
 
     import jax.numpy as jnp
-    from parity import make_prompts, run_to_completion, tokens_of
+    from parity import make_prompts, tokens_of
 
     from engine.core.request import SamplingParams
     from engine.runner import sharding
@@ -154,3 +154,37 @@ def test_mixtral_experts_split_over_the_devices(checkpoint_factory, quantization
     assert shard_shapes(moe.experts.w1.weight.array) == shard_shapes(moe.experts.w3.weight.array) == [(4, 128, 64)] * 4
     assert shard_shapes(moe.experts.w2.weight.array) == [(4, 64, 128)] * 4
     assert shard_shapes(moe.gate.weight.array) == [(128, 4)] * 4
+
+
+def test_a_llava_decoder_split_over_two_devices_places_images_as_on_one(tmp_path):
+    """Image features (replicated beside the split decoder) go into the prompt as on one device:
+    the greedy tokens of a prompt with two images equal transformers'."""
+    import numpy as np
+    import torch
+    import transformers
+    from parity import make_prompts, tokens_of
+    from tiny_models import make_llava_checkpoint
+
+    from engine.core.images import ImageInput
+    from engine.core.request import SamplingParams
+    from engine.formats.model_sources import resolve_model
+    from serve_app.images import content_hash
+
+    checkpoint = make_llava_checkpoint(tmp_path / "llava")
+    engine = LLMEngine(EngineConfig(model=str(resolve_model(str(checkpoint), cache_dir=tmp_path / "cache")),
+                                    tensor_parallel_size=2, **{**TIGHT, "max_model_len": 160, "num_pages": 120}))
+    images = [np.random.default_rng(seed).standard_normal((3, 32, 32)).astype(np.float32) for seed in (1, 2)]
+    placeholder = [engine.image_token_id] * engine.images.tokens_per_image
+    text = make_prompts(lengths=(12,), vocab=300)[0]
+    prompt = text[:3] + placeholder + text[3:8] + placeholder + text[8:]
+    engine.add_request("r", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                       images=tuple(ImageInput(content_hash(p), p) for p in images))
+    deltas = []
+    while engine.has_work():
+        deltas += engine.step()
+    reference = transformers.LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), pixel_values=torch.tensor(np.stack(images)),
+                                      max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+    assert tokens_of(deltas) == expected
