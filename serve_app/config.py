@@ -66,6 +66,13 @@ class ModelConfig(BaseModel):
     max_image_pixels: int = Field(40_000_000, ge=1)
     """A vision-language model: the most pixels an image may have (checked from its header, before
     it is decoded; a 400 beyond)."""
+    image_url_hosts: list[str] = []
+    """A vision-language model: the hosts whose http(s) image URLs a replica fetches (exact names,
+    e.g. ["images.example.com"]); redirects are not followed. Empty: images come as data: URIs only."""
+    max_image_bytes: int = Field(20 * 1024 * 1024, ge=1)
+    """The largest image a replica fetches from an allowed host."""
+    image_fetch_timeout_s: float = Field(10.0, gt=0)
+    """How long a replica waits for an allowed host's image."""
     max_audio_seconds: float = Field(3600.0, gt=0)
     """transcribe: the longest audio one request may send (a 400 beyond it, found while decoding
     the file, which stops there)."""

@@ -30,7 +30,9 @@ import io
 import json
 import math
 import struct
+import urllib.error
 import urllib.parse
+import urllib.request
 import warnings
 from pathlib import Path
 
@@ -82,6 +84,38 @@ def parse_data_uri(url: str) -> bytes:
     if not data:
         raise BadRequest("the image data URI holds no data", PARAM)
     return data
+
+
+def fetch_image(url: str, hosts: frozenset[str], max_bytes: int, timeout_s: float) -> bytes:
+    """The body of an http(s) image URL whose host the operator allows (`hosts`, exact names);
+    BadRequest (param "messages") for another scheme or host, a redirect (not followed: it could
+    lead anywhere), an error status, no answer within `timeout_s`, or a body over `max_bytes`."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise BadRequest("an image URL must be a data: URI or an http(s) URL", PARAM)
+    if parsed.hostname.lower() not in hosts:
+        allowed = ", ".join(sorted(hosts)) or "none: send images as data: URIs"
+        raise BadRequest(f"this server fetches images only from the hosts it allows ({allowed}), not "
+                         f"{parsed.hostname!r}; send the image inline as a data: URI", PARAM)
+    opener = urllib.request.build_opener(_NoRedirects)
+    try:
+        request = urllib.request.Request(url, headers={"User-Agent": "jax-serve"})
+        with opener.open(request, timeout=timeout_s) as answer:
+            data = answer.read(max_bytes + 1)
+    except urllib.error.HTTPError as exc:
+        raise BadRequest(f"fetching the image {url!r} failed: HTTP {exc.code} ({exc.reason})", PARAM) from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise BadRequest(f"fetching the image {url!r} failed: {exc}", PARAM) from None
+    if len(data) > max_bytes:
+        raise BadRequest(f"the image at {url!r} is larger than this server's limit of {max_bytes} bytes", PARAM)
+    return data
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error: its target's host was not checked."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise urllib.error.HTTPError(req.full_url, code, f"redirected to {newurl}; not followed", headers, fp)
 
 
 def decode_image(data: bytes, max_pixels: int) -> Image.Image:

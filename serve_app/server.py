@@ -15,6 +15,7 @@ stream (client gone, stop string matched) aborts its engine requests, returning 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -31,7 +32,13 @@ from serve_app import reasoning
 from serve_app.config import ModelConfig, TracingConfig
 from serve_app.detokenize import TextStream, TokenStrings, special_ids
 from serve_app.errors import BadRequest, to_api_error
-from serve_app.images import ImageProcessor, content_hash, decode_image, parse_data_uri
+from serve_app.images import (
+    ImageProcessor,
+    content_hash,
+    decode_image,
+    fetch_image,
+    parse_data_uri,
+)
 from serve_app.lora import LoraRef, ReplicaAdapters
 from serve_app.metrics import RequestTracker, ServerMetrics, replica_name
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
@@ -123,6 +130,8 @@ class ModelServer(Replica):
         """(placeholder token id, tokens per image) of a vision-language model, else None."""
         self._image_processor = ImageProcessor.from_dir(model_dir) if self._image_layout else None
         self._max_image_pixels = config.max_image_pixels
+        self._image_fetch = functools.partial(fetch_image, hosts=frozenset(h.lower() for h in config.image_url_hosts),
+                                              max_bytes=config.max_image_bytes, timeout_s=config.image_fetch_timeout_s)
         self.metrics = ServerMetrics(config.model_id, replica_name(), self.engine.stats, self.engine.describe())
         self._stream_interval_s = config.stream_batch_ms / 1000.0
         self._stream_chunks_per_s = config.stream_chunks_per_s
@@ -140,8 +149,9 @@ class ModelServer(Replica):
         self._open_streams += 1
         span = self._span(request, context)
         try:
+            images = await self._images(request)
             async with self._adapter(context.lora) as adapter:
-                job = self._job(request, adapter, span)
+                job = self._job(request, adapter, span, images)
                 finals = []
                 batches = merge_batches(self._runs(job, context.arrival_time), self._chunk_interval,
                                         flush=lambda update: update.finish_reason is not None)
@@ -165,8 +175,9 @@ class ModelServer(Replica):
         """The JSON of a whole (non-streamed) response."""
         span = self._span(request, context)
         try:
+            images = await self._images(request)
             async with self._adapter(context.lora) as adapter:
-                job = self._job(request, adapter, span)
+                job = self._job(request, adapter, span, images)
                 choices = {s.index: ChoiceUpdate(s.index) for s in job.samples}
                 async for batch in merge_batches(self._runs(job, context.arrival_time)):
                     for update in batch:
@@ -221,14 +232,14 @@ class ModelServer(Replica):
 
     # ---- requests to engine requests ----
 
-    def _job(self, request: OpenAIRequest, adapter: Optional[str] = None, span=None) -> Job:
+    def _job(self, request: OpenAIRequest, adapter: Optional[str] = None, span=None,
+             images: tuple[ImageInput, ...] = ()) -> Job:
+        """`images`: the chat's images (`_images`), in the order of its image parts."""
         chat = isinstance(request, ChatCompletionRequest)
         calls = thinking = None
-        images: tuple[ImageInput, ...] = ()
         if chat:
             prompts = [self.prompts.chat(request.messages, request.tools if request.tool_mode != "none" else (),
                                          template_kwargs=request.template_kwargs(), image_tokens=self._image_layout)]
-            images = tuple(self._image(url) for m in request.messages for url in m.image_urls)
             params = request.to_sampling_params(default_max_tokens=self._room_after(prompts[0]))
             params, calls = self._tool_plan(request, params)
             if self._thinks:  # a constraint applies to the answer, after the thinking
@@ -284,12 +295,21 @@ class ModelServer(Replica):
             calls = functools.partial(NamedCallStream, name)
         return dataclasses.replace(params, grammar=Grammar("json_schema", json.dumps(schema), "tools")), calls
 
+    async def _images(self, request: OpenAIRequest) -> tuple[ImageInput, ...]:
+        """A chat's images, fetched, decoded and preprocessed on worker threads (not this loop)."""
+        if not isinstance(request, ChatCompletionRequest):
+            return ()
+        urls = [url for message in request.messages for url in message.image_urls]
+        if urls and self._image_processor is None:
+            raise BadRequest(f"model {self.model_id!r} takes no images; send text only, or a vision-language model",
+                             "messages")
+        return tuple(await asyncio.gather(*(asyncio.to_thread(self._image, url) for url in urls)))
+
     def _image(self, url: str) -> ImageInput:
-        """An image part's preprocessed pixels: a data: URI decoded (refused past max_image_pixels)."""
-        if not url.startswith("data:"):
-            raise BadRequest("image URLs are not fetched by this server; send the image inline as a data: URI "
-                             "(data:image/png;base64,...)", "messages")
-        pixels = self._image_processor(decode_image(parse_data_uri(url), self._max_image_pixels))
+        """An image part's preprocessed pixels: a data: URI, or an allowed host's http(s) URL, decoded
+        (refused past max_image_pixels)."""
+        data = parse_data_uri(url) if url[:5].lower() == "data:" else self._image_fetch(url)
+        pixels = self._image_processor(decode_image(data, self._max_image_pixels))
         return ImageInput(content_hash(pixels), pixels)
 
     def _room_after(self, prompt: PromptInput) -> int:

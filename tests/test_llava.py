@@ -201,3 +201,53 @@ def test_the_processors_chat_template_is_the_tokenizers(checkpoint, tmp_path):
     assert load_tokenizer(copy).chat_template == template
     (copy / "chat_template.json").unlink()
     assert not load_tokenizer(copy).chat_template
+
+
+def test_images_from_an_allowed_host(checkpoint, tmp_path):
+    """http(s) image URLs are fetched from the hosts the operator allows (the same answer as the
+    image inline); another host and a redirect are 400s."""
+    import http.server
+    import threading
+
+    from serving_helpers import app_in_process
+
+    uri, _ = png_data_uri(5)
+    png = __import__("base64").b64decode(uri.partition(",")[2])
+
+    class Images(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 -- http.server's name
+            if self.path == "/moved.png":
+                self.send_response(302)
+                self.send_header("Location", "http://elsewhere.invalid/a.png")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Images)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    args = dict(cache_dir=str(tmp_path), max_model_len=160, num_pages=120, page_size=4, max_num_batched_tokens=64,
+                image_url_hosts=["127.0.0.1"])
+    try:
+        with app_in_process(checkpoint, "tiny-llava", **args) as (_, http, client):
+            def ask(url):
+                return http.post("/v1/chat/completions", json={
+                    "model": "tiny-llava", "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+
+            fetched, inline = ask(f"{base}/a.png"), ask(uri)
+            assert fetched.status_code == 200
+            assert fetched.json()["choices"][0]["message"] == inline.json()["choices"][0]["message"]
+            moved = ask(f"{base}/moved.png")
+            assert moved.status_code == 400 and "not followed" in moved.json()["error"]["message"]
+            other = ask("http://localhost:1/a.png")
+            assert other.status_code == 400 and "only from the hosts it allows (127.0.0.1)" in other.json()["error"][
+                "message"]
+    finally:
+        server.shutdown()
