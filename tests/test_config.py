@@ -146,6 +146,7 @@ def test_limit_and_cors_defaults():
         "max_stop_string_chars": 1024,
         "max_stop_token_ids": 64,
         "max_logit_bias_entries": 300,
+        "max_images_per_request": 8,
         "max_logprobs": 20,
     }
     assert CorsConfig().model_dump() == {

@@ -26,6 +26,7 @@ SMALL = RequestLimits(
     max_stop_string_chars=5,
     max_stop_token_ids=2,
     max_logit_bias_entries=2,
+    max_images_per_request=1,
     max_logprobs=3,
 )
 TOO_LARGE_1000 = {
@@ -102,6 +103,9 @@ def test_completion_over_a_limit_is_a_400_naming_field_and_limit(body, what, lim
          "(max_logit_bias_entries); send fewer", "logit_bias"),
         ({"logprobs": True, "top_logprobs": 4}, "top_logprobs is 4, over this server's limit of 3 (max_logprobs); "
          "lower top_logprobs", "top_logprobs"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png,x"}}]
+                        * 2}]}, "the messages hold 2 images, over this server's limit of 1 (max_images_per_request); "
+         "send fewer", "messages"),
     ],
 )
 def test_chat_over_a_limit_is_a_400_naming_field_and_limit(body, message, param):
