@@ -64,8 +64,8 @@ def parse_data_uri(url: str) -> bytes:
     """The bytes of a `data:image/<type>[;base64],<data>` URI (RFC 2397); BadRequest (param "messages")
     for anything else: another scheme, no comma, a media type other than image/*, bad base64, no data."""
     if not url[:5].lower() == "data:":
-        raise BadRequest("an image URL must be a data URI (data:image/png;base64,...); fetching images from "
-                         "other URLs is not supported", PARAM)
+        raise BadRequest("an image URL must be a data URI (data:image/png;base64,...) here; http(s) URLs are "
+                         "fetched only from the hosts the server allows (image_url_hosts)", PARAM)
     header, comma, payload = url[5:].partition(",")
     if not comma:
         raise BadRequest("malformed image data URI: no ',' between the media type and the data; send "
