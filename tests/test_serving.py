@@ -99,7 +99,7 @@ def serving(checkpoint_factory, tmp_path_factory, whisper_dir, llava_dir):
     # the default app's embedding model, as deploy/config.yaml configures it (compiled on first use)
     embedder = yaml.safe_load(DEFAULT_APP.read_text())["applications"][0]["args"]["models"][1]
     port = free_port()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    ray.init(address="local", num_cpus=5, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         engine = {"max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN, "max_num_batched_tokens": 256, "prefill_chunk": 64}
