@@ -31,12 +31,16 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore(Protocol):
-    def validate(self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None) -> None:
+    """What AsyncEngine drives (LLMEngine; fakes in tests). `images` is passed only when a request
+    has some: a core of a text-only model may leave it out of its signatures."""
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None,
+                 images: tuple = ()) -> None:
         """Raise InvalidRequestError if the request can never be served. Thread-safe."""
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    adapter: Optional[str] = None) -> None:
-        """`adapter`: a LoRA adapter's name (None: the base model)."""
+                    adapter: Optional[str] = None, images: tuple = ()) -> None:
+        """`adapter`: a LoRA adapter's name (None: the base model); `images`: engine.core.images.ImageInput."""
 
     def abort(self, request_id: str) -> None: ...
 
