@@ -329,14 +329,16 @@ def test_echo_with_logprobs_scores_the_prompt_like_transformers(serving, client,
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt_ids), max_tokens)
 
 
-def test_models(client, serving):
+def test_models(client, serving, whisper_dir, llava_dir):
     assert [m.id for m in client.models.list().data] == [MODEL, MODEL_TP2, MODEL_2HOSTS, MODEL_SLOW, MODEL_FAULTY,
-                                                         "all-minilm-l6-v2", MODEL_PAIR, ADAPTER_TP2]
+                                                         "all-minilm-l6-v2", MODEL_WHISPER, MODEL_LLAVA, MODEL_PAIR,
+                                                         ADAPTER_TP2]
     assert client.models.retrieve(MODEL).id == MODEL
     roots = {m.id: m.model_extra["root"] for m in client.models.list().data}
     assert roots == {MODEL: str(serving.checkpoint), MODEL_TP2: S3_URI, MODEL_2HOSTS: f"{HUB_REPO}@main",
                      MODEL_SLOW: str(serving.checkpoint), MODEL_FAULTY: str(serving.checkpoint),
                      "all-minilm-l6-v2": "all-minilm-l6-v2", MODEL_PAIR: str(serving.checkpoint),
+                     MODEL_WHISPER: str(whisper_dir), MODEL_LLAVA: str(llava_dir),
                      ADAPTER_TP2: str(serving.adapters / "every")}
     assert client.models.retrieve(ADAPTER_TP2).model_extra["parent"] == MODEL_TP2
 
@@ -499,7 +501,8 @@ def test_404_for_an_unknown_model(client):
     assert info.value.status_code == 404
     assert info.value.body == {
         "message": "the model 'gpt-5' does not exist; served models: ['all-minilm-l6-v2', "
-                   f"'{MODEL_FAULTY}', '{MODEL_PAIR}', '{MODEL_SLOW}', '{MODEL}', '{MODEL_2HOSTS}', '{MODEL_TP2}']; "
+                   f"'{MODEL_FAULTY}', '{MODEL_PAIR}', '{MODEL_SLOW}', '{MODEL}', '{MODEL_2HOSTS}', '{MODEL_TP2}', "
+                   f"'{MODEL_LLAVA}', '{MODEL_WHISPER}']; "
                    "LoRA adapters: "
                    f"['{ADAPTER_TP2}']",
         "type": "invalid_request_error",

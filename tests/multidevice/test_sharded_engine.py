@@ -84,7 +84,7 @@ def test_int8_weights_split_like_their_float_originals_and_answer_as_on_one_devi
     import dataclasses
 
     import jax.numpy as jnp
-    from parity import make_prompts, tokens_of
+    from parity import make_prompts, run_to_completion, tokens_of
 
     from engine.core.request import SamplingParams
 
@@ -113,7 +113,7 @@ def test_int8_weights_made_on_the_host_reach_the_devices_as_served(checkpoint_fa
     import dataclasses
 
     import jax.numpy as jnp
-    from parity import make_prompts, tokens_of
+    from parity import make_prompts, run_to_completion, tokens_of
 
     from engine.core.request import SamplingParams
     from engine.runner import sharding
