@@ -112,6 +112,8 @@ class _Job:
     windows: int = 0
     sampled: int = 0
     rng: Optional[np.random.Generator] = None
+    rules: Optional[rules.WindowRules] = None
+    """The logits rules of its windows (fixed by its options)."""
 
     def send(self, event: Union[Event, BaseException]) -> None:
         try:
@@ -155,7 +157,7 @@ class AsyncTranscriber(JobWorker):
         loop = asyncio.get_running_loop()
         known = options.language or (None if self.tokens.multilingual else "en")
         job = _Job(mel, frames, options, loop, asyncio.Queue(), language=known,
-                   rng=np.random.default_rng(options.seed))
+                   rng=np.random.default_rng(options.seed), rules=rules.WindowRules(self.tokens, options.timestamps))
         self._submit(job)
         try:
             while True:
@@ -212,7 +214,7 @@ class AsyncTranscriber(JobWorker):
         if starting:
             for job in starting:
                 job.window = self._new_window(job)
-            self._call(self.engine.encode, [(job.slot, _window_of(job.mel, job.seek)) for job in starting])
+            self._call(self.engine.encode, [(job.slot, rules.window(job.mel, job.seek)) for job in starting])
         busy = [job for job in self._slots if job is not None]
         feeds = {job.slot: Feed(job.window.position, job.window.pending, job.window.probe) for job in busy}
         results = self._call(self.engine.decode, feeds)
@@ -242,7 +244,7 @@ class AsyncTranscriber(JobWorker):
             window.prefix += rest
             window.pending = rest
             return
-        scores = rules.WindowRules(self.tokens, job.options.timestamps).scores(logits, window.sampled)
+        scores = job.rules.scores(logits, window.sampled)
         token = rules.choose(scores, job.options.temperature, job.rng)
         window.logprob_sum += float(rules.log_softmax(scores)[token])
         window.sampled.append(token)
@@ -270,11 +272,3 @@ class AsyncTranscriber(JobWorker):
             job.send(Done(job.windows, job.sampled))
             self._slots[job.slot] = None
             self._settled(job)
-
-
-def _window_of(mel: np.ndarray, seek: int) -> np.ndarray:
-    """Frames seek .. seek + FRAMES_PER_WINDOW of `mel`, zero-padded at the end."""
-    window = mel[:, seek: seek + FRAMES_PER_WINDOW]
-    if window.shape[1] < FRAMES_PER_WINDOW:
-        window = np.pad(window, ((0, 0), (0, FRAMES_PER_WINDOW - window.shape[1])))
-    return np.ascontiguousarray(window, np.float32)

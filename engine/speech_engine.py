@@ -83,7 +83,7 @@ class SpeechEngine:
     def encode(self, windows: list[tuple[int, np.ndarray]]) -> None:
         """Run the encoder over each (slot, mel [num_mel_bins, FRAMES_PER_WINDOW]) and keep the
         result in that slot (replacing its previous window)."""
-        rows = sorted({r for kind, r, _ in self._ready() if kind == "encode"})
+        rows = sorted({r for kind, r, _ in self.compiler.ready() if kind == "encode"})
         while windows:
             size = next((r for r in rows if r >= len(windows)), rows[-1])
             batch, windows = windows[:size], windows[size:]
@@ -96,7 +96,7 @@ class SpeechEngine:
     def decode(self, feeds: dict[int, Feed]) -> dict[int, tuple[np.ndarray, float]]:
         """Feed each slot's tokens; {slot: (float32 logits [vocab] after its last token, log
         P(<|nospeech|>) after its probe token, NaN without a probe)}. Slots not in `feeds` idle."""
-        ready = [(rows, length) for kind, rows, length in self._ready() if kind == "decode"]
+        ready = [(rows, length) for kind, rows, length in self.compiler.ready() if kind == "decode"]
         done: dict[int, tuple[np.ndarray, float]] = {}
         fed = {slot: 0 for slot in feeds}
         probes: dict[int, float] = {}
@@ -149,9 +149,6 @@ class SpeechEngine:
     def _decode_fn(self, params, tokens, starts, counts, probes, cache, cross):
         model, layers = eqx.combine(params, self._static)
         return whisper.decode(model, layers, tokens, starts, counts, probes, self.tokens.nospeech, cache, cross)
-
-    def _ready(self) -> list[tuple[str, int, int]]:
-        return self.compiler.ready()
 
     def _compile(self, bucket: tuple[str, int, int]) -> None:
         """Compile one program without running it (fills jit's cache)."""

@@ -9,7 +9,8 @@ This module owns two steps, both pure numpy + PyAV (no jax, torch or transformer
   the audio passes `max_seconds`, so memory and time are bounded by the limit, not by the file.
   Like ffmpeg's command line it keeps what decodes: damaged packets are skipped, a truncated file
   gives its head, and a mid-stream change of rate or channels (concatenated files) is followed.
-- `log_mel` / `mel_filters` / `window`: Whisper's log-mel spectrogram, numerically the numpy path of
+- `log_mel` / `mel_filters`: Whisper's log-mel spectrogram (the engine cuts it into 30 s windows,
+  engine.core.transcription.window), numerically the numpy path of
   transformers' `WhisperFeatureExtractor` (`_np_extract_fbank_features`): the same float64 STFT and
   filter bank, the same complex64 storage of the STFT, the same float32 log-mel and clamping.
   Invariant: `log_mel(x, n, p).shape == (n, (len(x) + p) // HOP_LENGTH)`, C-contiguous.
@@ -293,14 +294,3 @@ def _mel_to_hz(mels: np.ndarray) -> np.ndarray:
     log_region = mels >= _MIN_LOG_MEL
     hz[log_region] = _MIN_LOG_HZ * np.exp((np.log(6.4) / 27.0) * (mels[log_region] - _MIN_LOG_MEL))
     return hz
-
-
-def window(mel: np.ndarray, start: int) -> np.ndarray:
-    """[n_mels, N_FRAMES]: frames start..start+N_FRAMES of `mel`, zero-padded at the end if it runs short.
-
-    This is how Whisper pads the last 30 s window of long audio. A view of `mel` when it does not run short.
-    """
-    part = mel[:, start : start + N_FRAMES]
-    if part.shape[1] == N_FRAMES:
-        return part
-    return np.pad(part, ((0, 0), (0, N_FRAMES - part.shape[1])))

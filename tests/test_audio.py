@@ -22,7 +22,6 @@ from serve_app.audio import (
     decode_audio,
     log_mel,
     mel_filters,
-    window,
 )
 from serve_app.errors import BadRequest
 
@@ -316,14 +315,3 @@ def test_log_mel_frames_and_range():
     # The clamp: nothing below the max - 8 (in log10), i.e. 2 after (x + 4) / 4.
     assert mel.max() - mel.min() == pytest.approx(2.0, abs=1e-6)
     assert log_mel(samples[: HOP_LENGTH - 1], 80).shape == (80, 0)
-
-
-def test_window_slices_and_zero_pads_the_last():
-    mel = np.arange(80 * 7501, dtype=np.float32).reshape(80, 7501) + 1  # no zeros of its own
-    first = window(mel, 0)
-    np.testing.assert_array_equal(first, mel[:, :N_FRAMES])
-    last = window(mel, 2 * N_FRAMES)  # frames 6000..7500: 1501 real, 1499 of padding
-    assert last.shape == (80, N_FRAMES) and last.dtype == mel.dtype
-    np.testing.assert_array_equal(last[:, :1501], mel[:, 6000:])
-    np.testing.assert_array_equal(last[:, 1501:], 0)
-    assert not np.any(last[:, :1501] == 0)

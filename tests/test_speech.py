@@ -236,3 +236,14 @@ def test_timestamp_rules_pairs_and_order():
     assert np.isneginf(after_open[:eot]).all()
     after_pair = window.scores(flat, [begin + 2, 7, begin + 9, begin + 9])  # a closed pair: no timestamp next
     assert np.isneginf(after_pair[begin:]).all() and np.isneginf(after_pair[3])
+
+
+def test_window_slices_and_zero_pads_the_last():
+    mel = np.arange(80 * 7501, dtype=np.float32).reshape(80, 7501) + 1  # no zeros of its own
+    first = rules.window(mel, 0)
+    np.testing.assert_array_equal(first, mel[:, :rules.FRAMES_PER_WINDOW])
+    last = rules.window(mel, 2 * rules.FRAMES_PER_WINDOW)  # frames 6000..7500: 1501 real, 1499 of padding
+    assert last.shape == (80, rules.FRAMES_PER_WINDOW) and last.dtype == mel.dtype
+    np.testing.assert_array_equal(last[:, :1501], mel[:, 6000:])
+    np.testing.assert_array_equal(last[:, 1501:], 0)
+    assert not np.any(last[:, :1501] == 0)

@@ -128,6 +128,15 @@ def check_options(tokens: WhisperTokens, options: TranscriptionOptions) -> Optio
     return None
 
 
+def window(mel: np.ndarray, seek: int) -> np.ndarray:
+    """float32 [n_mels, FRAMES_PER_WINDOW]: frames seek .. seek + FRAMES_PER_WINDOW of `mel`, zero-padded
+    at the end where the audio runs short (how transformers pads the last window of long audio)."""
+    frames = mel[:, seek: seek + FRAMES_PER_WINDOW]
+    if frames.shape[1] < FRAMES_PER_WINDOW:
+        frames = np.pad(frames, ((0, 0), (0, FRAMES_PER_WINDOW - frames.shape[1])))
+    return np.ascontiguousarray(frames, np.float32)
+
+
 def prefix(tokens: WhisperTokens, options: TranscriptionOptions, language: Optional[str]) -> list[int]:
     """The tokens a window feeds before its first sampled token. `language` None: the prefix
     stops after <|startoftranscript|> (its logits pick the language; see `detect_language`)."""

@@ -214,10 +214,10 @@ class ModelRunner:
         self.lora = self._lora_pool()
         """The LoRA adapters' pool on the devices (engine.model.lora), or None without `max_loras`."""
         self._lora_type = _types(self.lora)
-        self.vision, self.images, self._write_image = self._load_vision(config)
-        """The vision tower and projector (engine.model.vision), the pool of image features
-        (paged_model.ImageRows) and the program writing one image's features into it; all None
-        for a text-only model."""
+        self.vision_config, self.images, self._write_image = self._load_vision(config)
+        """The vision tower's config (engine.model.vision), the pool of image features
+        (paged_model.ImageRows) and the program computing one image's features into it (it holds
+        the tower and projector); all None for a text-only model."""
         self._images_type = _types(self.images)
         self._cache_sharding = NamedSharding(self.mesh, self.backend.cache_partition(sharding.MODEL_AXIS))
         self.num_pages = self._pool_pages()
@@ -415,20 +415,19 @@ class ModelRunner:
             return self.backend.prepare(serving, self.buckets, measure=config.warmup), info
 
     def _load_vision(self, config: EngineConfig):
-        """(vision model, empty ImageRows, write program) of a LLaVA checkpoint's text entry (its
+        """(VisionConfig, empty ImageRows, write program) of a LLaVA checkpoint's text entry (its
         `vision` link, engine.formats.llava); (None, None, None) for any other model."""
         from engine.formats.llava import VISION_LINK
 
         source = Path(config.model) / VISION_LINK
-        self.vision_config = None
         if not source.is_dir():
             return None, None, None
         import equinox as eqx
 
         from engine.model.vision import image_features, image_tokens, load_vision, read_vision_config
 
-        self.vision_config = read_vision_config(source)
-        tokens = image_tokens(self.vision_config)
+        vision_config = read_vision_config(source)
+        tokens = image_tokens(vision_config)
         replicated = sharding.replicated(self.mesh)
         with self._device_context():
             tower = jax.device_put(load_vision(source, self.dtype), replicated)
@@ -442,9 +441,9 @@ class ModelRunner:
             return dataclasses.replace(images, rows=jax.lax.dynamic_update_slice(
                 images.rows, features, (slot * images.tokens_per_image, 0)))
 
-        logger.info("vision tower %s: %d tokens per image, %d image slots", self.vision_config.tower, tokens,
+        logger.info("vision tower %s: %d tokens per image, %d image slots", vision_config.tower, tokens,
                     config.image_slots)
-        return tower, ImageRows(rows, self.vocab_size, tokens, config.image_slots), write
+        return vision_config, ImageRows(rows, self.vocab_size, tokens, config.image_slots), write
 
     def _load_draft(self, config: EngineConfig):
         """(the draft model, its ModelInfo, its layout) for `speculative: {method: draft_model}`,
