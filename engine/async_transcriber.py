@@ -11,7 +11,9 @@ The worker loop (one thread; the only caller of the engine):
   2. every slot starting a window runs the encoder (one batched call) and feeds its prefix;
   3. one `decode` call feeds every busy slot (a prefix or its last token); each slot's logits go
      through Whisper's rules (engine.core.transcription) and a token is chosen;
-  4. a window that ends is split into segments; the request's next window starts where it ended.
+  4. a window that ends is judged (`rules.verdict`): kept, it is split into segments and the
+     request's next window starts where it ended; failed, it is decoded again in its slot at the
+     next temperature (its encoder output is still there); silent, it is dropped.
 Audio longer than one window is always decoded with timestamps: they say where a window's speech
 ends and the next begins (as transformers and OpenAI's whisper do).
 
@@ -89,6 +91,8 @@ class _Window:
     """Tokens to feed at the next step."""
     probe: int
     """Index in `pending` of <|startoftranscript|> (its logits give P(nospeech)); -1: none."""
+    attempt: int = 0
+    """Index in the request's temperatures of the one this decode samples at."""
     position: int = 0
     sampled: list[int] = dataclasses.field(default_factory=list)
     logprob_sum: float = 0.0
@@ -114,6 +118,7 @@ class _Job:
     rng: Optional[np.random.Generator] = None
     rules: Optional[rules.WindowRules] = None
     """The logits rules of its windows (fixed by its options)."""
+    temperatures: tuple[float, ...] = (0.0,)
 
     def send(self, event: Union[Event, BaseException]) -> None:
         try:
@@ -157,7 +162,8 @@ class AsyncTranscriber(JobWorker):
         loop = asyncio.get_running_loop()
         known = options.language or (None if self.tokens.multilingual else "en")
         job = _Job(mel, frames, options, loop, asyncio.Queue(), language=known,
-                   rng=np.random.default_rng(options.seed), rules=rules.WindowRules(self.tokens, options.timestamps))
+                   rng=np.random.default_rng(options.seed), rules=rules.WindowRules(self.tokens, options.timestamps),
+                   temperatures=options.temperatures())
         self._submit(job)
         try:
             while True:
@@ -245,7 +251,7 @@ class AsyncTranscriber(JobWorker):
             window.pending = rest
             return
         scores = job.rules.scores(logits, window.sampled)
-        token = rules.choose(scores, job.options.temperature, job.rng)
+        token = rules.choose(scores, job.temperatures[window.attempt], job.rng)
         window.logprob_sum += float(rules.log_softmax(scores)[token])
         window.sampled.append(token)
         job.sampled += 1
@@ -257,18 +263,27 @@ class AsyncTranscriber(JobWorker):
 
     def _finish_window(self, job: _Job) -> None:
         window = job.window
-        sampled = window.sampled[:-1] if window.sampled[-1] == self.tokens.eot else window.sampled
         avg_logprob = window.logprob_sum / len(window.sampled)
-        pieces, consumed = rules.split_window(self.tokens, sampled, window.seek, window.frames)
-        segments = tuple(
-            Segment(window.seek, start, end, tuple(tokens), tuple(t for t in tokens if t < self.tokens.eot),
-                    job.options.temperature, avg_logprob, window.no_speech_prob)
-            for start, end, tokens in pieces)
-        job.send(Segments(segments))
+        verdict = rules.verdict(self.tokens, job.options.fallback, window.sampled, avg_logprob, window.no_speech_prob)
+        if verdict == "retry" and window.attempt + 1 < len(job.temperatures):
+            job.window = _Window(window.seek, window.frames, window.prefix, list(window.prefix), probe=-1,
+                                 attempt=window.attempt + 1, no_speech_prob=window.no_speech_prob)
+            return
         job.windows += 1
-        job.seek += consumed if consumed > 0 else window.frames  # a window always moves on
         job.window = None
+        job.seek += window.frames if verdict == "skip" else self._keep(job, window, avg_logprob)
         if job.seek >= job.frames:
             job.send(Done(job.windows, job.sampled))
             self._slots[job.slot] = None
             self._settled(job)
+
+    def _keep(self, job: _Job, window: _Window, avg_logprob: float) -> int:
+        """Send a finished window's segments; the mel frames it consumed (at least one)."""
+        sampled = window.sampled[:-1] if window.sampled[-1] == self.tokens.eot else window.sampled
+        pieces, consumed = rules.split_window(self.tokens, sampled, window.seek, window.frames)
+        segments = tuple(
+            Segment(window.seek, start, end, tuple(tokens), tuple(t for t in tokens if t < self.tokens.eot),
+                    job.temperatures[window.attempt], avg_logprob, window.no_speech_prob)
+            for start, end, tokens in pieces)
+        job.send(Segments(segments))
+        return consumed if consumed > 0 else window.frames  # a window always moves on

@@ -56,7 +56,7 @@ class SpeechEngine:
             enable_compilation_cache(config.compilation_cache_dir)
         checkpoint = whisper.read_checkpoint(config.model)
         self.tokens = WhisperTokens.from_generation_config(checkpoint.generation_config(),
-                                                           checkpoint.max_target_positions)
+                                                           checkpoint.max_target_positions, checkpoint.vocab_size)
         self.num_mel_bins = checkpoint.num_mel_bins
         self.vocab_size = checkpoint.vocab_size
         self.num_slots = config.max_num_seqs

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, field
 
 from engine.core.config import EngineConfig
 from engine.core.request import MAX_TOP_LOGPROBS
+from engine.core.transcription import Fallback
 from engine.formats import hub
 from engine.formats.model_sources import ModelSource, builtin_task
 
@@ -76,6 +77,12 @@ class ModelConfig(BaseModel):
     max_audio_seconds: float = Field(3600.0, gt=0)
     """transcribe: the longest audio one request may send (a 400 beyond it, found while decoding
     the file, which stops there)."""
+    transcription_fallback: Optional[Fallback] = Fallback()
+    """transcribe: when a 30-second window is decoded again at a higher temperature (repetitive or
+    unlikely text) or dropped as silence, as OpenAI's Whisper does: `temperature_increment` (0.2),
+    `compression_ratio_threshold` (1.35, on token ids), `logprob_threshold` (-1.0),
+    `no_speech_threshold` (0.6); a null threshold is not checked. null: every window is decoded
+    once at the request's temperature (repeatable output at temperature 0)."""
     tool_call_parser: Optional[Literal["hermes", "llama3_json"]] = None
     """How tool calls are read from the model's text under `tool_choice: auto`: hermes
     (`<tool_call>{...}</tool_call>`: Hermes, Qwen2.5, Qwen3) or llama3_json (`{"name": ...,

@@ -913,7 +913,8 @@ class TranslationRequest(OpenAIModel):
     last tokens, up to half the decoder's context)."""
     response_format: Literal["json", "text", "srt", "verbose_json", "vtt"] = "json"
     temperature: float = Field(0.0, ge=0.0, le=1.0)
-    """0: greedy decoding. Above 0: sampling at this temperature (no automatic fallback)."""
+    """0: greedy decoding; above 0: sampling. A window whose text repeats or is unlikely is decoded
+    again hotter, up to 1.0, and silence is dropped (the model's `transcription_fallback`)."""
     seed: Optional[int] = None
     """This server's extension: makes sampling at temperature > 0 repeatable."""
 

@@ -63,6 +63,7 @@ class TranscriptionServer(Replica):
         self._max_prompt_tokens: int = engine.tokens.max_prompt_tokens()
         self._eot: int = engine.tokens.eot
         self._max_audio_seconds = config.max_audio_seconds
+        self._fallback = config.transcription_fallback
 
         def stats() -> EngineStats:
             compiled, programs = engine.compile_progress()
@@ -122,7 +123,7 @@ class TranscriptionServer(Replica):
         options = TranscriptionOptions(task=params.task, language=getattr(params, "language", None),
                                        timestamps=params.response_format in ("verbose_json", "srt", "vtt"),
                                        prompt=tuple(self._prompt_ids(params.prompt)), temperature=params.temperature,
-                                       seed=params.seed)
+                                       seed=params.seed, fallback=self._fallback)
         self.transcriber.validate(options)  # a 400 before the audio is decoded
         samples, mel, frames = await asyncio.to_thread(self._features, request.audio)
         tracker = self.metrics.track(f"audio-{uuid.uuid4().hex}", arrival_time)

@@ -129,7 +129,8 @@ def serving(checkpoint_factory, tmp_path_factory, whisper_dir, llava_dir):
                      "health_check_period_s": 1, "num_cpus": 0.1, "stream_batch_ms": 5,
                      "stream_keepalive_s": 0.5, "stream_silence_timeout_s": 3},
                     {**embedder, "warmup": False, "num_cpus": 0.1},
-                    {"model": str(whisper_dir), "model_id": MODEL_WHISPER, "max_num_seqs": 4, "num_cpus": 0.1},
+                    {"model": str(whisper_dir), "model_id": MODEL_WHISPER, "max_num_seqs": 4, "num_cpus": 0.1,
+                     "transcription_fallback": None},  # greedy windows, as the reference decodes
                     {"model": str(llava_dir), "model_id": MODEL_LLAVA, **engine, "num_cpus": 0.1, "warmup": False,
                      "cache_dir": str(tmp_path_factory.mktemp("llava-cache"))},
                     {"model": str(checkpoint), "model_id": MODEL_PAIR, **engine, "engine_cls": "fake_engine:FakeEngine",

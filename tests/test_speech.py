@@ -14,7 +14,7 @@ from engine.async_transcriber import AsyncTranscriber, Done, Language, Segments
 from engine.core import transcription as rules
 from engine.core.config import EngineConfig
 from engine.core.request import InvalidRequestError
-from engine.core.transcription import TranscriptionOptions
+from engine.core.transcription import Fallback, TranscriptionOptions
 
 SLOTS = 4
 
@@ -149,6 +149,78 @@ def test_seeded_sampling_repeats(transcriber, hf):
     assert first != greedy
 
 
+def long_features(hf, seconds: float, seed: int):
+    return hf[1](noise(seconds, seed), sampling_rate=16000, return_tensors="np", truncation=False,
+                 padding="longest", return_attention_mask=True)
+
+
+def test_silent_window_is_dropped_as_transformers_drops_it(transcriber, hf):
+    """The no-speech rule with transformers' thresholds: the windows whose P(<|nospeech|>) is over
+    the threshold (and whose average log-probability is under its own) give no segments, and the
+    next window starts a whole window later. The same tokens and times as `generate`."""
+    features = long_features(hf, 75, seed=2)
+    mel = features.input_features[0]
+    _, greedy, *_ = asyncio.run(collect(transcriber, mel, mel.shape[1], TranscriptionOptions(language="en",
+                                                                                          timestamps=True)))
+    speech = sorted({s.no_speech_prob for s in greedy})
+    assert len(speech) >= 2 and all(s.avg_logprob < -1.0 for s in greedy)
+    threshold = (speech[-2] + speech[-1]) / 2  # between the likeliest silence and the next
+    fallback = Fallback(temperature_increment=None, compression_ratio_threshold=None, logprob_threshold=-1.0,
+                        no_speech_threshold=threshold)
+    ours, segments, *_ = asyncio.run(collect(transcriber, mel, mel.shape[1], TranscriptionOptions(
+        language="en", timestamps=True, fallback=fallback)))
+    expected, hf_segments = hf_tokens(hf[0], mel, attention_mask=torch.tensor(features.attention_mask),
+                                      language="en", return_timestamps=True, temperature=(0.0,),
+                                      logprob_threshold=-1.0, no_speech_threshold=threshold)
+    assert ours == expected
+    assert [(round(s.start, 2), round(s.end, 2)) for s in segments] == [
+        (round(float(s["start"]), 2), round(float(s["end"]), 2)) for s in hf_segments]
+    assert len(segments) < len(greedy)  # a window was dropped
+    assert all(s.no_speech_prob < threshold for s in segments)
+
+
+def test_failing_window_is_decoded_again_hotter(transcriber, hf):
+    """A window under the log-probability threshold is decoded again at 0.2, 0.4, ... until one
+    passes or 1.0 is reached (that last try is kept); seeded, the outcome repeats. A window that
+    passes keeps its greedy tokens."""
+    mel = short_features(hf, 6, seed=8)
+    greedy, greedy_segments, *_ = asyncio.run(collect(transcriber, mel, 3000, TranscriptionOptions(language="en")))
+    assert greedy_segments[0].avg_logprob < -1.0
+    strict = TranscriptionOptions(language="en", seed=3, fallback=Fallback(compression_ratio_threshold=None))
+    tokens, segments, _, done = asyncio.run(collect(transcriber, mel, 3000, strict))
+    assert segments[0].temperature > 0.0
+    for segment in segments:  # each window: the first temperature that passed, else the last
+        assert segment.temperature in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+        assert segment.avg_logprob >= -1.0 or segment.temperature == 1.0
+    assert done.tokens > len(tokens)  # the failed tries' tokens count too
+    assert asyncio.run(collect(transcriber, mel, 3000, strict))[0] == tokens
+    lowest = min(s.avg_logprob for s in greedy_segments)
+    lenient = TranscriptionOptions(language="en", fallback=Fallback(compression_ratio_threshold=None,
+                                                                    logprob_threshold=lowest - 1))
+    assert asyncio.run(collect(transcriber, mel, 3000, lenient))[0] == greedy
+
+
+def test_fallback_temperatures_and_verdicts():
+    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
+
+    assert Fallback().temperatures(0.0) == (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    assert Fallback().temperatures(0.5) == (0.5, 0.7, 0.9)
+    assert Fallback(temperature_increment=None).temperatures(0.3) == (0.3,)
+    assert TranscriptionOptions(temperature=0.4).temperatures() == (0.4,)
+    repeated = [50365, 440, 2068, 50365, 440, 2068] * 20 + [50257]
+    assert rules.token_compression_ratio(repeated, 51866) == WhisperGenerationMixin._retrieve_compression_ratio(
+        torch.tensor(repeated), 51866)
+    tokens = rules.WhisperTokens(eot=10, sot=11, prev=12, no_timestamps=14, languages={}, tasks={}, suppress=(),
+                                 begin_suppress=(), max_initial_timestamp_index=50, max_length=448,
+                                 max_target_positions=448, multilingual=False, vocab_size=51866)
+    fallback = Fallback()
+    assert rules.verdict(tokens, fallback, repeated, -0.5, 0.0) == "retry"  # compression ratio over 1.35
+    assert rules.verdict(tokens, fallback, [440, 2068, 10], -0.5, 0.9) == "keep"  # likely enough: not silence
+    assert rules.verdict(tokens, fallback, [440, 2068, 10], -1.5, 0.1) == "retry"
+    assert rules.verdict(tokens, fallback, [440, 2068, 10], -1.5, 0.9) == "skip"
+    assert rules.verdict(tokens, None, repeated, -9.0, 0.9) == "keep"
+
+
 def test_abandoned_request_frees_its_slot(transcriber, hf):
     mel = hf[1](noise(75, seed=6), sampling_rate=16000, return_tensors="np", truncation=False,
                 padding="longest").input_features[0]
@@ -185,7 +257,7 @@ def test_unservable_options_are_refused(transcriber, hf, options, param, message
 def test_english_only_model_refuses_translation_and_other_languages():
     tokens = rules.WhisperTokens(eot=10, sot=11, prev=12, no_timestamps=14, languages={}, tasks={}, suppress=(),
                                  begin_suppress=(), max_initial_timestamp_index=50, max_length=448,
-                                 max_target_positions=448, multilingual=False)
+                                 max_target_positions=448, multilingual=False, vocab_size=51864)
     assert rules.check_options(tokens, TranscriptionOptions(task="translate"))[1] == "model"
     assert rules.check_options(tokens, TranscriptionOptions(language="fr"))[1] == "language"
     assert rules.check_options(tokens, TranscriptionOptions(language="en")) is None
@@ -199,7 +271,7 @@ def test_split_window_equals_transformers():
     begin = 100
     tokens = rules.WhisperTokens(eot=50, sot=51, prev=52, no_timestamps=begin - 1, languages={}, tasks={},
                                  suppress=(), begin_suppress=(), max_initial_timestamp_index=50, max_length=448,
-                                 max_target_positions=448, multilingual=False)
+                                 max_target_positions=448, multilingual=False, vocab_size=51864)
     cases = [
         [begin + 0, 5, 6, begin + 40, begin + 40, 7, begin + 90],  # ends on a single timestamp
         [begin + 0, 5, begin + 40, begin + 41, 7, 8],  # ends mid-segment: seek to the last pair
@@ -221,7 +293,7 @@ def test_timestamp_rules_pairs_and_order():
     begin, eot = 100, 50
     tokens = rules.WhisperTokens(eot=eot, sot=51, prev=52, no_timestamps=begin - 1, languages={}, tasks={},
                                  suppress=(3,), begin_suppress=(4,), max_initial_timestamp_index=5, max_length=448,
-                                 max_target_positions=448, multilingual=False)
+                                 max_target_positions=448, multilingual=False, vocab_size=51864)
     window = rules.WindowRules(tokens, timestamps=True)
     flat = np.zeros(200, np.float32)
     first = window.scores(flat, [])

@@ -43,7 +43,7 @@ def app(whisper_dir):
     from serve_app.ingress import LocalBackend, create_app
 
     config = AppConfig.from_args({"model": str(whisper_dir), "model_id": MODEL, "warmup": False, "max_num_seqs": 4,
-                                  "max_audio_seconds": 400})
+                                  "max_audio_seconds": 400, "transcription_fallback": None})
     assert config.models[0].task == "transcribe"
     server = TranscriptionServer(config.models[0])
     try:
@@ -206,3 +206,32 @@ def test_too_long_and_too_short_audio(app):
     assert long.status_code == 400 and "400" in long.json()["error"]["message"]
     short = post(http, {"model": MODEL}, {"file": ("a.wav", wav_bytes(np.zeros(100, np.float32)))})
     assert short.status_code == 400 and "at least 10 ms" in short.json()["error"]["message"]
+
+
+def test_default_fallback_decodes_unlikely_windows_again(whisper_dir):
+    """A replica with the default `transcription_fallback`: the random model's greedy windows are far
+    under the -1.0 log-probability threshold, so each is decoded again hotter (the segments say at
+    which temperature); with a seed the answer repeats."""
+    from fastapi.testclient import TestClient
+
+    from serve_app.ingress import LocalBackend, create_app
+
+    config = AppConfig.from_args({"model": str(whisper_dir), "model_id": MODEL, "warmup": False, "max_num_seqs": 2})
+    server = TranscriptionServer(config.models[0])
+    try:
+        with TestClient(create_app({MODEL: LocalBackend(server)})) as http:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+
+            def ask():
+                return client.audio.transcriptions.create(
+                    model=MODEL, file=("speech.wav", wav_bytes(noise(6, seed=8))), language="en",
+                    response_format="verbose_json", extra_body={"seed": 4})
+
+            answer = ask()
+            assert answer.segments and answer.segments[0].temperature > 0.0
+            for segment in answer.segments:
+                assert segment.temperature in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+                assert segment.avg_logprob >= -1.0 or segment.temperature == 1.0
+            assert ask().model_dump() == answer.model_dump()
+    finally:
+        server.transcriber.shutdown()

@@ -1,8 +1,8 @@
 """Whisper's decoding rules, host side: what one 30-second window feeds, which tokens it may
 sample, and how its tokens become timed segments and the next window's start. Pure numpy.
 
-The rules are transformers' `WhisperForConditionalGeneration.generate` (the same as OpenAI's
-`whisper.transcribe` without temperature fallback), so greedy output is its output token for token:
+The rules are transformers' `WhisperForConditionalGeneration.generate` (OpenAI's `whisper.transcribe`),
+so greedy output is its output token for token:
   * prefix: [<|startofprev|>, prompt...] + [<|startoftranscript|>, language, task] + [<|notimestamps|>
     unless timestamps are asked]. Without a language, a multilingual model's first window picks the
     likeliest language token after <|startoftranscript|> (once per audio).
@@ -15,11 +15,14 @@ The rules are transformers' `WhisperForConditionalGeneration.generate` (the same
   * windows: audio longer than 30 s is read window after window; a window ends at its last
     complete segment (two timestamps in a row) and the next starts there (`split_window`); one
     without such a pair takes its whole 30 s. (Without timestamps a model rarely emits them.)
+  * fallback (`Fallback`, `verdict`): a finished window whose tokens repeat too much or are too
+    unlikely is decoded again at a higher temperature; one that is likely silence is dropped.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from typing import NamedTuple, Optional
 
@@ -52,6 +55,7 @@ class WhisperTokens:
     max_length: int
     max_target_positions: int
     multilingual: bool
+    vocab_size: int
 
     @property
     def timestamp_begin(self) -> int:
@@ -63,7 +67,7 @@ class WhisperTokens:
         return self.no_timestamps - 1
 
     @classmethod
-    def from_generation_config(cls, generation: dict, max_target_positions: int) -> "WhisperTokens":
+    def from_generation_config(cls, generation: dict, max_target_positions: int, vocab_size: int) -> "WhisperTokens":
         missing = [key for key in ("decoder_start_token_id", "eos_token_id", "no_timestamps_token_id")
                    if generation.get(key) is None]
         if missing:
@@ -80,6 +84,7 @@ class WhisperTokens:
             max_length=int(generation.get("max_length") or max_target_positions),
             max_target_positions=max_target_positions,
             multilingual=bool(generation.get("is_multilingual", len(languages) > 1)),
+            vocab_size=vocab_size,
         )
 
     def max_prompt_tokens(self) -> int:
@@ -98,6 +103,42 @@ class Feed(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class Fallback:
+    """When a finished window is decoded again, hotter, or dropped as silence: OpenAI whisper's
+    `transcribe` rules as transformers' `generate` applies them (a None threshold is not checked).
+
+    A window *fails* when its compression ratio is above `compression_ratio_threshold` or its
+    average log-probability below `logprob_threshold`; a failed window is decoded again at the next
+    temperature (the request's, then `temperature_increment` hotter each time, up to 1.0), and the
+    last try is kept whatever it scored. A window whose P(<|nospeech|>) is above
+    `no_speech_threshold` and whose average log-probability is below `logprob_threshold` is
+    silence: it gives no segments and is not retried."""
+
+    temperature_increment: Optional[float] = 0.2
+    """None: a window is decoded once."""
+    compression_ratio_threshold: Optional[float] = 1.35
+    """On the zlib ratio of the window's token ids as bytes (transformers' gauge; 1.35 there is
+    what 2.4 is to OpenAI's ratio of the text's bytes)."""
+    logprob_threshold: Optional[float] = -1.0
+    no_speech_threshold: Optional[float] = 0.6
+    """Needs `logprob_threshold`: silence is judged by both."""
+
+    def __post_init__(self):
+        if self.temperature_increment is not None and not 0.0 < self.temperature_increment <= 1.0:
+            raise ValueError(f"temperature_increment must be in (0, 1] or null, not {self.temperature_increment}")
+        if self.no_speech_threshold is not None and self.logprob_threshold is None:
+            raise ValueError("no_speech_threshold needs logprob_threshold: silence is judged by both (set it, "
+                             "or set no_speech_threshold to null)")
+
+    def temperatures(self, first: float) -> tuple[float, ...]:
+        """The temperatures a window may be decoded at, starting at the request's."""
+        if self.temperature_increment is None:
+            return (first,)
+        count = int(math.floor((1.0 - first) / self.temperature_increment + 1e-6))
+        return tuple(round(first + i * self.temperature_increment, 6) for i in range(count + 1))
+
+
+@dataclasses.dataclass(frozen=True)
 class TranscriptionOptions:
     """What one request asks (validated by the caller: `check_options`)."""
 
@@ -109,6 +150,11 @@ class TranscriptionOptions:
     """Text token ids of the request's prompt (without <|startofprev|>), fed before every window."""
     temperature: float = 0.0
     seed: Optional[int] = None
+    fallback: Optional[Fallback] = None
+    """None: every window is decoded once at `temperature` and kept."""
+
+    def temperatures(self) -> tuple[float, ...]:
+        return self.fallback.temperatures(self.temperature) if self.fallback else (self.temperature,)
 
 
 def check_options(tokens: WhisperTokens, options: TranscriptionOptions) -> Optional[tuple[str, str]]:
@@ -279,6 +325,28 @@ def split_window(tokens: WhisperTokens, sampled: list[int], seek: int, window_fr
     if stamps and stamps[-1] != begin:
         end_pos = stamps[-1] - begin
     return [(offset, offset + end_pos * TIME_PRECISION, sampled)], window_frames
+
+
+def verdict(tokens: WhisperTokens, fallback: Optional[Fallback], sampled: list[int], avg_logprob: float,
+            no_speech_prob: float) -> str:
+    """"keep", "retry" (decode the window again, hotter, if a temperature is left) or "skip"
+    (silence) for a finished window: `sampled` its tokens, <|endoftext|> included
+    (transformers' `_need_fallback`)."""
+    if fallback is None:
+        return "keep"
+    low_logprob = fallback.logprob_threshold is not None and avg_logprob < fallback.logprob_threshold
+    if fallback.no_speech_threshold is not None and low_logprob and no_speech_prob > fallback.no_speech_threshold:
+        return "skip"
+    repetitive = (fallback.compression_ratio_threshold is not None
+                  and token_compression_ratio(sampled, tokens.vocab_size) > fallback.compression_ratio_threshold)
+    return "retry" if repetitive or low_logprob else "keep"
+
+
+def token_compression_ratio(ids: list[int], vocab_size: int) -> float:
+    """len(ids as little-endian bytes) / len(zlib of them): transformers' repetition gauge."""
+    width = int(math.log2(vocab_size) / 8) + 1
+    data = b"".join(t.to_bytes(width, "little") for t in ids)
+    return len(data) / len(zlib.compress(data)) if data else 0.0
 
 
 def compression_ratio(text: str) -> float:
