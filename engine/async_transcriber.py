@@ -31,6 +31,7 @@ from typing import AsyncIterator, Optional, Protocol, Union
 
 import numpy as np
 
+from engine.core import alignment
 from engine.core import transcription as rules
 from engine.core.request import InvalidRequestError
 from engine.core.transcription import (
@@ -47,10 +48,13 @@ class SpeechCore(Protocol):
     tokens: WhisperTokens
     num_slots: int
     num_mel_bins: int
+    median_filter_width: int
 
     def encode(self, windows: list[tuple[int, np.ndarray]]) -> None: ...
 
     def decode(self, feeds: dict[int, Feed]) -> dict[int, tuple[np.ndarray, float]]: ...
+
+    def align(self, slot: int, tokens: list[int]) -> np.ndarray: ...
 
     def compile_progress(self) -> tuple[int, int]: ...
 
@@ -277,13 +281,26 @@ class AsyncTranscriber(JobWorker):
             self._slots[job.slot] = None
             self._settled(job)
 
+    def _token_times(self, job: _Job, window: _Window) -> list[tuple[float, float]]:
+        """(start, end) in seconds from the audio's start of each token the window sampled."""
+        fed = window.prefix + window.sampled[:-1]
+        weights = self._call(self.engine.align, job.slot, fed)
+        ends = alignment.token_times(weights, len(window.prefix), len(window.sampled), window.frames,
+                                     self.engine.median_filter_width)
+        offset = window.seek * rules.SECONDS_PER_FRAME
+        return [(offset + float(start), offset + float(end)) for start, end in zip([0.0, *ends[:-1]], ends)]
+
     def _keep(self, job: _Job, window: _Window, avg_logprob: float) -> int:
         """Send a finished window's segments; the mel frames it consumed (at least one)."""
         sampled = window.sampled[:-1] if window.sampled[-1] == self.tokens.eot else window.sampled
         pieces, consumed = rules.split_window(self.tokens, sampled, window.seek, window.frames)
-        segments = tuple(
-            Segment(window.seek, start, end, tuple(tokens), tuple(t for t in tokens if t < self.tokens.eot),
-                    job.temperatures[window.attempt], avg_logprob, window.no_speech_prob)
-            for start, end, tokens in pieces)
-        job.send(Segments(segments))
+        times = self._token_times(job, window) if job.options.word_timestamps else None
+        segments, first = [], 0
+        for start, end, tokens in pieces:  # consecutive slices of `sampled`
+            segments.append(Segment(
+                window.seek, start, end, tuple(tokens), tuple(t for t in tokens if t < self.tokens.eot),
+                job.temperatures[window.attempt], avg_logprob, window.no_speech_prob,
+                tuple(times[first: first + len(tokens)]) if times is not None else ()))
+            first += len(tokens)
+        job.send(Segments(tuple(segments)))
         return consumed if consumed > 0 else window.frames  # a window always moves on

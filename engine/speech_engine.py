@@ -3,6 +3,7 @@
     engine = SpeechEngine(config)
     engine.encode([(slot, mel_window)])                  # a window's encoder pass, into its slot
     engine.decode({slot: Feed(start, tokens, probe)})    # -> {slot: (logits [vocab], log P(nospeech))}
+    engine.align(slot, tokens)                           # -> alignment heads' cross-attention (word timings)
 
 The engine holds `num_slots` (= `max_num_seqs`) decoding slots, each with its window's cross-
 attention keys and values and a self-attention cache of `max_target_positions` tokens
@@ -13,9 +14,11 @@ decode together (continuous batching: engine.async_transcriber decides what each
 Programs: `encode` for 1, 4, 16, ... windows up to `num_slots`; one-token `decode` steps over the
 first 1, 4, 16, ... slots up to all (slots are taken lowest first, so a light load runs small
 steps); `decode` of 8, 64, ... tokens up to `max_target_positions` over every slot (a window's
-prefix). The one-window encode and the one-token step over every slot compile before the engine
-serves (with them alone any request runs, a prefix fed token by token); the others compile in the
-background, and a call uses the ready ones, cutting a longer feed into pieces.
+prefix); `align` of 8, 64, ... tokens over one slot (word timings, for a checkpoint with
+alignment heads). The one-window encode and the one-token step over every slot compile before the
+engine serves (with them alone any request runs, a prefix fed token by token); the others compile
+in the background, and a call uses the ready ones, cutting a longer feed into pieces (an `align`
+asked before its program is ready compiles it then).
 
 Of `EngineConfig` it reads `model`, `dtype`, `max_num_seqs`, `warmup`, `compilation_cache_dir`
 and `step_timeout_s` (read by the caller). Not thread-safe; one worker thread drives it.
@@ -67,14 +70,18 @@ class SpeechEngine:
         self._params, self._static = eqx.partition((model, whisper.decoder_layers(model)), eqx.is_array)
         self._encode = jax.jit(self._encode_fn, donate_argnums=(3,))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(5,))
+        self._align = jax.jit(self._align_fn)
+        self.median_filter_width = checkpoint.median_filter_width
         self.rows = _ladder(self.num_slots, ROW_BASE)
         self.lengths = _ladder(self.max_positions, LENGTH_BASE)
-        # serving needs a one-token step over every slot and a one-window encode; the rest follow
+        # serving needs a one-token step over every slot and a one-window encode; the rest follow,
+        # word timing's passes last (a request asking words before they are ready compiles its own)
         first = [("decode", self.num_slots, 1), ("encode", 1, 0)]
         rest = ([("decode", r, 1) for r in self.rows[:-1]] + [("encode", r, 0) for r in self.rows[1:]]
                 + [("decode", self.num_slots, t) for t in self.lengths[1:]])
-        self.compiler = StepCompiler(first + sorted(rest, key=lambda b: (b[1] * max(b[2], 1), b)), self._compile,
-                                     _describe, first=len(first))
+        aligns = [("align", 1, t) for t in self.lengths[1:]] if self.tokens.alignment_heads else []
+        self.compiler = StepCompiler(first + sorted(rest, key=lambda b: (b[1] * max(b[2], 1), b)) + aligns,
+                                     self._compile, _describe, first=len(first))
         self.warmup_seconds: Optional[float] = self.compiler.start() if config.warmup else None
         logger.info("speech engine: %s", self.describe())
 
@@ -125,6 +132,16 @@ class SpeechEngine:
                     done[slot] = (logits[slot], probes.get(slot, float("nan")))
         return done
 
+    def align(self, slot: int, tokens: list[int]) -> np.ndarray:
+        """float32 [alignment heads, len(tokens), source]: the cross-attention weights of the
+        checkpoint's alignment heads for `tokens` read afresh against the window in `slot` (a
+        finished window's fed tokens: its prefix and all it sampled but the last)."""
+        length = next(t for t in self.lengths[1:] if t >= len(tokens))
+        padded = np.zeros(length, np.int32)
+        padded[: len(tokens)] = tokens
+        weights = self._align(self._params, padded, np.int32(slot), self._cross)
+        return np.asarray(weights)[:, : len(tokens)]
+
     def compile_progress(self) -> tuple[int, int]:
         return self.compiler.progress()
 
@@ -150,9 +167,17 @@ class SpeechEngine:
         model, layers = eqx.combine(params, self._static)
         return whisper.decode(model, layers, tokens, starts, counts, probes, self.tokens.nospeech, cache, cross)
 
+    def _align_fn(self, params, tokens, slot, cross):
+        model, layers = eqx.combine(params, self._static)
+        return whisper.align(model, layers, tokens, slot, self.tokens.alignment_heads, cross)
+
     def _compile(self, bucket: tuple[str, int, int]) -> None:
         """Compile one program without running it (fills jit's cache)."""
         kind, rows, length = bucket
+        if kind == "align":
+            self._align.lower(self._params, jax.ShapeDtypeStruct((length,), np.int32),
+                              jax.ShapeDtypeStruct((), np.int32), self._cross).compile()
+            return
         if kind == "encode":
             mel = jax.ShapeDtypeStruct((rows, self.num_mel_bins, FRAMES_PER_WINDOW), np.float32)
             self._encode.lower(self._params, mel, jax.ShapeDtypeStruct((rows,), np.int32), self._cross).compile()
@@ -173,7 +198,7 @@ def _bucket(ready: list[tuple[int, int]], rows: int, length: int) -> tuple[int, 
 
 def _describe(bucket: tuple[str, int, int]) -> str:
     kind, rows, length = bucket
-    return f"encode({rows})" if kind == "encode" else f"decode({rows} x {length})"
+    return f"encode({rows})" if kind == "encode" else f"{kind}({rows} x {length})"
 
 
 def _ladder(top: int, base: int) -> list[int]:

@@ -929,7 +929,8 @@ class TranscriptionRequest(TranslationRequest):
     language: Optional[str] = None
     """The audio's language as an ISO-639-1 code ("en"); default: detected from its first 30 s."""
     timestamp_granularities: list[Literal["segment", "word"]] = ["segment"]
-    """With verbose_json: "segment" (word timings are not supported)."""
+    """With verbose_json: "segment" (the answer's `segments`), "word" (its `words`, timed from the
+    model's alignment heads), or both."""
     stream: bool = False
     """Server-sent events: `transcript.text.delta` as each window's text is final, then
     `transcript.text.done` (response_format json or text)."""
@@ -941,9 +942,9 @@ class TranscriptionRequest(TranslationRequest):
 
     @model_validator(mode="after")
     def _supported(self) -> "TranscriptionRequest":
-        if "word" in self.timestamp_granularities:
-            raise invalid("timestamp_granularities", "word timestamps are not supported; ask for 'segment' "
-                          "(verbose_json segments carry start and end times)")
+        if "word" in self.timestamp_granularities and self.response_format != "verbose_json":
+            raise invalid("timestamp_granularities", f"word timestamps come in verbose_json; set response_format "
+                          f"verbose_json, not {self.response_format}")
         if self.stream and self.response_format not in ("json", "text"):
             raise invalid("stream", f"streaming sends text deltas; it takes response_format json or text, "
                           f"not {self.response_format}")
@@ -991,6 +992,12 @@ class TranscriptionSegment(BaseModel):
     no_speech_prob: float
 
 
+class TranscriptionWord(BaseModel):
+    word: str
+    start: float
+    end: float
+
+
 class Transcription(BaseModel):
     """response_format json."""
 
@@ -1006,7 +1013,10 @@ class VerboseTranscription(BaseModel):
     """The language's English name ("english"), as OpenAI reports it."""
     duration: float
     text: str
-    segments: list[TranscriptionSegment]
+    segments: Optional[list[TranscriptionSegment]] = None
+    """With the "segment" granularity (the default)."""
+    words: Optional[list[TranscriptionWord]] = None
+    """With the "word" granularity."""
     usage: TranscriptionUsage
 
 

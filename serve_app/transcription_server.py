@@ -37,12 +37,14 @@ from serve_app.protocol import (
     Transcription,
     TranscriptionSegment,
     TranscriptionUsage,
+    TranscriptionWord,
     TranscriptTextDelta,
     TranscriptTextDone,
     VerboseTranscription,
 )
 from serve_app.replica import Replica
 from serve_app.request_context import RequestContext
+from serve_app.words import Word, group_words
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +125,8 @@ class TranscriptionServer(Replica):
         options = TranscriptionOptions(task=params.task, language=getattr(params, "language", None),
                                        timestamps=params.response_format in ("verbose_json", "srt", "vtt"),
                                        prompt=tuple(self._prompt_ids(params.prompt)), temperature=params.temperature,
-                                       seed=params.seed, fallback=self._fallback)
+                                       seed=params.seed, fallback=self._fallback,
+                                       word_timestamps="word" in _granularities(params))
         self.transcriber.validate(options)  # a 400 before the audio is decoded
         samples, mel, frames = await asyncio.to_thread(self._features, request.audio)
         tracker = self.metrics.track(f"audio-{uuid.uuid4().hex}", arrival_time)
@@ -148,7 +151,13 @@ class TranscriptionServer(Replica):
         texts = [self._decode(list(s.text_tokens)) for s in result.segments]
         kept = [i for i, text in enumerate(texts) if text.strip()]  # no segment without words
         result.segments, result.segment_texts = [result.segments[i] for i in kept], [texts[i] for i in kept]
+        if options.word_timestamps:
+            result.words = [word for segment in result.segments for word in self._words(segment, result.language)]
         return result
+
+    def _words(self, segment: Segment, language: str | None) -> list[Word]:
+        text = [(token, times) for token, times in zip(segment.tokens, segment.token_times) if token < self._eot]
+        return group_words(self._decode, [t for t, _ in text], [times for _, times in text], language)
 
     def _features(self, data: bytes) -> tuple[np.ndarray, np.ndarray, int]:
         """(samples, log-mel [num_mel_bins, frames], the audio's frames) of an audio file."""
@@ -186,6 +195,7 @@ class _Result:
         self.segments: list[Segment] = []
         self.text = ""
         self.segment_texts: list[str] = []
+        self.words: list[Word] = []
         self._sent = ""
 
     @property
@@ -212,8 +222,13 @@ def _render(request: AudioRequest, result: _Result, language_name: str) -> str:
     segments = [_segment(i, s, text, result.duration)
                 for i, (s, text) in enumerate(zip(result.segments, result.segment_texts))]
     if fmt == "verbose_json":
-        return VerboseTranscription(task=params.task, language=language_name, duration=round(result.duration, 2),
-                                    text=result.text, segments=segments, usage=result.usage).model_dump_json()
+        granularities = _granularities(params)
+        words = [TranscriptionWord(word=w.text.strip(), start=_clamp(w.start, result.duration),
+                                   end=_clamp(w.end, result.duration)) for w in result.words]
+        return VerboseTranscription(
+            task=params.task, language=language_name, duration=round(result.duration, 2), text=result.text,
+            segments=segments if "segment" in granularities else None, words=words if "word" in granularities else None,
+            usage=result.usage).model_dump_json(exclude_none=True)
     if fmt == "srt":
         return "".join(f"{i + 1}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text.strip()}\n\n"
                        for i, s in enumerate(segments))
@@ -221,9 +236,19 @@ def _render(request: AudioRequest, result: _Result, language_name: str) -> str:
                                   for s in segments)
 
 
+def _granularities(params) -> list[str]:
+    """What verbose_json times: a translation's segments, a transcription's asked granularities."""
+    return getattr(params, "timestamp_granularities", ["segment"])
+
+
+def _clamp(seconds: float, duration: float) -> float:
+    """Seconds rounded to 10 ms, no later than the audio's end."""
+    return round(min(seconds, duration), 2)
+
+
 def _segment(index: int, segment: Segment, text: str, duration: float) -> TranscriptionSegment:
-    return TranscriptionSegment(id=index, seek=segment.seek, start=round(min(segment.start, duration), 2),
-                                end=round(min(segment.end, duration), 2), text=text, tokens=list(segment.tokens),
+    return TranscriptionSegment(id=index, seek=segment.seek, start=_clamp(segment.start, duration),
+                                end=_clamp(segment.end, duration), text=text, tokens=list(segment.tokens),
                                 temperature=segment.temperature, avg_logprob=segment.avg_logprob,
                                 compression_ratio=compression_ratio(text), no_speech_prob=segment.no_speech_prob)
 

@@ -410,18 +410,24 @@ def test_speech_to_text_through_ray_serve(client, serving, whisper_dir):
         out.setnchannels(1), out.setsampwidth(2), out.setframerate(16000), out.writeframes(samples.tobytes())
     file = ("speech.wav", buffer.getvalue())
     answer = client.audio.transcriptions.create(model=MODEL_WHISPER, file=file, language="en",
-                                                response_format="verbose_json")
+                                                response_format="verbose_json",
+                                                timestamp_granularities=["segment", "word"])
     model = transformers.WhisperForConditionalGeneration.from_pretrained(whisper_dir).eval()
     mel = log_mel(samples.astype(np.float32) / 32768, 80)
     with torch.no_grad():
         out = model.generate(torch.tensor(mel[None]), attention_mask=torch.ones((1, mel.shape[1]), dtype=torch.long),
-                             language="en", task="transcribe", return_timestamps=True, return_segments=True)
+                             language="en", task="transcribe", return_timestamps=True, return_segments=True,
+                             return_token_timestamps=True)
     tokenizer, eot = transformers.AutoTokenizer.from_pretrained(whisper_dir), model.generation_config.eos_token_id
     segments = [s["tokens"].tolist() for s in out["segments"][0]]
     assert answer.text == tokenizer.decode([t for tokens in segments for t in tokens if t < eot]).strip()
     worded = [tokens for tokens in segments if tokenizer.decode([t for t in tokens if t < eot]).strip()]
     assert [s.tokens for s in answer.segments] == worded
     assert answer.duration == 35.0 and answer.language == "english"
+    # each word ends where transformers' token timestamps say its last token ends
+    ends = {round(min(float(t), 35.0), 2) for s in out["segments"][0] for t in s["token_timestamps"]}
+    assert answer.words and {w.end for w in answer.words} <= ends
+    assert "".join(w.word for w in answer.words) == "".join(answer.text.split())
     events = list(client.audio.transcriptions.create(model=MODEL_WHISPER, file=file, language="en", stream=True))
     assert events[-1].type == "transcript.text.done" and events[-1].text == answer.text
     assert "".join(e.delta for e in events[:-1]) == answer.text

@@ -221,6 +221,57 @@ def test_fallback_temperatures_and_verdicts():
     assert rules.verdict(tokens, None, repeated, -9.0, 0.9) == "keep"
 
 
+def test_token_times_equal_transformers(transcriber, hf):
+    """Word timings' raw material: each token's end equals transformers' `token_timestamps` (its
+    alignment heads' cross-attention through DTW), window after window of 45 s of audio and in a
+    30 s window; a token starts where the one before it in its window ended."""
+    features = long_features(hf, 45, seed=2)
+    cases = [(features.input_features[0], int(features.attention_mask.sum()), torch.tensor(features.attention_mask)),
+             (short_features(hf, 7, seed=1), 3000, None)]
+    for mel, frames, mask in cases:
+        options = TranscriptionOptions(language="en", timestamps=True, word_timestamps=True)
+        ours, segments, *_ = asyncio.run(collect(transcriber, mel, frames, options))
+        expected, hf_segments = hf_tokens(hf[0], mel, attention_mask=mask, language="en", return_timestamps=True,
+                                          return_token_timestamps=True)
+        assert ours == expected
+        for segment, reference in zip(segments, hf_segments, strict=True):
+            ends = [end for _, end in segment.token_times]
+            assert ends == pytest.approx(reference["token_timestamps"].tolist(), abs=1e-5)
+        by_window = {}
+        for segment in segments:
+            by_window.setdefault(segment.seek, []).extend(segment.token_times)
+        for seek, times in by_window.items():
+            assert times[0][0] == pytest.approx(seek / 100)
+            assert all(start == end for (_, end), (start, _) in zip(times, times[1:]))
+
+
+def test_word_timestamps_need_alignment_heads(transcriber, whisper_dir):
+    tokens = rules.WhisperTokens(eot=10, sot=11, prev=12, no_timestamps=14, languages={}, tasks={}, suppress=(),
+                                 begin_suppress=(), max_initial_timestamp_index=50, max_length=448,
+                                 max_target_positions=448, multilingual=False, vocab_size=51864)
+    problem, param = rules.check_options(tokens, TranscriptionOptions(word_timestamps=True))
+    assert param == "timestamp_granularities" and "no alignment_heads" in problem
+    assert transcriber.tokens.alignment_heads == ((0, 1), (1, 0), (1, 3))
+
+
+def test_dtw_and_median_filter_equal_transformers():
+    from transformers.models.whisper.generation_whisper import _dynamic_time_warping, _median_filter
+
+    from engine.core import alignment
+
+    rng = np.random.default_rng(0)
+    for shape in [(1, 1), (1, 9), (7, 3), (12, 40), (30, 200)]:
+        for matrix in (rng.standard_normal(shape), rng.integers(0, 3, shape).astype(np.float64)):  # ties too
+            ours = alignment.dtw(matrix.astype(np.float32))
+            theirs = _dynamic_time_warping(matrix.astype(np.float32).astype(np.float64))
+            assert np.array_equal(ours[0], theirs[0]) and np.array_equal(ours[1], theirs[1])
+    values = rng.standard_normal((3, 5, 40)).astype(np.float32)
+    for width in (1, 3, 7):
+        assert np.array_equal(alignment.median_filter(values, width),
+                              _median_filter(torch.tensor(values), width).numpy())
+    assert np.array_equal(alignment.median_filter(values[..., :3], 7), values[..., :3])
+
+
 def test_abandoned_request_frees_its_slot(transcriber, hf):
     mel = hf[1](noise(75, seed=6), sampling_rate=16000, return_tensors="np", truncation=False,
                 padding="longest").input_features[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import wave
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import openai
@@ -53,9 +54,20 @@ def app(whisper_dir):
         server.transcriber.shutdown()
 
 
+class Reference(NamedTuple):
+    samples: np.ndarray
+    segments: list
+    """(start, end, tokens) of each segment."""
+    text: Callable
+    """token ids -> text."""
+    token_timestamps: list
+    """Each segment's tokens' timestamps (generate's return_token_timestamps)."""
+    tokenizer: Any
+
+
 @pytest.fixture(scope="module")
-def reference(whisper_dir):
-    """transformers' long-form answer for 40 s of audio: (samples, tokens per segment, segments)."""
+def reference(whisper_dir) -> Reference:
+    """transformers' long-form answer for 40 s of audio."""
     import transformers
 
     model = transformers.WhisperForConditionalGeneration.from_pretrained(whisper_dir).eval()
@@ -65,19 +77,21 @@ def reference(whisper_dir):
     mel = audio.log_mel(pcm, 80)
     with torch.no_grad():
         out = model.generate(torch.tensor(mel[None]), attention_mask=torch.ones((1, mel.shape[1]), dtype=torch.long),
-                             language="en", task="transcribe", return_timestamps=True, return_segments=True)
+                             language="en", task="transcribe", return_timestamps=True, return_segments=True,
+                             return_token_timestamps=True)
     segments = [(float(s["start"]), float(s["end"]), s["tokens"].tolist()) for s in out["segments"][0]]
+    token_timestamps = [s["token_timestamps"].tolist() for s in out["segments"][0]]
     eot = model.generation_config.eos_token_id
 
     def text(tokens):
         return tokenizer.decode([t for t in tokens if t < eot])
 
-    return samples, segments, text
+    return Reference(samples, segments, text, token_timestamps, tokenizer)
 
 
 def test_verbose_json_equals_transformers_segments(app, reference):
     _, _, client = app
-    samples, segments, text = reference
+    samples, segments, text, *_ = reference
     answer = client.audio.transcriptions.create(model=MODEL, file=("speech.wav", wav_bytes(samples)), language="en",
                                                 response_format="verbose_json")
     expected = [s for s in segments if text(s[2]).strip()]
@@ -94,9 +108,77 @@ def test_verbose_json_equals_transformers_segments(app, reference):
     assert answer.usage.seconds == 40
 
 
+def hf_words(reference) -> list[dict]:
+    """transformers' words for the reference: per segment, its text tokens grouped by the tokenizer's
+    `_combine_tokens_into_words`, each token timed from the end of the token before it in its window
+    (the window's start for the first) to its own end, as its ASR pipeline times words."""
+    from transformers.models.whisper.tokenization_whisper import _combine_tokens_into_words
+
+    _, segments, text, *_ = reference
+    tokenizer = reference.tokenizer
+    eot, begin = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|notimestamps|>") + 1
+    words, window, last_end = [], None, 0.0
+    for (start, _, tokens), ends in zip(segments, reference.token_timestamps):
+        window_start = round(start - (tokens[0] - begin) * 0.02, 2)  # a segment opens with its timestamp
+        if window_start != window:
+            window, last_end = window_start, window_start
+        spans = []
+        for token, end in zip(tokens, ends):
+            spans.append((token, last_end, end))
+            last_end = end
+        spans = [span for span in spans if span[0] < eot]
+        if not text([t for t, _, _ in spans]).strip():
+            continue
+        grouped, _, indices = _combine_tokens_into_words(tokenizer, [t for t, _, _ in spans], "english")
+        for word, index in zip(grouped, indices):
+            words.append({"word": word.strip(), "start": round(min(spans[index[0]][1], 40.0), 2),
+                          "end": round(min(spans[index[-1]][2], 40.0), 2)})
+    return words
+
+
+@pytest.mark.parametrize("text, language", [
+    (" Hello, world! (Yes) “quoted” -- wait... ok? 'fine' [x] ¿qué? café", "en"),
+    (" 你好，世界。我们走吧！", "zh"),
+    (" こんにちは、世界", "ja"),
+    (" A", "en"),
+])
+def test_words_group_as_transformers_groups_them(text, language):
+    """serve_app.words against the tokenizer's `_combine_tokens_into_words` (byte-level tokens: a
+    character may take several), each word timed from its first token's start to its last's end."""
+    import tiny_models
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES, _combine_tokens_into_words
+
+    from serve_app.words import group_words
+
+    tokenizer = tiny_models.make_whisper_tokenizer()
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    times = [(i * 0.5, i * 0.5 + 0.4) for i in range(len(tokens))]
+    words = group_words(tokenizer.decode, tokens, times, language)
+    expected, _, indices = _combine_tokens_into_words(tokenizer, tokens, LANGUAGES[language])
+    assert [w.text for w in words] == expected
+    assert [(w.start, w.end) for w in words] == [(times[i[0]][0], times[i[-1]][1]) for i in indices]
+    assert "".join(w.text for w in words) == tokenizer.decode(tokens)
+
+
+def test_word_timestamps_equal_transformers(app, reference):
+    """timestamp_granularities word and segment: the words are transformers' (its tokenizer's grouping
+    of its generate's token timestamps); word alone answers words without segments."""
+    _, _, client = app
+    samples, segments, text, *_ = reference
+    file = ("speech.wav", wav_bytes(samples))
+    both = client.audio.transcriptions.create(model=MODEL, file=file, language="en", response_format="verbose_json",
+                                              timestamp_granularities=["word", "segment"])
+    assert [w.model_dump() for w in both.words] == hf_words(reference)
+    assert both.words and both.segments
+    assert "".join(w.word for w in both.words) == "".join(both.text.split())
+    words_only = client.audio.transcriptions.create(model=MODEL, file=file, language="en",
+                                                    response_format="verbose_json", timestamp_granularities=["word"])
+    assert words_only.segments is None and words_only.words == both.words and words_only.text == both.text
+
+
 def test_json_text_srt_vtt_agree(app, reference):
     _, http, client = app
-    samples, segments, text = reference
+    samples, segments, text, *_ = reference
     file = ("speech.wav", wav_bytes(samples))
     verbose = client.audio.transcriptions.create(model=MODEL, file=file, language="en", response_format="verbose_json")
     plain = client.audio.transcriptions.create(model=MODEL, file=file, language="en", response_format="json")
@@ -122,7 +204,7 @@ def test_json_text_srt_vtt_agree(app, reference):
 
 def test_stream_deltas_add_up_to_the_text(app, reference):
     _, _, client = app
-    samples, _, _ = reference
+    samples, *_ = reference
     file = ("speech.wav", wav_bytes(samples))
     events = list(client.audio.transcriptions.create(model=MODEL, file=file, language="en", stream=True))
     assert [e.type for e in events[:-1]] == ["transcript.text.delta"] * (len(events) - 1)
@@ -173,8 +255,8 @@ def post(http, data=None, files=None, route="transcriptions"):
     ({"model": MODEL, "language": "xx"}, "wav", "language", "unknown language 'xx'"),
     ({"model": MODEL, "response_format": "docx"}, "wav", "response_format", "response_format"),
     ({"model": MODEL, "temperature": "2"}, "wav", "temperature", "temperature"),
-    ({"model": MODEL, "timestamp_granularities[]": "word", "response_format": "verbose_json"}, "wav",
-     "timestamp_granularities", "word timestamps are not supported"),
+    ({"model": MODEL, "timestamp_granularities[]": "word", "response_format": "srt"}, "wav",
+     "timestamp_granularities", "word timestamps come in verbose_json"),
     ({"model": MODEL, "stream": "true", "response_format": "srt"}, "wav", "stream", "takes response_format json"),
     ({"model": MODEL, "speed": "2"}, "wav", "speed", "'speed' is not a supported field"),
 ])

@@ -351,6 +351,7 @@ def make_whisper_checkpoint(out_dir: str | Path, *, d_model: int = 64, num_layer
         "task_to_id": {"translate": ids("<|translate|>"), "transcribe": ids("<|transcribe|>")},
         "no_timestamps_token_id": ids("<|notimestamps|>"), "prev_sot_token_id": ids("<|startofprev|>"),
         "max_initial_timestamp_index": 50, "begin_suppress_tokens": [space, eot],
+        "alignment_heads": [[0, 1], [1, 0], [1, 3]][: 3 if num_layers > 1 else 1],
         "suppress_tokens": [1, 2, 7, 8, 9, 10, 14, 25, 26, 27, 28, 29, 31, 58, 59, 60, 61, 62, 63, 90, 91, 92, 93],
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))

@@ -56,6 +56,9 @@ class WhisperTokens:
     max_target_positions: int
     multilingual: bool
     vocab_size: int
+    alignment_heads: tuple[tuple[int, int], ...] = ()
+    """(decoder layer, head) pairs whose cross-attention follows the audio: word timings read them
+    (none: the checkpoint cannot time words)."""
 
     @property
     def timestamp_begin(self) -> int:
@@ -85,6 +88,7 @@ class WhisperTokens:
             max_target_positions=max_target_positions,
             multilingual=bool(generation.get("is_multilingual", len(languages) > 1)),
             vocab_size=vocab_size,
+            alignment_heads=tuple((int(layer), int(head)) for layer, head in generation.get("alignment_heads") or ()),
         )
 
     def max_prompt_tokens(self) -> int:
@@ -150,6 +154,8 @@ class TranscriptionOptions:
     """Text token ids of the request's prompt (without <|startofprev|>), fed before every window."""
     temperature: float = 0.0
     seed: Optional[int] = None
+    word_timestamps: bool = False
+    """Time each token of the kept windows (`Segment.token_times`) from the alignment heads."""
     fallback: Optional[Fallback] = None
     """None: every window is decoded once at `temperature` and kept."""
 
@@ -169,6 +175,9 @@ def check_options(tokens: WhisperTokens, options: TranscriptionOptions) -> Optio
         if tokens.multilingual and options.language not in tokens.languages:
             known = ", ".join(sorted(tokens.languages))
             return f"unknown language {options.language!r}; send an ISO-639-1 code, one of: {known}", "language"
+    if options.word_timestamps and not tokens.alignment_heads:
+        return ("this model cannot time words: its generation_config.json has no alignment_heads; ask for "
+                "timestamp_granularities ['segment']"), "timestamp_granularities"
     if not 0.0 <= options.temperature <= 1.0:
         return f"temperature must be between 0 and 1, not {options.temperature}", "temperature"
     return None
@@ -292,6 +301,10 @@ class Segment:
     temperature: float
     avg_logprob: float
     no_speech_prob: float
+    token_times: tuple[tuple[float, float], ...] = ()
+    """With word timestamps, one (start, end) per token of `tokens`, in seconds from the audio's
+    start: a token ends where the alignment moves on to the token after it, and starts where the
+    token before it in its window ended (the first at the window's start). Empty otherwise."""
 
 
 def split_window(tokens: WhisperTokens, sampled: list[int], seek: int, window_frames: int

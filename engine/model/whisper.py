@@ -6,13 +6,15 @@ weights, loaded into levanter's `WhisperModel` (torch's (Out, In) linear weights
 levanter's (In, Out) layout; the encoder's positions are levanter's sinusoids, which is what
 Whisper's frozen `embed_positions` hold).
 
-Two programs run it (engine.speech_engine compiles them):
+Three programs run it (engine.speech_engine compiles them):
   * `encode`: log-mel windows [batch, n_mels, 3000 frames] through levanter's encoder, then each
     decoder layer's cross-attention keys and values of the encoder output, stored in the slots
     the windows decode in. A window's encoder output is computed once.
   * `decode`: tokens [slot, position] of every slot through the decoder, each slot at its own
     offset in a self-attention cache of `max_target_positions` per slot. Returns the logits at each
     slot's last fed token and, at each slot's probe position, log P(<|nospeech|>).
+  * `align`: a finished window's tokens read again without the cache, returning the alignment
+    heads' cross-attention weights (word timings: engine.core.alignment).
 
 Named axes: "slot", "position" (decoder tokens fed), "key_position" (the self-attention cache),
 "source" (encoder positions, 1500 per window), "heads", "head_size", "embed_dim", "vocab_size".
@@ -65,6 +67,11 @@ class WhisperCheckpoint:
     @property
     def vocab_size(self) -> int:
         return self.hf_config["vocab_size"]
+
+    @property
+    def median_filter_width(self) -> int:
+        """The median filter's width along the audio when timing words (config.json; Whisper's 7)."""
+        return int(self.hf_config.get("median_filter_width", 7))
 
     def generation_config(self) -> dict:
         """generation_config.json: Whisper's special tokens, suppressed tokens and timestamp rules."""
@@ -202,23 +209,18 @@ def decode(model, layers: tuple, tokens: jax.Array, starts: jax.Array, counts: j
     rows = slice(None) if num_slots == cache.k[0].shape[0] else slice(0, num_slots)  # the rows fed
     new_k, new_v = [], []
     for layer, k_cache, v_cache, cross_k, cross_v in zip(layers, cache.k, cache.v, cross.k, cross.v):
-        h = layer.attn_ln(x)
-        attn = layer.self_attn
-        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)  # [slot, position, heads, head_size]
-        # [slot, :, writes] indexes as [slot, position, heads, head_size]: the new keys' own order
-        k_cache = k_cache.at[slot_index, :, writes].set(_ordered(k, (Slot, Pos, "heads"), k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[slot_index, :, writes].set(_ordered(v, (Slot, Pos, "heads"), v_cache.dtype), mode="drop")
-        new_k.append(k_cache)
-        new_v.append(v_cache)
-        keys, values = (hax.named(c[rows], (Slot, "heads", KPos, "head_size")) for c in (k_cache, v_cache))
-        x = x + attn.out_proj(_attention(q, keys, values, KPos, causal).astype(x.dtype))
-        h = layer.encoder_attn_ln(x)
-        cross_attn = layer.encoder_attn
-        cross_keys, cross_values = (hax.named(c[rows], (Slot, "heads", Source, "head_size"))
-                                    for c in (cross_k, cross_v))
-        x = x + cross_attn.out_proj(_attention(cross_attn.q_proj(h), cross_keys, cross_values, Source, None)
-                                    .astype(x.dtype))
-        x = x + layer.mlp(layer.mlp_ln(x))
+        def attend_cached(q, k, v, k_cache=k_cache, v_cache=v_cache):
+            # [slot, :, writes] indexes as [slot, position, heads, head_size]: the new keys' own order
+            k_cache = k_cache.at[slot_index, :, writes].set(_ordered(k, (Slot, Pos, "heads"), k_cache.dtype),
+                                                            mode="drop")
+            v_cache = v_cache.at[slot_index, :, writes].set(_ordered(v, (Slot, Pos, "heads"), v_cache.dtype),
+                                                            mode="drop")
+            new_k.append(k_cache)
+            new_v.append(v_cache)
+            keys, values = (hax.named(c[rows], (Slot, "heads", KPos, "head_size")) for c in (k_cache, v_cache))
+            return _attention(q, keys, values, KPos, causal)
+
+        x, _ = _block(layer, x, attend_cached, cross_k[rows], cross_v[rows])
     x = model.decoder.transformer.layer_norm(x)
     last = hax.named(x.array[jnp.arange(num_slots), jnp.maximum(counts - 1, 0)], (Slot, config.Embed.name))
     probe = hax.named(x.array[jnp.arange(num_slots), jnp.clip(probes, 0, length - 1)], (Slot, config.Embed.name))
@@ -228,18 +230,66 @@ def decode(model, layers: tuple, tokens: jax.Array, starts: jax.Array, counts: j
     return logits, nospeech_logprob, DecoderCache(tuple(new_k), tuple(new_v))
 
 
+def align(model, layers: tuple, tokens: jax.Array, slot: jax.Array, heads: tuple[tuple[int, int], ...],
+          cross: CrossCache) -> jax.Array:
+    """float32 [len(heads), T, source]: the cross-attention weights of each (layer, head) in `heads`
+    for tokens [T] read from position 0 against slot `slot`'s window, no cache read or written (a
+    teacher-forced pass over a finished window: the weights its decode had, row t for token t).
+    Rows past the real tokens are padding; causal attention keeps them out of the real rows."""
+    config = model.config
+    length = tokens.shape[0]
+    embeddings = model.decoder.embeddings
+    x = embeddings.token_embeddings.weight.array[tokens] + embeddings.position_embeddings.weight.array[:length]
+    x = hax.named(x[None], (Slot, Pos, config.Embed.name))
+    positions = jnp.arange(length)
+    causal = hax.named(positions[None, None, :] <= positions[None, :, None], (Slot, Pos, KPos))
+
+    def attend_own(q, k, v):
+        keys, values = (hax.named(_ordered(t, (Slot, "heads", Pos), t.dtype), (Slot, "heads", KPos, "head_size"))
+                        for t in (k, v))
+        return _attention(q, keys, values, KPos, causal)
+
+    found = {}
+    for index, (layer, cross_k, cross_v) in enumerate(zip(layers, cross.k, cross.v)):
+        if index > max(layer for layer, _ in heads):
+            break
+        x, weights = _block(layer, x, attend_own, jax.lax.dynamic_slice_in_dim(cross_k, slot, 1),
+                            jax.lax.dynamic_slice_in_dim(cross_v, slot, 1))
+        found[index] = weights.rearrange((Slot, "heads", Pos, Source)).array[0]
+    return jnp.stack([found[layer][head] for layer, head in heads])
+
+
+def _block(layer, x: hax.NamedArray, self_attention, cross_k: jax.Array, cross_v: jax.Array):
+    """One decoder layer: (its output, the cross-attention weights [slot, heads, position, source]).
+    `self_attention(q, k, v)` attends over the layer's keys and values (a cache, or the feed's own);
+    cross_k / cross_v: [slot, heads, source, head_size] of the rows fed."""
+    h = layer.attn_ln(x)
+    attn = layer.self_attn
+    x = x + attn.out_proj(self_attention(attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)).astype(x.dtype))
+    h = layer.encoder_attn_ln(x)
+    cross_attn = layer.encoder_attn
+    keys, values = (hax.named(c, (Slot, "heads", Source, "head_size")) for c in (cross_k, cross_v))
+    weights = _attention_weights(cross_attn.q_proj(h), keys, Source, None)
+    x = x + cross_attn.out_proj(hax.dot(weights, values.astype(jnp.float32), axis=Source).astype(x.dtype))
+    return x + layer.mlp(layer.mlp_ln(x)), weights
+
+
 def _ordered(x: hax.NamedArray, leading: tuple[str, ...], dtype) -> jax.Array:
     """x's array with the `leading` axes first, then head_size, in `dtype`."""
     return x.rearrange((*leading, "head_size")).array.astype(dtype)
 
 
 def _attention(q: hax.NamedArray, k: hax.NamedArray, v: hax.NamedArray, key_axis: str, mask) -> hax.NamedArray:
-    """Softmax attention of q [slot, position, heads, head_size] over k/v's `key_axis`, in float32; q is
-    laid out [slot, heads, position, head_size] first, as the caches are."""
+    """Softmax attention of q [slot, position, heads, head_size] over k/v's `key_axis`, in float32."""
+    return hax.dot(_attention_weights(q, k, key_axis, mask), v.astype(jnp.float32), axis=key_axis)
+
+
+def _attention_weights(q: hax.NamedArray, k: hax.NamedArray, key_axis: str, mask) -> hax.NamedArray:
+    """float32 softmax weights of q [slot, position, heads, head_size] over k's `key_axis`; q is laid
+    out [slot, heads, position, head_size] first, as the caches are."""
     q = q.rearrange((Slot, "heads", Pos, "head_size"))
     scale = 1.0 / np.sqrt(q.axis_size("head_size"))
     scores = hax.dot(q.astype(jnp.float32) * scale, k.astype(jnp.float32), axis="head_size")
     if mask is not None:
         scores = hax.where(mask, scores, _NEG)
-    weights = hax.nn.softmax(scores, axis=key_axis)
-    return hax.dot(weights, v.astype(jnp.float32), axis=key_axis)
+    return hax.nn.softmax(scores, axis=key_axis)
