@@ -32,6 +32,11 @@ thread); a request that names it runs with it. The scheduler admits it once its 
 the devices' slots (engine.core.adapters), and the step that first reads a newly given slot loads
 the adapter into it first.
 
+Images (a vision-language model, engine.core.images): a request's images take device slots, their
+features computed into slots no other image has, before it is queued for the scheduler; while
+running requests hold the slots its images need, it waits (first come, first served) and is
+placed at the step after they end.
+
 Single-threaded by design: `AsyncEngine` drives it from one background thread.
 """
 
@@ -120,6 +125,8 @@ class LLMEngine:
         self._sequences: dict[str, Sequence] = {}
         self._aborted: list[str] = []
         self._in_flight: Optional[LaunchedStep] = None
+        self._awaiting_images: dict[str, tuple[Sequence, tuple[ImageInput, ...]]] = {}
+        """Requests with images waiting for image slots (in arrival order), not yet scheduled."""
         self._seeds = random.Random(config.seed)
         layout = self.executor.image_layout
         self.image_token_id: Optional[int] = None if layout is None else layout[0]
@@ -168,24 +175,26 @@ class LLMEngine:
         """Queue a request; `adapter`: the name of a LoRA adapter to run it with (None: the base
         model); `images`: one per run of tokens_per_image image placeholders in the prompt, in order."""
         self.validate(prompt_ids, params, adapter, images)
-        if request_id in self._sequences:
+        if request_id in self._sequences or request_id in self._awaiting_images:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        prompt, slots = self._place_images(list(prompt_ids), images)
-        seq = Sequence(request_id, prompt, params, seed)
-        seq.image_slots = slots
+        seq = Sequence(request_id, list(prompt_ids), params, seed)
         seq.adapter = None if adapter is None else self._adapters[adapter]
         seq.prompt_logprobs = [None] * len(prompt_ids)
         if params.grammar is not None:
             seq.grammar = self.grammars.state(params.grammar)
-        self._sequences[request_id] = seq
-        self.scheduler.add(seq)
+        if images:
+            self._awaiting_images[request_id] = (seq, images)
+            self._place_awaiting()
+        else:
+            self._queue(seq)
 
     def abort(self, request_id: str) -> None:
         """Free the request's pages now; its stream ends with an `abort` delta at the next step."""
         seq = self._sequences.pop(request_id, None)
         if seq is not None:
             self._end(seq)
+        if seq is not None or self._awaiting_images.pop(request_id, None) is not None:
             self._aborted.append(request_id)
 
     def add_adapter(self, name: str, path: str) -> None:
@@ -208,11 +217,13 @@ class LLMEngine:
         return sorted(self._adapters)
 
     def has_work(self) -> bool:
-        return bool(self._aborted) or self._in_flight is not None or self.scheduler.has_work()
+        return (bool(self._aborted) or self._in_flight is not None or self.scheduler.has_work()
+                or bool(self._awaiting_images))
 
     def step(self) -> list[TokenDelta]:
         deltas = [TokenDelta(rid, [], finish_reason=FinishReason.ABORT) for rid in self._aborted]
         self._aborted.clear()
+        self._place_awaiting()
         previous, self._in_flight = self._in_flight, None
         if previous is not None and (self._needs_host_tokens() or self._guesses_likely()):
             deltas += self._finish(previous)  # penalties count every sampled token, guesses need them: no overlap
@@ -249,7 +260,7 @@ class LLMEngine:
         compiled, programs = self.executor.compile_progress()
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self._awaiting_images),
             num_free_pages=self.allocator.num_free,
             num_pages=self.allocator.num_pages - 1,
             prefix_cache_queries=self.scheduler.prefix_queries,
@@ -435,22 +446,33 @@ class LLMEngine:
             raise InvalidRequestError("prompt logprobs are not computed for prompts with images; leave them out",
                                       "prompt_logprobs")
 
-    def _place_images(self, prompt: list[int], images: tuple[ImageInput, ...]) -> tuple[list[int], list[int]]:
-        """(the prompt with each image's placeholders replaced by its image tokens, the image slots
-        it holds); an image no slot holds has its features computed into one first."""
-        slots = []
-        try:
-            for (start, length), image in zip(_placeholder_runs(prompt, self.image_token_id), images):
-                slot, fresh = self.images.acquire(image.content_hash)
-                slots.append(slot)
-                if fresh:
-                    self.executor.add_image(slot, image.pixels)
-                prompt[start: start + length] = self.images.token_ids(slot)
-        except RuntimeError as exc:
-            for slot in slots:
-                self.images.release(slot)
-            raise InvalidRequestError(f"{exc}; retry when they finish, or raise image_slots", "messages") from None
-        return prompt, slots
+    def _queue(self, seq: Sequence) -> None:
+        self._sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _place_awaiting(self) -> None:
+        """Queue the requests with images whose images all get slots now, first come first served:
+        one waits while running requests hold the slots it needs, and those behind it wait too."""
+        while self._awaiting_images:
+            request_id, (seq, images) = next(iter(self._awaiting_images.items()))
+            if not self.images.can_acquire({image.content_hash for image in images}):
+                return
+            del self._awaiting_images[request_id]
+            seq.image_slots = self._place_images(seq.prompt_ids, images)
+            self._queue(seq)
+
+    def _place_images(self, prompt: list[int], images: tuple[ImageInput, ...]) -> list[int]:
+        """Hold a slot for each image (the ones a slot has first; `can_acquire` said they fit),
+        computing the features of an image no slot has, and replace each image's placeholders in
+        `prompt` with its image tokens; the slots held, one per image."""
+        slots = [-1] * len(images)
+        for i in sorted(range(len(images)), key=lambda i: not self.images.holds(images[i].content_hash)):
+            slots[i], fresh = self.images.acquire(images[i].content_hash)
+            if fresh:
+                self.executor.add_image(slots[i], images[i].pixels)
+        for (start, length), slot in zip(_placeholder_runs(prompt, self.image_token_id), slots):
+            prompt[start: start + length] = self.images.token_ids(slot)
+        return slots
 
     def _keep(self, row: Row, sampled: list[int]) -> list[int]:
         """The tokens a row emits: its sampled token, or for a row with guesses the guesses the

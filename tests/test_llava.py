@@ -14,7 +14,7 @@ from tiny_models import make_llava_checkpoint
 
 from engine.core.config import EngineConfig
 from engine.core.images import ImageInput
-from engine.core.request import InvalidRequestError, SamplingParams
+from engine.core.request import FinishReason, InvalidRequestError, SamplingParams
 from engine.formats import llava
 from engine.formats.model_sources import resolve_model
 from engine.llm_engine import LLMEngine
@@ -114,6 +114,29 @@ def run_to_completion_with_images(engine, prompt, images, params):
     while engine.has_work():
         deltas += engine.step()
     return deltas
+
+
+def test_a_request_waits_while_its_image_slots_are_held(vision_engine):
+    """Three images hold all three slots; a request with a fourth waits (not a 400) until they are
+    given back, then answers as it does alone; one aborted while waiting ends at once."""
+    placeholder, per_image = vision_engine.image_token_id, vision_engine.images.tokens_per_image
+    text = make_prompts(lengths=(14,), vocab=300, seed=21)[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    one, three = with_images(text, 1, placeholder, per_image), with_images(text, 3, placeholder, per_image)
+    alone = tokens_of(run_to_completion_with_images(vision_engine, one, (image(34),), params))
+    vision_engine.add_request("three", three, params, images=(image(31), image(32), image(33)))
+    vision_engine.add_request("fourth", one, params, images=(image(34),))
+    vision_engine.add_request("gone", one, params, images=(image(35),))
+    assert vision_engine.images.held() == 3 and vision_engine.stats().num_waiting == 3
+    deltas = vision_engine.step()
+    vision_engine.abort("gone")
+    while vision_engine.has_work():
+        deltas += vision_engine.step()
+    by_request = {rid: [d for d in deltas if d.request_id == rid] for rid in ("three", "fourth", "gone")}
+    assert [d.finish_reason for d in by_request["gone"]] == [FinishReason.ABORT]
+    assert tokens_of(by_request["fourth"]) == alone
+    assert deltas.index(by_request["three"][-1]) < deltas.index(by_request["fourth"][0])  # it waited
+    assert vision_engine.images.held() == 0 and vision_engine.stats().num_waiting == 0
 
 
 def test_image_requests_are_checked(vision_engine, llama_dir):

@@ -172,7 +172,8 @@ class EngineConfig:
     zero-padded)."""
     image_slots: int = 8
     """A vision-language model (LLaVA): images whose features the devices hold at once
-    (engine/core/images.py). Running requests hold their images' slots; a released image keeps
+    (engine/core/images.py). Running requests hold their images' slots (a request whose images
+    find none free waits for them); a released image keeps
     its slot, for a follow-up turn's prefix-cache hit, until another image needs it. Each slot
     costs tokens_per_image x hidden_size values in the weights' dtype (LLaVA-1.5-7B: 576 x 4096)."""
     speculative: Optional[SpeculativeConfig] = None

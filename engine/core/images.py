@@ -53,7 +53,7 @@ class ImageSlots:
 
     def acquire(self, content_hash: str) -> tuple[int, bool]:
         """(the slot holding this image, whether its features must be written now); held until
-        `release`. Raises RuntimeError when every slot is held (the caller waits or refuses)."""
+        `release`. Raises RuntimeError when every slot is held (callers check `can_acquire`)."""
         slot = self._of_hash.get(content_hash)
         fresh = slot is None
         if fresh:
@@ -67,6 +67,17 @@ class ImageSlots:
         self._holders[slot] += 1
         self._unheld.pop(slot, None)
         return slot, fresh
+
+    def holds(self, content_hash: str) -> bool:
+        """Whether a slot has this image's features (held or not)."""
+        return content_hash in self._of_hash
+
+    def can_acquire(self, content_hashes: set[str]) -> bool:
+        """Whether every one of these images gets a slot now, the ones a slot has first (so no
+        image of the set is given away to make room for another of it)."""
+        fresh = sum(1 for h in content_hashes if h not in self._of_hash)
+        spare = sum(1 for slot in self._unheld if self._hash_of[slot] not in content_hashes)
+        return fresh <= spare
 
     def release(self, slot: int) -> None:
         self._holders[slot] -= 1
