@@ -100,3 +100,42 @@ def test_lora_adapters_load_on_every_host_and_answer_as_transformers_with_peft(t
             got[delta.request_id] += delta.token_ids
     for name, prompt in zip(adapters, prompts):
         assert got[name] == peft_greedy(model_dir, adapters[name], prompt, 8), name
+
+
+def test_images_reach_every_host_and_answer_as_transformers_llava(two_hosts, tmp_path):
+    """A LLaVA decoder over the two hosts: each image's pixels go to both workers, which compute its
+    features into its slot between steps; a request that waits for the one slot gets it after the
+    first ends. Greedy tokens of each prompt equal LlavaForConditionalGeneration's."""
+    import numpy as np
+    import torch
+    import transformers
+    from tiny_models import make_llava_checkpoint
+
+    from engine.core.images import ImageInput
+    from engine.formats.model_sources import resolve_model
+    from serve_app.images import content_hash
+
+    checkpoint = make_llava_checkpoint(tmp_path / "llava")
+    engine = LLMEngine(EngineConfig(model=str(resolve_model(str(checkpoint), cache_dir=tmp_path / "cache")),
+                                    num_hosts=2, tensor_parallel_size=4, image_slots=1, compilation_cache_dir=None,
+                                    **{**TIGHT, "max_model_len": 160, "num_pages": 120}))
+    try:
+        images = [np.random.default_rng(seed).standard_normal((3, 32, 32)).astype(np.float32) for seed in (1, 2)]
+        placeholder = [engine.image_token_id] * engine.images.tokens_per_image
+        prompts = [text[:3] + placeholder + text[3:] for text in make_prompts([10, 14], vocab=300, seed=5)]
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        for i, (prompt, pixels) in enumerate(zip(prompts, images)):
+            engine.add_request(str(i), prompt, params, images=(ImageInput(content_hash(pixels), pixels),))
+        got = {"0": [], "1": []}
+        while engine.has_work():
+            for delta in engine.step():
+                got[delta.request_id] += delta.token_ids
+    finally:
+        engine.shutdown()
+    reference = transformers.LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for i, (prompt, pixels) in enumerate(zip(prompts, images)):
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), pixel_values=torch.tensor(pixels[None]),
+                                          max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                          pad_token_id=0)[0, len(prompt):].tolist()
+        assert got[str(i)] == expected, i
