@@ -1,9 +1,10 @@
 """Speech-to-text benchmark: real-time factor (audio seconds per second) of the speech engine at
-concurrency 1 and 8, next to transformers' Whisper `generate` (what its ASR pipeline runs) on the
-same checkpoint and the same features.
+concurrency 1 and 8, next to transformers' Whisper `generate` on the same checkpoint and the same
+features, and its ASR pipeline (batch_size = the concurrency) on the raw audio.
 
     .venv/bin/python benchmarks/speech_bench.py                  # a random whisper-tiny-shaped model
     .venv/bin/python benchmarks/speech_bench.py --model DIR      # a real Whisper checkpoint
+    .venv/bin/python benchmarks/speech_bench.py --words          # with word timestamps (both sides)
 
 Work: `--clips` clips of `--seconds` of audio (noise for the random model, which decodes the same
 whatever it hears) turned into log-mel features once, then transcribed with timestamps (long-form:
@@ -38,20 +39,25 @@ def random_checkpoint(out: Path) -> Path:
                                    max_target_positions=448, initializer_range=0.02, text_tokens=50257)
 
 
-def features(seconds: float, clips: int, n_mels: int) -> list[np.ndarray]:
-    from serve_app.audio import log_mel
-
+def clips_of(seconds: float, clips: int) -> list[np.ndarray]:
     rng = np.random.default_rng(0)
-    return [log_mel((rng.standard_normal(int(16000 * seconds)) * 0.1).astype(np.float32), n_mels)
-            for _ in range(clips)]
+    return [(rng.standard_normal(int(16000 * seconds)) * 0.1).astype(np.float32) for _ in range(clips)]
 
 
-def ours(transcriber, mels: list[np.ndarray], concurrency: int) -> tuple[float, list[list[int]], int]:
+def pipeline_run(pipe, audio: list[np.ndarray], concurrency: int, words: bool) -> float:
+    """Seconds for transformers' ASR pipeline to transcribe the raw clips (its feature extraction included)."""
+    start = time.perf_counter()
+    pipe([{"raw": a, "sampling_rate": 16000} for a in audio], batch_size=concurrency,
+         return_timestamps="word" if words else True, generate_kwargs={"language": "en", "task": "transcribe"})
+    return time.perf_counter() - start
+
+
+def ours(transcriber, mels: list[np.ndarray], concurrency: int, words: bool) -> tuple[float, list[list[int]], int]:
     """(seconds, each clip's segment tokens, tokens sampled) to transcribe every clip, `concurrency` at a time."""
     from engine.async_transcriber import Done, Segments
     from engine.core.transcription import TranscriptionOptions
 
-    options = TranscriptionOptions(language="en", timestamps=True)
+    options = TranscriptionOptions(language="en", timestamps=True, word_timestamps=words)
 
     async def one(mel) -> tuple[list[int], int]:
         tokens, sampled = [], 0
@@ -73,7 +79,7 @@ def ours(transcriber, mels: list[np.ndarray], concurrency: int) -> tuple[float, 
     return time.perf_counter() - start, [r[0] for r in results], sum(r[1] for r in results)
 
 
-def reference(model, mels: list[np.ndarray], concurrency: int) -> tuple[float, list[list[int]]]:
+def reference(model, mels: list[np.ndarray], concurrency: int, words: bool) -> tuple[float, list[list[int]]]:
     import torch
 
     start, tokens = time.perf_counter(), []
@@ -81,7 +87,8 @@ def reference(model, mels: list[np.ndarray], concurrency: int) -> tuple[float, l
         batch = torch.tensor(np.stack(mels[i: i + concurrency]))
         with torch.no_grad():
             out = model.generate(batch, attention_mask=torch.ones(batch.shape[::2], dtype=torch.long),
-                                 language="en", task="transcribe", return_timestamps=True, return_segments=True)
+                                 language="en", task="transcribe", return_timestamps=True, return_segments=True,
+                                 return_token_timestamps=words)
         tokens += [[t for s in clip for t in s["tokens"].tolist()] for clip in out["segments"]]
     return time.perf_counter() - start, tokens
 
@@ -95,6 +102,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--no-reference", action="store_true", help="skip transformers")
+    parser.add_argument("--words", action="store_true", help="time tokens for word timestamps (transformers: "
+                        "return_token_timestamps)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     import torch
@@ -104,29 +113,40 @@ def main(argv=None) -> None:
     from engine.core.config import EngineConfig
     from engine.speech_engine import SpeechEngine
 
-    model_dir = Path(args.model) if args.model else random_checkpoint(Path(tempfile.mkdtemp()) / "whisper-tiny")
+    scratch = tempfile.TemporaryDirectory()  # the random checkpoint's, removed at the end
+    model_dir = Path(args.model) if args.model else random_checkpoint(Path(scratch.name) / "whisper-tiny")
     levels = [int(c) for c in args.concurrency.split(",")]
     engine = SpeechEngine(EngineConfig(model=str(model_dir), dtype=args.dtype, max_num_seqs=max(levels)))
     transcriber = AsyncTranscriber(engine)
     hf = transformers.WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
     hf.eval()
-    mels = features(args.seconds, args.clips, engine.num_mel_bins)
+    from serve_app.audio import log_mel
+
+    audio = clips_of(args.seconds, args.clips)
+    mels = [log_mel(a, engine.num_mel_bins) for a in audio]
+    pipe = transformers.pipeline("automatic-speech-recognition", model=hf, device="cpu",
+                                 tokenizer=transformers.WhisperTokenizerFast.from_pretrained(model_dir),
+                                 feature_extractor=transformers.WhisperFeatureExtractor.from_pretrained(model_dir))
     audio_s = args.seconds * args.clips
     print(f"{args.clips} clips x {args.seconds:g} s, model {model_dir.name}, {args.dtype}, "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}{', word timestamps' if args.words else ''}")
     for level in levels:
-        ours(transcriber, mels, level)  # compiles what this level uses
-        runs = [ours(transcriber, mels, level) for _ in range(args.rounds)]
+        ours(transcriber, mels, level, args.words)  # compiles what this level uses
+        runs = [ours(transcriber, mels, level, args.words) for _ in range(args.rounds)]
         seconds, kept, sampled = statistics.median(r[0] for r in runs), runs[0][1], runs[0][2]
         print(f"ours          concurrency {level}: RTF {audio_s / seconds:7.1f} audio s/s  ({seconds:.2f} s, "
               f"{sampled} tokens sampled, {sum(map(len, kept))} kept)")
         if args.no_reference:
             continue
-        refs = [reference(hf, mels, level) for _ in range(args.rounds)]
+        refs = [reference(hf, mels, level, args.words) for _ in range(args.rounds)]
         seconds, expected = statistics.median(r[0] for r in refs), refs[0][1]
         print(f"transformers  concurrency {level}: RTF {audio_s / seconds:7.1f} audio s/s  ({seconds:.2f} s, "
               f"{sum(map(len, expected))} kept; the same tokens as ours: {expected == kept})")
+        seconds = statistics.median(pipeline_run(pipe, audio, level, args.words) for _ in range(args.rounds))
+        print(f"pipeline      concurrency {level}: RTF {audio_s / seconds:7.1f} audio s/s  ({seconds:.2f} s, "
+              "from raw audio: its feature extraction included)")
     transcriber.shutdown()
+    scratch.cleanup()
 
 
 if __name__ == "__main__":
