@@ -25,7 +25,7 @@ import time
 from typing import AsyncIterator, Optional, Protocol
 
 from engine.core.request import EngineDeadError, EngineStats, InvalidRequestError, SamplingParams, TokenDelta
-from engine.liveness import liveness_failure
+from engine.liveness import WatchedWorker
 
 logger = logging.getLogger(__name__)
 
@@ -68,26 +68,21 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class AsyncEngine:
+class AsyncEngine(WatchedWorker):
     """Owns the loop thread. `generate()` is the whole request-facing API."""
 
     def __init__(self, core: EngineCore, *, idle_wait_s: float = 0.05, heartbeat_s: float = 1.0,
                  watchdog_s: float = 600.0):
+        super().__init__("engine-loop", watchdog_s, "an engine step", "steps", "the engine loop thread")
         self.core = core
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()  # guards _streams
+        self._lock = threading.Lock()  # guards _streams, and _error as _die sets it
         self._idle_wait_s = idle_wait_s
         self._heartbeat_s = heartbeat_s
-        self._watchdog_s = watchdog_s
-        self._step_started: Optional[float] = None
-        """time.monotonic() when the running step began; None between steps."""
-        self._error: Optional[BaseException] = None
-        """Why the engine can no longer serve (set once, under `_lock`)."""
         self._stats = core.stats()
         self._description = core.describe()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     # ---- request-facing API (any thread with an event loop) ----
@@ -154,22 +149,6 @@ class AsyncEngine:
     def describe(self) -> dict[str, str]:
         return self._description
 
-    @property
-    def error(self) -> Optional[BaseException]:
-        return self._error
-
-    def is_alive(self) -> bool:
-        return self._error is None and self._thread.is_alive()
-
-    def check(self) -> None:
-        """Raise EngineDeadError unless the engine can serve. A step past the watchdog, or a loop
-        thread that is gone, kills the engine here: its streams end now, not when (if) it returns."""
-        failure = liveness_failure(self._step_started, self._watchdog_s, self._thread, "an engine step", "steps",
-                                   "the engine loop thread")
-        if failure is not None:
-            self._die(failure)
-        self._raise_if_dead()
-
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the loop: the engine aborts every request it holds (their pages return), then each
         still-open stream, and any request that arrives later, fails with EngineDeadError."""
@@ -210,11 +189,7 @@ class AsyncEngine:
         self._stats = self.core.stats()
 
     def _step(self) -> list[TokenDelta]:
-        self._step_started = time.monotonic()
-        try:
-            return self.core.step()
-        finally:
-            self._step_started = None
+        return self._call(self.core.step)
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -15,32 +15,27 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
-from typing import Any, Callable, Optional
+from typing import Any
 
 from engine.core.request import EngineDeadError
-from engine.liveness import liveness_failure
+from engine.liveness import WatchedWorker
 
 logger = logging.getLogger(__name__)
 
 
-class JobWorker:
+class JobWorker(WatchedWorker):
     """A worker thread named `kind` ("embedding", "speech") and its callers' jobs."""
 
     def __init__(self, kind: str, watchdog_s: float):
+        super().__init__(f"{kind}-loop", watchdog_s, f"a {kind} engine call", "calls", f"the {kind} worker thread")
         self._kind = kind
-        self._watchdog_s = watchdog_s
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         """Arriving jobs, in order; None wakes the worker to stop."""
         self._pending: set[Any] = set()
         """Jobs not yet settled: queued or running (guarded by `_lock`)."""
         self._lock = threading.Lock()
-        self._error: Optional[BaseException] = None
-        """Why the worker can no longer serve (set once, under `_lock`)."""
-        self._call_started: Optional[float] = None
-        """time.monotonic() when the running engine call began; None between calls."""
+        """Guards `_pending`, and `_error` as `_die` sets it."""
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"{kind}-loop", daemon=True)
 
     # ---- for subclasses ----
 
@@ -63,31 +58,7 @@ class JobWorker:
         with self._lock:
             self._pending.discard(job)
 
-    def _call(self, method: Callable, *args: Any) -> Any:
-        """`method(*args)`, timed for the watchdog."""
-        self._call_started = time.monotonic()
-        try:
-            return method(*args)
-        finally:
-            self._call_started = None
-
-    # ---- the surface ----
-
-    @property
-    def error(self) -> Optional[BaseException]:
-        return self._error
-
-    def is_alive(self) -> bool:
-        return self._error is None and self._thread.is_alive()
-
-    def check(self) -> None:
-        """Raise EngineDeadError unless the worker can serve. A call past the watchdog, or a worker
-        thread that is gone, kills it here: its callers fail now, not when (if) the call returns."""
-        failure = liveness_failure(self._call_started, self._watchdog_s, self._thread, f"a {self._kind} engine call",
-                                   "calls", f"the {self._kind} worker thread")
-        if failure is not None:
-            self._die(failure)
-        self._raise_if_dead()
+    # ---- the surface (and WatchedWorker's error, is_alive, check) ----
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the worker (after its running call, if it ends within `timeout_s`); every caller
