@@ -48,6 +48,27 @@ def test_xla_matmul_reads_the_plain_matrix_either_way_round(dtype):
         np.testing.assert_allclose(np.asarray(got), rounded[0] @ rounded[1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
+def test_xla_matmul_in_float32_keeps_the_activations_unrounded(dtype):
+    """`f32=True` widens the weight (exactly) and multiplies float32 activations: the kernel's
+    arithmetic, either layout."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((70, 300)).astype(np.float32)
+    w = rng.integers(-127, 128, (300, 96)).astype(np.int8) if dtype == jnp.int8 else \
+        (rng.standard_normal((300, 96)) * 0.05).astype(np.float32)
+    w_exact = np.asarray(jnp.asarray(w, dtype).astype(jnp.float32), np.float64)
+    want = x.astype(np.float64) @ w_exact
+    atol = 1e-6 * (np.abs(x) @ np.abs(w_exact)).max()  # float32 sums' rounding
+    run = jax.jit(xla_matmul, static_argnums=(2, 3))
+    for got in (run(jnp.asarray(x), jnp.asarray(w, dtype), False, True),
+                run(jnp.asarray(x), jnp.asarray(w.T, dtype), True, True)):
+        assert got.shape == (70, 96) and got.dtype == np.float32
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=atol)
+    rounded = np.asarray(run(jnp.asarray(x), jnp.asarray(w, dtype), False, False), np.float64)
+    assert np.abs(rounded - want).max() > 10 * np.abs(np.asarray(run(jnp.asarray(x), jnp.asarray(w, dtype), False,
+                                                                       True), np.float64) - want).max()
+
+
 @pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (1, 1027, 32), (5, 100, 48), (7, 1030, 256), (100, 600, 96)])
 def test_int8_matmul_equals_numpy_on_both_paths(m, k, n):
     """int8 weights (their integer values; callers scale the columns) on the kernel and XLA's dot."""

@@ -312,9 +312,9 @@ def test_the_kv_pool_takes_its_share_of_the_memory_the_weights_leave(llama_dir, 
         LLMEngine(EngineConfig(model=str(llama_dir), **config))
 
 
-@pytest.mark.parametrize("cpu_matmul", ["kernel", "xla", "auto"])
+@pytest.mark.parametrize("cpu_matmul", ["kernel", "xla", "xla_f32", "auto"])
 def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monkeypatch, cpu_matmul):
-    """kernel / xla force one path for every product; auto, with a fake timer that makes XLA's dot
+    """kernel / xla / xla_f32 force one path for every product; auto, with a fake timer that makes XLA's dot
     faster from 16 rows on, mixes them: the layers of the 16- and 24-token buckets on XLA's dot, the
     1- and 8-token buckets and the LM head (at most 4 rows) on the kernel; each module then holds
     the layouts its products read. (A vocabulary of 512 ids, so that the LM head is packed too.)"""
@@ -328,17 +328,52 @@ def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monke
     engine = LLMEngine(EngineConfig(model=str(llama_dir), attention_backend="cpu", cpu_matmul=cpu_matmul,
                                     compilation_cache_dir=None, **{**TIGHT, "warmup": True}))
     layer_rows = {b.tokens for b in engine.executor.buckets.all()}
-    want = {"kernel": frozenset(), "xla": frozenset(layer_rows), "auto": frozenset({16, 24})}[cpu_matmul]
+    on_xla = cpu_matmul in ("xla", "xla_f32")
+    want = {"kernel": frozenset(), "auto": frozenset({16, 24})}.get(cpu_matmul, frozenset(layer_rows))
     layer = engine.executor.runner.model.first_layer
     assert layer_rows == {1, 8, 16, 24}
     assert layer.self_attn.q_proj.xla_rows == layer.self_attn.o_proj.xla_rows == layer.mlp.gate_up.xla_rows == want
     head = engine.executor.runner.model.lm_head
-    assert head.xla_rows == (frozenset({b.rows for b in engine.executor.buckets.all()}) if cpu_matmul == "xla"
-                             else frozenset())
+    assert head.xla_rows == (frozenset({b.rows for b in engine.executor.buckets.all()}) if on_xla else frozenset())
+    assert head.f32_rows == (head.xla_rows if cpu_matmul == "xla_f32" else frozenset())
     # each module holds the layouts its products read: panels (kernel), the plain matrix (XLA), or both
     for module in (layer.self_attn.q_proj, layer.mlp.gate_up, head):
-        assert (module.weight is not None, module.plain is not None) == (cpu_matmul != "xla", bool(module.xla_rows))
+        assert (module.weight is not None, module.plain is not None) == (not on_xla, bool(module.xla_rows))
     assert_greedy_parity(engine, llama_dir)
+
+
+def test_xla_dot_in_float32_computes_the_kernels_arithmetic_on_bfloat16_weights(checkpoint_factory, monkeypatch):
+    """bfloat16 weights: the products auto times as fastest in float32 (the 16- and 24-token buckets,
+    with a fake timer and widening timed from 16 rows) widen the weight in the step and keep the
+    activations float32, as the kernel does; so every greedy token equals the kernel-only engine's
+    and every logprob is within 1e-4 (summation order). The modules read both layouts."""
+    from engine.backends.cpu import matmul_choice
+
+    llama_dir = checkpoint_factory("llama", vocab_size=512)
+    monkeypatch.setattr(matmul_choice, "WIDEN_FROM_ROWS", 16)
+    monkeypatch.setattr(matmul_choice, "time_product", lambda product, path: 1.0 if path == "xla_f32" else 2.0)
+    prompts = make_prompts()
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=0)
+    outputs = {}
+    for cpu_matmul in ("kernel", "auto"):
+        engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="bfloat16", attention_backend="cpu",
+                                        cpu_matmul=cpu_matmul, compilation_cache_dir=None,
+                                        **{**TIGHT, "warmup": True}))
+        try:
+            outputs[cpu_matmul] = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+            layer = engine.executor.runner.model.first_layer
+            want = frozenset({16, 24}) if cpu_matmul == "auto" else frozenset()
+            for module in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_up):
+                assert module.xla_rows == module.f32_rows == want
+                assert module.weight is not None and (module.plain is not None) == bool(want)
+                assert module.weight.dtype == jnp.bfloat16
+        finally:
+            engine.shutdown()
+    for i in range(len(prompts)):
+        kernel, wide = outputs["kernel"][str(i)], outputs["auto"][str(i)]
+        assert tokens_of(wide) == tokens_of(kernel), f"prompt {i}"
+        np.testing.assert_allclose([lp.logprob for d in wide for lp in d.logprobs],
+                                   [lp.logprob for d in kernel for lp in d.logprobs], atol=1e-4)
 
 
 def test_requests_sent_while_programs_compile_are_answered_from_the_ready_ones(llama_dir, monkeypatch):

@@ -1,5 +1,5 @@
-"""engine.backends.cpu.matmul_choice: per shape, the faster of the CPU kernel and XLA's dot, with a
-fake timer (the choice logic, the override, the cache) and with the real one."""
+"""engine.backends.cpu.matmul_choice: per shape, the fastest of the CPU kernel, XLA's dot and XLA's
+dot in float32, with a fake timer (the choice logic, the override, the cache) and with the real one."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import json
 import pytest
 
 from engine.backends.cpu import kernels as cpu_kernels, matmul_choice
-from engine.backends.cpu.matmul_choice import KERNEL, XLA, MatmulChooser, Product
+from engine.backends.cpu.matmul_choice import KERNEL, PATHS, XLA, XLA_F32, MatmulChooser, Product
 
 SHAPES = [Product(rows, 64, 192, "bfloat16") for rows in (1, 8, 128, 512)] + [Product(4, 64, 512, "float32")]
 
 
 class FakeTimer:
-    """XLA's dot is faster from 128 rows on; every call is recorded."""
+    """XLA's dot is faster from 128 rows on, in float32 from 512; every call is recorded."""
 
     def __init__(self):
         self.calls = []
@@ -22,17 +22,20 @@ class FakeTimer:
     def __call__(self, product, path):
         self.calls.append((product, path))
         fast_xla = product.rows >= 128
-        return {KERNEL: 2.0 if fast_xla else 1.0, XLA: 1.0 if fast_xla else 3.0}[path]
+        return {KERNEL: 2.0 if fast_xla else 1.0, XLA: 1.0 if fast_xla else 3.0,
+                XLA_F32: 0.5 if product.rows >= 512 else 1.5}[path]
 
 
-def test_the_faster_path_wins_per_shape(tmp_path):
+def test_the_fastest_path_wins_per_shape(tmp_path):
+    """Widening to float32 is timed only for bf16 weights from 64 rows (the 128- and 512-row ones)."""
     timer = FakeTimer()
     choices = MatmulChooser(tmp_path / "m.json", timer=timer).choose(SHAPES, measure=True)
-    assert [choices[p] for p in SHAPES] == [KERNEL, KERNEL, XLA, XLA, KERNEL]
-    assert sorted(timer.calls) == sorted((p, path) for p in SHAPES for path in (KERNEL, XLA))
+    assert [choices[p] for p in SHAPES] == [KERNEL, KERNEL, XLA, XLA_F32, KERNEL]
+    wide = {SHAPES[2], SHAPES[3]}
+    assert sorted(timer.calls) == sorted((p, path) for p in SHAPES for path in PATHS if path != XLA_F32 or p in wide)
 
 
-@pytest.mark.parametrize("override", [KERNEL, XLA])
+@pytest.mark.parametrize("override", [KERNEL, XLA, XLA_F32])
 def test_the_override_wins_over_both(tmp_path, override):
     timer = FakeTimer()
     choices = MatmulChooser(tmp_path / "m.json", override=override, timer=timer).choose(SHAPES, measure=True)
@@ -44,7 +47,7 @@ def test_a_restart_reuses_the_cache_and_times_only_new_shapes(tmp_path):
     cache = tmp_path / "xla" / "cpu_matmul.json"
     first = MatmulChooser(cache, timer=FakeTimer()).choose(SHAPES[:3], measure=True)
     stored = json.loads(cache.read_text())[matmul_choice.machine_key()]
-    assert stored[SHAPES[2].key] == {KERNEL: 2.0, XLA: 1.0}
+    assert stored[SHAPES[2].key] == {KERNEL: 2.0, XLA: 1.0, XLA_F32: 1.5}
     timer = FakeTimer()
     again = MatmulChooser(cache, timer=timer).choose(SHAPES, measure=True)
     assert {p: again[p] for p in SHAPES[:3]} == first
@@ -71,6 +74,6 @@ def test_another_machine_does_not_reuse_the_timings(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 + FMA and g++")
-def test_the_real_timer_runs_both_paths():
-    product = Product(8, 64, 32, "bfloat16")
-    assert all(0 < matmul_choice.time_product(product, path) < 1.0 for path in (KERNEL, XLA))
+def test_the_real_timer_runs_every_path():
+    product = Product(64, 64, 32, "bfloat16")
+    assert all(0 < matmul_choice.time_product(product, path) < 1.0 for path in PATHS)

@@ -120,13 +120,15 @@ class EngineConfig:
     attention (JAX's Pallas kernel on TPU v4 and later; levanter's exact, slow reference elsewhere). auto: cpu on
     x86 CPUs, tpu on TPUs, xla elsewhere. A backend that cannot run as asked (no compiler, several
     devices for cpu) gives way to xla with a warning."""
-    cpu_matmul: Literal["auto", "kernel", "xla"] = "auto"
+    cpu_matmul: Literal["auto", "kernel", "xla", "xla_f32"] = "auto"
     """On the cpu backend: which matmul each product runs. auto: per shape (rows of a bucket x
-    weight), the faster of the project's kernel and XLA's dot, timed at warm-up on this machine and
-    cached with the compiled buckets (XLA's dot wins many-row products on CPUs with AMX or AVX-512
-    bf16; the kernel wins decoding). Each path reads its own layout (the kernel packed panels, XLA a
-    plain matrix); a weight whose row counts split between the paths holds both (the log says how
-    much memory that takes). kernel / xla: that one for every product, one layout per weight."""
+    weight), the fastest of the project's kernel, XLA's dot in the weights' dtype and XLA's dot in
+    float32 (the weight widened in the step; timed from 64 rows), timed at warm-up on this machine
+    and cached with the compiled buckets (XLA's dot wins many-row products on CPUs with AMX or
+    AVX-512; the kernel wins decoding). Each path reads its own layout (the kernel packed panels,
+    XLA a plain matrix); a weight whose row counts split between the kernel and XLA holds both (the
+    log says how much memory that takes). kernel / xla / xla_f32: that one for every product, one
+    layout per weight."""
     num_hosts: int = 1
     """Processes (hosts) the replica spans: 1 runs the model in this process; N > 1 starts one
     `EngineWorker` per host (engine/executor/multihost.py) that together hold the model, split over
@@ -210,8 +212,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.attention_backend not in ("auto", "cpu", "xla", "tpu"):
             raise ValueError(f"attention_backend must be 'auto', 'cpu', 'xla' or 'tpu', got {self.attention_backend!r}")
-        if self.cpu_matmul not in ("auto", "kernel", "xla"):
-            raise ValueError(f"cpu_matmul must be 'auto', 'kernel' or 'xla', got {self.cpu_matmul!r}")
+        if self.cpu_matmul not in ("auto", "kernel", "xla", "xla_f32"):
+            raise ValueError(f"cpu_matmul must be 'auto', 'kernel', 'xla' or 'xla_f32', got {self.cpu_matmul!r}")
         if self.num_hosts < 1:
             raise ValueError(f"num_hosts must be at least 1, got {self.num_hosts}")
         if (self.tpu_topology is None) != (self.tpu_version is None):

@@ -6,7 +6,8 @@ on CPU. One device only: the FFI calls have no partitioning rule.
   matmul that widens bf16 and int8 in registers; int8 weights' column scales multiply its output);
   q/k/v and a SwiGLU MLP's gate/up are fused into one
   `FusedLinear` each, so a layer makes four matmul calls instead of seven. Each product shape runs
-  on the kernel or on XLA's dot, whichever is faster on this machine (engine.backends.cpu.matmul_choice).
+  on the kernel or on XLA's dot (in the weights' dtype or in float32), whichever is fastest on this
+  machine (engine.backends.cpu.matmul_choice).
 - Activations are float32 whatever the weights' dtype (XLA's bf16 converts are slow on CPU).
 - Attention: one kernel call per layer for the whole step, reading the pages in place. Every token
   is a query of its own (its row's page table, its own causal length), so causal prefill attention
@@ -35,7 +36,7 @@ from levanter.layers.attention import Attention
 from engine.backends.base import Q_AXES, AttentionStep, LayerAttention, visible_tokens
 from engine.backends.cpu import kernels
 from engine.backends.cpu.kernels import PANEL, FusedLinear, PackedLinear, silu_mul, unflatten_rows
-from engine.backends.cpu.matmul_choice import XLA, MatmulChooser, Product
+from engine.backends.cpu.matmul_choice import XLA_F32, XLA_PATHS, MatmulChooser, Product
 from engine.backends.xla import SplitKVCache, XlaBackend
 from engine.core.buckets import ShapeBuckets
 from engine.model.quantize import Int8Embedding, Int8Linear
@@ -71,8 +72,10 @@ class CpuBackend(XlaBackend):
         choices = self.chooser.choose(products, measure)
 
         def keep(module, at):
-            xla_rows = frozenset(p.rows for p in _products(module, at) if choices[p] == XLA)
-            return kernels.keep_read_layouts(module, xla_rows, at)
+            products = _products(module, at)
+            xla_rows = frozenset(p.rows for p in products if choices[p] in XLA_PATHS)
+            f32_rows = frozenset(p.rows for p in products if choices[p] == XLA_F32)
+            return kernels.keep_read_layouts(module, xla_rows, at, f32_rows)
 
         packed = self._packed(model, rows, keep)
         both = [m for m, _ in _packed_modules(packed, rows) if m.weight is not None and m.plain is not None]

@@ -69,11 +69,12 @@ def matmul(x: jax.Array, packed: jax.Array, layer=None) -> jax.Array:
     return call(x.astype(jnp.float32), packed, jnp.asarray(0 if layer is None else layer, jnp.int32))
 
 
-def xla_matmul(x: jax.Array, w: jax.Array, out_first: bool = False) -> jax.Array:
+def xla_matmul(x: jax.Array, w: jax.Array, out_first: bool = False, f32: bool = False) -> jax.Array:
     """f32[M, K] @ w[K, N] (w[N, K] when `out_first`) on XLA's dot, which reads either layout as it
-    is: x in w's dtype (int8 weights widened to bfloat16, exact), float32 sums."""
-    if w.dtype == jnp.int8:
-        w = w.astype(jnp.bfloat16)
+    is: x in w's dtype (int8 weights widened to bfloat16, exact), float32 sums. With `f32`, w is
+    widened to float32 (exact) and x stays float32: the kernel's arithmetic on XLA's float32 dot."""
+    if f32 or w.dtype == jnp.int8:
+        w = w.astype(jnp.float32 if f32 else jnp.bfloat16)
     dims = (((1,), (1 if out_first else 0,)), ((), ()))
     return jax.lax.dot_general(x.astype(w.dtype), w, dims, preferred_element_type=jnp.float32)
 
@@ -81,7 +82,8 @@ def xla_matmul(x: jax.Array, w: jax.Array, out_first: bool = False) -> jax.Array
 class PackedLinear(eqx.Module):
     """A drop-in for haliax's `Linear` on the CPU: same axes, same math, float32 output (inputs are
     cast to float32). Each product runs on the kernel, over `weight` in its panel layout, or on
-    XLA's dot (the row counts in `xla_rows`, engine.backends.cpu.matmul_choice), over `plain`, the
+    XLA's dot (the row counts in `xla_rows`, those in `f32_rows` widened to float32;
+    engine.backends.cpu.matmul_choice), over `plain`, the
     same weight as a [K, N] matrix: XLA's CPU dot (oneDNN) is fast on that, and reading the panels
     cost it a transpose of the whole weight per product. A module keeps only the layouts its
     products read (`keep_read_layouts`): both only where the two paths split the row counts.
@@ -100,6 +102,8 @@ class PackedLinear(eqx.Module):
     In: tuple[hax.Axis, ...] = eqx.field(static=True)
     Out: tuple[hax.Axis, ...] = eqx.field(static=True)
     xla_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
+    f32_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
+    """Of `xla_rows`, those whose product widens the weight to float32 (`xla_matmul(f32=True)`)."""
     plain_out_first: bool = eqx.field(static=True, default=False)
     layer: jax.Array | None = None
     """With a stacked weight: the layer this module computes (an i32 scalar)."""
@@ -165,6 +169,8 @@ class FusedLinear(eqx.Module):
     Outs: tuple[tuple[hax.Axis, ...], ...] = eqx.field(static=True)
     xla_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
     """Row counts whose product runs on XLA's dot (as PackedLinear's)."""
+    f32_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
+    """Of those, the ones in float32 (as PackedLinear's)."""
     layer: jax.Array | None = None
     """With a stacked weight: the layer this module computes (as PackedLinear's)."""
     plain_out_first = False
@@ -206,12 +212,13 @@ class FusedLinear(eqx.Module):
         return batch, y
 
 
-def keep_read_layouts(module, xla_rows: frozenset[int], rows) -> "PackedLinear | FusedLinear":
-    """`module` with its products at `xla_rows` on XLA's dot and the rest of `rows` on the kernel,
-    holding only the layouts those read."""
+def keep_read_layouts(module, xla_rows: frozenset[int], rows,
+                      f32_rows: frozenset[int] = frozenset()) -> "PackedLinear | FusedLinear":
+    """`module` with its products at `xla_rows` on XLA's dot (those at `f32_rows` in float32) and the
+    rest of `rows` on the kernel, holding only the layouts those read."""
     kernel_rows = set(rows) - set(xla_rows)
-    return dataclasses.replace(module, xla_rows=frozenset(xla_rows), weight=module.weight if kernel_rows else None,
-                               plain=module.plain if xla_rows else None)
+    return dataclasses.replace(module, xla_rows=frozenset(xla_rows), f32_rows=frozenset(f32_rows) & set(xla_rows),
+                               weight=module.weight if kernel_rows else None, plain=module.plain if xla_rows else None)
 
 
 def unflatten_rows(y: jax.Array, batch, Out) -> NamedArray:
@@ -222,14 +229,15 @@ def unflatten_rows(y: jax.Array, batch, Out) -> NamedArray:
 def _product(module, inputs: NamedArray) -> tuple[list[hax.Axis], jax.Array]:
     """inputs' axes other than the module's `In` (the batch), and f32[prod(batch), N] = inputs @
     the module's weight times its column scales (int8 weights): on XLA's dot over `plain` when the
-    row count is in `xla_rows`, else on the kernel over the panels (at `layer` of a stack)."""
+    row count is in `xla_rows` (in float32 when in `f32_rows`), else on the kernel over the panels
+    (at `layer` of a stack)."""
     In = module.In
     batch = [ax for ax in inputs.axes if ax.name not in {a.name for a in In}]
     x = inputs.rearrange((*batch, *In)).array.reshape(-1, hax.axis_size(In))
     if x.shape[0] in module.xla_rows:
         plain = module.plain.array  # a reshape of its trailing axes: free in a jitted step
         w = plain.reshape(-1, plain.shape[-1]) if module.plain_out_first else plain.reshape(x.shape[1], -1)
-        y = xla_matmul(x, w, module.plain_out_first)
+        y = xla_matmul(x, w, module.plain_out_first, x.shape[0] in module.f32_rows)
     else:
         y = matmul(x, module.weight.array, module.layer)
     return batch, y if module.scale is None else y * module.scale.array

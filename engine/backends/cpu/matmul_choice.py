@@ -1,4 +1,4 @@
-"""Per product shape, the faster of the CPU matmul kernel and XLA's dot, measured on this machine.
+"""Per product shape, the fastest of the CPU matmul kernel and XLA's dot, measured on this machine.
 
 The project's kernel (engine/backends/cpu/kernels.cc) streams packed weights and wins the few-row
 products of decoding everywhere; XLA's dot is slow there, but on CPUs with AMX or AVX-512 bf16 it
@@ -10,7 +10,11 @@ reads the layout it is fast on: the kernel its 16-column panels, XLA's dot (oneD
 head). A weight keeps only the layouts its chosen products read: one where one path wins all its
 row counts, both (the memory cost is logged) where they split. XLA's path multiplies activations
 rounded to the weights' dtype (bf16 activations with bf16 weights, as accelerators run them); the
-kernel keeps them float32.
+kernel keeps them float32. A third path, XLA's dot in float32 (`xla_f32`: the plain weight widened
+to float32 inside the step, the activations kept float32, the kernel's arithmetic), wins many-row
+products on CPUs whose float32 dot is faster than their bf16 one (AVX-512 without AMX: ~1.5x at
+512-2048 rows); widening costs a pass over the weight per product, so it is timed only for
+products of `WIDEN_FROM_ROWS` rows or more, where the product's compute dwarfs that pass.
 
 The timings are cached as JSON beside XLA's compiled buckets, under a key of this machine (CPU
 model, flags and core count), jax's version and the kernel source, so a restarted replica reuses
@@ -37,8 +41,12 @@ from engine.backends.cpu import kernels
 
 logger = logging.getLogger(__name__)
 
-KERNEL, XLA = "kernel", "xla"
-PATHS = (KERNEL, XLA)
+KERNEL, XLA, XLA_F32 = "kernel", "xla", "xla_f32"
+PATHS = (KERNEL, XLA, XLA_F32)
+XLA_PATHS = (XLA, XLA_F32)
+"""The paths that read the plain matrix."""
+WIDEN_FROM_ROWS = 64
+"""The fewest rows at which `xla_f32` is timed (below it, widening the weight costs more than it can win)."""
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -67,7 +75,8 @@ def time_product(product: Product, path: str, repeats: int = 5) -> float:
         run, w = jax.jit(kernels.matmul), jnp.full((product.width // kernels.PANEL, product.depth, kernels.PANEL),
                                                    0.01, product.dtype)
     else:
-        run, w = jax.jit(kernels.xla_matmul), jnp.full((product.depth, product.width), 0.01, product.dtype)
+        run = jax.jit(functools.partial(kernels.xla_matmul, f32=path == XLA_F32))
+        w = jnp.full((product.depth, product.width), 0.01, product.dtype)
     run(x, w).block_until_ready()
     times = []
     for _ in range(repeats):
@@ -77,12 +86,19 @@ def time_product(product: Product, path: str, repeats: int = 5) -> float:
     return min(times)
 
 
+def paths_for(product: Product) -> tuple[str, ...]:
+    """The paths worth timing for `product`: widening to float32 only where the weight is narrower
+    and the product has rows enough."""
+    wide = product.dtype != "float32" and product.rows >= WIDEN_FROM_ROWS
+    return PATHS if wide else (KERNEL, XLA)
+
+
 class MatmulChooser:
-    """Chooses a path per product: the override, else the faster one (measured or cached)."""
+    """Chooses a path per product: the override, else the fastest one (measured or cached)."""
 
     def __init__(self, cache_file: Optional[Path], override: str = "auto", timer: Optional[Timer] = None):
         if override not in ("auto", *PATHS):
-            raise ValueError(f"cpu_matmul must be 'auto', 'kernel' or 'xla', got {override!r}")
+            raise ValueError(f"cpu_matmul must be 'auto', {', '.join(map(repr, PATHS))}, got {override!r}")
         self.cache_file = cache_file
         self.override = override
         self.timer = timer
@@ -97,11 +113,12 @@ class MatmulChooser:
         if measure and missing:
             start = time.perf_counter()
             timer = self.timer or time_product
-            timings.update({p.key: {path: timer(p, path) for path in PATHS} for p in missing})
-            logger.info("timed %d CPU matmul shapes both ways in %.1f s", len(missing), time.perf_counter() - start)
+            timings.update({p.key: {path: timer(p, path) for path in paths_for(p)} for p in missing})
+            logger.info("timed %d CPU matmul shapes in %.1f s", len(missing), time.perf_counter() - start)
             self._save(timings)
-        choices = {p: min(PATHS, key=timings[p.key].get) if p.key in timings else KERNEL for p in products}
-        logger.info("CPU matmul per shape (ms on kernel / XLA's dot -> chosen):\n%s", _table(choices, timings))
+        choices = {p: min(timings[p.key], key=timings[p.key].get) if p.key in timings else KERNEL for p in products}
+        logger.info("CPU matmul per shape (ms on the kernel / XLA's dot / XLA's dot in float32 -> chosen):\n%s",
+                    _table(choices, timings))
         return choices
 
     def _load(self) -> dict[str, dict[str, float]]:
@@ -127,7 +144,7 @@ class MatmulChooser:
         os.replace(tmp, self.cache_file)  # atomic: replicas starting together race harmlessly
 
 
-LAYOUTS = "kernel: 16-column panels; xla: the plain [K, N] matrix"
+LAYOUTS = "kernel: 16-column panels; xla: the plain [K, N] matrix; xla_f32: the plain matrix widened in the step"
 """What each path's timing reads: part of the cache key, so that timings of other layouts never apply."""
 
 
@@ -148,6 +165,7 @@ def _table(choices: dict[Product, str], timings: dict[str, dict[str, float]]) ->
     lines = []
     for p, path in choices.items():
         t = timings.get(p.key)
-        measured = "not measured" if t is None else f"{1e3 * t[KERNEL]:8.3f} / {1e3 * t[XLA]:8.3f}"
+        measured = "not measured" if t is None else " / ".join(
+            f"{1e3 * t[path]:8.3f}" if path in t else f"{'-':>8s}" for path in PATHS)
         lines.append(f"  {p.rows:5d} x {p.depth:5d} x {p.width:6d} {p.dtype:8s} {measured} -> {path}")
     return "\n".join(lines)
