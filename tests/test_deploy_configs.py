@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,21 @@ def test_passes_serves_schema_and_builds_the_app_config(name):
     ServeDeploySchema.model_validate(raw)  # raises on any schema violation
     (app,) = raw["applications"]
     assert app["import_path"] == "serve_app:build_app"
+    assert app["runtime_env"]["env_vars"]["USE_TORCH"] == "0"
     AppConfig.from_args(app["args"])
+
+
+def test_with_use_torch_off_no_serving_process_loads_torch():
+    """What the configs' runtime_env buys: the modules every replica, the ingress and the app
+    builder import (transformers and levanter's included) leave torch unloaded, ~1.5-4 s of start-up
+    CPU per process; torch is only the tests' reference."""
+    modules = ("serve_app.app", "serve_app.server", "serve_app.embedding_server", "serve_app.transcription_server",
+               "engine.llm_engine", "engine.model.loading", "levanter.models.llama", "levanter.compat.hf_checkpoints")
+    code = f"import sys; import {', '.join(modules)}; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "USE_TORCH": "0"}, capture_output=True,
+                         text=True, cwd=DEPLOY.parent, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"
 
 
 def test_the_slice_example_splits_one_replica_over_every_chip_of_a_v4_16():

@@ -6,6 +6,7 @@ token budget below the longest prompt) and must preempt (a small page pool).
 
 from __future__ import annotations
 
+import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -456,15 +457,32 @@ def test_a_url_compilation_cache_goes_to_jax_as_it_is(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path))
-    before = jax.config.jax_compilation_cache_dir
+    before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
     try:
         compilation_cache.enable_compilation_cache("gs://bucket/xla")
         assert jax.config.jax_compilation_cache_dir == "gs://bucket/xla"
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.5  # a read is a round trip
         assert list(tmp_path.iterdir()) == []
         compilation_cache.enable_compilation_cache("~/xla")
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla") and (tmp_path / "xla").is_dir()
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
     finally:
-        jax.config.update("jax_compilation_cache_dir", before)
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+
+
+def test_a_local_compilation_cache_keeps_the_smallest_programs_too(tmp_path):
+    """Loading and packing weights run many tiny programs once each; a local cache keeps them, so
+    a restart reads them back instead of compiling them again (a fresh process, as a replica is)."""
+    import subprocess
+    import sys
+
+    code = ("import jax, jax.numpy as jnp; from engine.runner.compilation_cache import enable_compilation_cache; "
+            f"enable_compilation_cache({str(tmp_path)!r}); jax.jit(lambda x: x + 1)(jnp.ones(3)).block_until_ready()")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "jit__lambda" in {p.name.split("-")[0] for p in tmp_path.iterdir() if p.name.endswith("-cache")}
 
 
 @pytest.mark.parametrize("backend", ["cpu", "xla"])
