@@ -7,6 +7,7 @@ token budget below the longest prompt) and must preempt (a small page pool).
 from __future__ import annotations
 
 import os
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
