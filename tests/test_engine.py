@@ -6,6 +6,7 @@ token budget below the longest prompt) and must preempt (a small page pool).
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax.numpy as jnp
@@ -344,16 +345,21 @@ def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monke
     assert_greedy_parity(engine, llama_dir)
 
 
-def test_xla_dot_in_float32_computes_the_kernels_arithmetic_on_bfloat16_weights(checkpoint_factory, monkeypatch):
+def test_xla_dot_in_float32_computes_the_kernels_arithmetic_on_bfloat16_weights(checkpoint_factory, monkeypatch,
+                                                                                  caplog):
     """bfloat16 weights: the products auto times as fastest in float32 (the 16- and 24-token buckets,
     with a fake timer and widening timed from 16 rows) widen the weight in the step and keep the
     activations float32, as the kernel does; so every greedy token equals the kernel-only engine's
-    and every logprob is within 1e-4 (summation order). The modules read both layouts."""
+    and every logprob is within 1e-4 (summation order). The modules read both layouts. A host whose
+    available memory could not hold a step's widened weights gets XLA's bf16 dot instead."""
     from engine.backends.cpu import matmul_choice
 
     llama_dir = checkpoint_factory("llama", vocab_size=512)
     monkeypatch.setattr(matmul_choice, "WIDEN_FROM_ROWS", 16)
-    monkeypatch.setattr(matmul_choice, "time_product", lambda product, path: 1.0 if path == "xla_f32" else 2.0)
+    def timer(product, path):  # the kernel below 16 rows; from 16, XLA's fp32 dot, then its bf16 one
+        return {"kernel": 1.0, "xla": 2.0}[path] if product.rows < 16 else {"xla_f32": 1.0, "xla": 1.5}.get(path, 2.0)
+
+    monkeypatch.setattr(matmul_choice, "time_product", timer)
     prompts = make_prompts()
     params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=0)
     outputs = {}
@@ -371,6 +377,17 @@ def test_xla_dot_in_float32_computes_the_kernels_arithmetic_on_bfloat16_weights(
                 assert module.weight.dtype == jnp.bfloat16
         finally:
             engine.shutdown()
+    # where a step's widened weights would not fit a quarter of the available memory, the fp32 dot is not chosen
+    from engine.backends.cpu import backend as cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "_available_memory", lambda: 2**20)
+    with caplog.at_level(logging.INFO, logger="engine.backends.cpu.backend"):
+        engine = LLMEngine(EngineConfig(model=str(llama_dir), dtype="bfloat16", attention_backend="cpu",
+                                        compilation_cache_dir=None, **{**TIGHT, "warmup": True}))
+    gate_up = engine.executor.runner.model.first_layer.mlp.gate_up
+    assert (gate_up.xla_rows, gate_up.f32_rows) == (frozenset({16, 24}), frozenset())
+    assert "XLA's dot in float32 is not considered: a step widening every weight would hold" in caplog.text
+    engine.shutdown()
     for i in range(len(prompts)):
         kernel, wide = outputs["kernel"][str(i)], outputs["auto"][str(i)]
         assert tokens_of(wide) == tokens_of(kernel), f"prompt {i}"

@@ -35,6 +35,27 @@ def test_the_fastest_path_wins_per_shape(tmp_path):
     assert sorted(timer.calls) == sorted((p, path) for p in SHAPES for path in PATHS if path != XLA_F32 or p in wide)
 
 
+def test_without_widening_the_float32_dot_is_neither_timed_nor_chosen(tmp_path):
+    """A host without memory for a step's widened weights: the 512-row product goes to XLA's bf16
+    dot, even from a cache that holds its float32 timing; a forced xla_f32 becomes xla."""
+    cache = tmp_path / "m.json"
+    MatmulChooser(cache, timer=FakeTimer()).choose(SHAPES, measure=True)
+    timer = FakeTimer()
+    choices = MatmulChooser(cache, timer=timer).choose(SHAPES, measure=True, widen=False)
+    assert [choices[p] for p in SHAPES] == [KERNEL, KERNEL, XLA, XLA, KERNEL] and timer.calls == []
+    forced = MatmulChooser(cache, override=XLA_F32).choose(SHAPES, measure=True, widen=False)
+    assert set(forced.values()) == {XLA}
+
+
+def test_a_shape_timed_without_widening_gets_its_float32_timing_later(tmp_path):
+    cache = tmp_path / "m.json"
+    MatmulChooser(cache, timer=FakeTimer()).choose(SHAPES, measure=True, widen=False)
+    timer = FakeTimer()
+    choices = MatmulChooser(cache, timer=timer).choose(SHAPES, measure=True)
+    assert sorted(timer.calls) == [(SHAPES[2], XLA_F32), (SHAPES[3], XLA_F32)]  # only what the cache lacked
+    assert choices[SHAPES[3]] == XLA_F32
+
+
 @pytest.mark.parametrize("override", [KERNEL, XLA, XLA_F32])
 def test_the_override_wins_over_both(tmp_path, override):
     timer = FakeTimer()

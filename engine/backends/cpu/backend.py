@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import equinox as eqx
 import haliax as hax
@@ -34,7 +35,7 @@ from haliax import NamedArray
 from levanter.layers.attention import Attention
 
 from engine.backends.base import Q_AXES, AttentionStep, LayerAttention, visible_tokens
-from engine.backends.cpu import kernels
+from engine.backends.cpu import kernels, matmul_choice
 from engine.backends.cpu.kernels import PANEL, FusedLinear, PackedLinear, silu_mul, unflatten_rows
 from engine.backends.cpu.matmul_choice import XLA_F32, XLA_PATHS, MatmulChooser, Product
 from engine.backends.xla import SplitKVCache, XlaBackend
@@ -68,8 +69,9 @@ class CpuBackend(XlaBackend):
         shapes = buckets.all()
         rows = {"layers": sorted({b.tokens for b in shapes}), "lm_head": sorted({b.rows for b in shapes})}
         abstract = eqx.filter_eval_shape(lambda m: self._packed(m, rows, lambda module, _: module), model)
-        products = [p for m, at in _packed_modules(abstract, rows) for p in _products(m, at)]
-        choices = self.chooser.choose(products, measure)
+        modules = _packed_modules(abstract, rows)
+        products = [p for m, at in modules for p in _products(m, at)]
+        choices = self.chooser.choose(products, measure, widen=_widening_fits(modules))
 
         def keep(module, at):
             products = _products(module, at)
@@ -175,6 +177,35 @@ class Bf16BitsKVCache(SplitKVCache):
 
     def stored(self, x: jax.Array) -> jax.Array:
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+
+
+WIDEN_MEMORY_SHARE = 0.25
+"""At most this share of the host's available memory for one step's widened weights (`xla_f32`)."""
+
+
+def _widening_fits(modules: list[tuple]) -> bool:
+    """Whether a step that widens every weight it may widen (`xla_f32`) to float32 fits in
+    `WIDEN_MEMORY_SHARE` of the memory available now. XLA holds a step's widened weights at once
+    (it reuses none of their buffers within the step), so that is the step's transient cost."""
+    widest = [_products(m, [max(at)])[0] for m, at in modules]
+    wide = sum(4 * p.depth * p.width for p in widest if XLA_F32 in matmul_choice.paths_for(p))
+    available = _available_memory()
+    if available is None or wide <= WIDEN_MEMORY_SHARE * available:
+        return True
+    logger.info("XLA's dot in float32 is not considered: a step widening every weight would hold %.2f GiB, more "
+                "than %d%% of the %.2f GiB available", wide / 2**30, 100 * WIDEN_MEMORY_SHARE, available / 2**30)
+    return False
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the host can still give (MemAvailable), or None where it does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _is_packed(module) -> bool:

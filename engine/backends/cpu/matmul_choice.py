@@ -103,20 +103,28 @@ class MatmulChooser:
         self.override = override
         self.timer = timer
 
-    def choose(self, products: Iterable[Product], measure: bool) -> dict[Product, str]:
-        """The path of every product; `measure` times those the cache does not hold."""
+    def choose(self, products: Iterable[Product], measure: bool, widen: bool = True) -> dict[Product, str]:
+        """The path of every product; `measure` times those the cache does not hold. Without
+        `widen`, `xla_f32` is neither timed nor chosen (nor forced: the override falls back to `xla`)."""
         products = sorted(set(products))
+        allowed = PATHS if widen else (KERNEL, XLA)
         if self.override != "auto":
-            return {p: self.override for p in products}
+            return {p: self.override if self.override in allowed else XLA for p in products}
         timings = self._load()
-        missing = [p for p in products if p.key not in timings]
+        wanted = {p: [path for path in paths_for(p) if path in allowed] for p in products}
+        missing = [p for p in products if not set(wanted[p]) <= set(timings.get(p.key, {}))]
         if measure and missing:
             start = time.perf_counter()
             timer = self.timer or time_product
-            timings.update({p.key: {path: timer(p, path) for path in paths_for(p)} for p in missing})
+            for p in missing:
+                known = timings.setdefault(p.key, {})
+                known.update({path: timer(p, path) for path in wanted[p] if path not in known})
             logger.info("timed %d CPU matmul shapes in %.1f s", len(missing), time.perf_counter() - start)
             self._save(timings)
-        choices = {p: min(timings[p.key], key=timings[p.key].get) if p.key in timings else KERNEL for p in products}
+        choices = {}
+        for p in products:
+            known = {path: t for path, t in timings.get(p.key, {}).items() if path in allowed}
+            choices[p] = min(known, key=known.get) if known else KERNEL
         logger.info("CPU matmul per shape (ms on the kernel / XLA's dot / XLA's dot in float32 -> chosen):\n%s",
                     _table(choices, timings))
         return choices
