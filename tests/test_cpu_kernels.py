@@ -213,8 +213,9 @@ def test_argmax_is_the_first_maximum(rows, vocab):
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
 
 
-def _reference_attention(q, k_all, v_all, layer, pages, rows, lens):
-    """Each query s against the first lens[s] tokens of page table rows[s], in float64."""
+def _reference_attention(q, k_all, v_all, layer, pages, rows, lens, window=0, softcap=None):
+    """Each query s against the first lens[s] tokens of page table rows[s] (the last `window` of
+    them with a window), scores soft-capped with `softcap`, in float64."""
     s, h, g, d = q.shape
     page_size = k_all.shape[-1]
     out = np.zeros_like(q)
@@ -222,23 +223,39 @@ def _reference_attention(q, k_all, v_all, layer, pages, rows, lens):
         if lens[query] == 0 or rows[query] >= len(pages):
             continue
         n, table = lens[query], pages[rows[query]]
-        slots = [(table[t // page_size], t % page_size) for t in range(n)]
+        seen = range(max(0, n - window) if window else 0, n)
+        slots = [(table[t // page_size], t % page_size) for t in seen]
         keys = np.stack([k_all[layer, p, :, :, slot] for p, slot in slots], axis=-1)  # [h, d, n]
         values = np.stack([v_all[layer, p, :, slot] for p, slot in slots], axis=1)  # [h, n, d]
         scores = np.einsum("hgd,hdn->hgn", q[query].astype(np.float64), keys)
+        if softcap:
+            scores = softcap * np.tanh(scores / softcap)
         weights = np.exp(scores - scores.max(-1, keepdims=True))
         weights /= weights.sum(-1, keepdims=True)
         out[query] = np.einsum("hgn,hnd->hgd", weights, values)
     return out
 
 
-@pytest.mark.parametrize(("page_size", "group", "dim"), [(4, 3, 8), (16, 3, 16), (16, 1, 64), (8, 5, 32), (24, 4, 64)])
+WIDTHS = [pytest.param(False, id="8-lane"),
+          pytest.param(True, id="16-lane", marks=pytest.mark.skipif(
+              not cpu_kernels.wide_vectors(), reason="needs AVX-512"))]
+
+
+@pytest.fixture(params=WIDTHS)
+def vector_width(request):
+    """The attention kernel on 8-lane (AVX2) and, where the CPU has AVX-512, 16-lane vectors."""
+    return request.param
+
+
+@pytest.mark.parametrize(("page_size", "group", "dim"), [(4, 3, 8), (16, 3, 16), (16, 1, 64), (8, 5, 32), (24, 4, 64),
+                                                         (16, 4, 128), (16, 5, 48), (16, 2, 80)])
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16, jnp.uint16])
-def test_paged_attention_equals_dense_reference(page_size, group, dim, cache_dtype):
+def test_paged_attention_equals_dense_reference(page_size, group, dim, cache_dtype, vector_width):
     """Scalar paths (page size 4, head dim 8: no 8-token or 16-column blocks) and vector paths (one or
-    two 8-token blocks per page, query-head blocks of 1, 4 and 4 + 1), over a float32 or bfloat16
-    cache, or bfloat16 stored as its uint16 bits (the reference gets the bfloat16 values widened).
-    Queries share page tables the way a prompt's tokens do; a row outside the tables reads nothing."""
+    two 8-token blocks per page, query-head blocks of 1, 4 and 4 + 1; on 16 lanes, pages of 16 in
+    pairs and value columns in blocks of 64, 48 and 64 + 16), over a float32 or bfloat16 cache, or
+    bfloat16 stored as its uint16 bits (the reference gets the bfloat16 values widened). Queries
+    share page tables the way a prompt's tokens do; a row outside the tables reads nothing."""
     rng = np.random.default_rng(page_size * group)
     layers, num_pages, heads, table_len = 3, 40, 2, 6
     k_all = rng.standard_normal((layers, num_pages, heads, dim, page_size)).astype(np.float32)
@@ -251,12 +268,32 @@ def test_paged_attention_equals_dense_reference(page_size, group, dim, cache_dty
     pages = rng.permutation(np.arange(1, num_pages))[: 5 * table_len].reshape(5, table_len).astype(np.int32)
     q = rng.standard_normal((len(lens), heads, group, dim)).astype(np.float32) * 0.5
     k_cache, v_cache = (cache(jnp.asarray(c)) for c in (k_all, v_all))
-    got = np.asarray(jax.jit(paged_attention)(jnp.asarray(q), k_cache, v_cache, 2, jnp.asarray(pages),
-                                              jnp.asarray(rows), jnp.asarray(lens)))
+    got = np.asarray(jax.jit(paged_attention, static_argnames="wide")(
+        jnp.asarray(q), k_cache, v_cache, 2, jnp.asarray(pages), jnp.asarray(rows), jnp.asarray(lens), wide=vector_width))
     want = _reference_attention(q, k_all.astype(np.float32), v_all.astype(np.float32), 2, pages, rows, lens)
     np.testing.assert_allclose(got[:6], want[:6], rtol=1e-5, atol=1e-5)
     assert not got[3].any(), "padding (lens 0) gets zeros"
     assert not got[6].any(), "a row outside the page tables reads nothing"
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_paged_attention_with_a_sliding_window_and_a_soft_cap(page_size, vector_width):
+    """Gemma's and Mistral's attention: each query sees only the last `window` of its tokens, and
+    scores are soft-capped (cap * tanh(s / cap)) before the softmax; a window wider than a row sees it all."""
+    rng = np.random.default_rng(11)
+    layers, num_pages, heads, group, dim, table_len = 2, 40, 2, 3, 64, 6
+    k_all = rng.standard_normal((layers, num_pages, heads, dim, page_size)).astype(np.float32)
+    v_all = rng.standard_normal((layers, num_pages, heads, page_size, dim)).astype(np.float32)
+    pages = rng.permutation(np.arange(1, num_pages))[: 3 * table_len].reshape(3, table_len).astype(np.int32)
+    lens = np.array([1, 5, page_size + 3, 3 * page_size + 1, table_len * page_size], np.int32)
+    rows = np.array([0, 1, 1, 2, 2], np.int32)
+    q = rng.standard_normal((len(lens), heads, group, dim)).astype(np.float32) * 2.0
+    for window, softcap in ((7, None), (0, 5.0), (page_size + 2, 5.0), (10**6, None)):
+        got = np.asarray(jax.jit(paged_attention, static_argnums=(7, 8), static_argnames="wide")(
+            jnp.asarray(q), jnp.asarray(k_all), jnp.asarray(v_all), 1, jnp.asarray(pages), jnp.asarray(rows),
+            jnp.asarray(lens), window, softcap, wide=vector_width))
+        want = _reference_attention(q, k_all, v_all, 1, pages, rows, lens, window, softcap)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"window {window}, softcap {softcap}")
 
 
 def test_the_kernel_and_the_xla_backend_attend_a_packed_step_alike():

@@ -16,6 +16,7 @@ import torch
 from parity import (TIGHT, assert_all_pages_free, assert_greedy_parity, hf_greedy, hf_model, make_prompts,
                     run_to_completion, tokens_of)
 
+from engine.backends.cpu import kernels as cpu_kernels
 from engine.backends.cpu.backend import PackedSwiGLU
 from engine.backends.cpu.kernels import FusedLinear
 from engine.core.config import EngineConfig
@@ -42,6 +43,17 @@ def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, famil
         assert isinstance(layer.self_attn.q_proj, FusedLinear) and layer.self_attn.k_proj is None
         assert family in ("mixtral", "gemma2", "gemma3") or isinstance(layer.mlp, PackedSwiGLU)  # experts; GELU
     assert_greedy_parity(engine, model_dir)
+
+
+@pytest.mark.parametrize("wide", [pytest.param(False, id="8-lane"), pytest.param(True, id="16-lane", marks=(
+    pytest.mark.skipif(not cpu_kernels.wide_vectors(), reason="needs AVX-512")))])
+def test_pages_of_16_tokens_on_the_cpu_kernels_equal_transformers(llama_dir, monkeypatch, wide):
+    """The default page size, where the attention kernel runs on 16-lane vectors if the CPU has
+    AVX-512 (else, and forced here, on 8-lane ones): queueing, chunking, preemption, prefix hits."""
+    monkeypatch.setattr(cpu_kernels, "wide_vectors", lambda: wide)
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), attention_backend="cpu",
+                                    **{**TIGHT, "page_size": 16, "num_pages": 14}))
+    assert_greedy_parity(engine, llama_dir)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@
   over the plain matrix (`xla_matmul`).
 - `paged_attention`: each query token against its sequence's pages, read in place from the KV pool
   (XLA would gather every row's pages into a padded copy first). A prompt token is a query with its
-  own visible length, so the same kernel runs causal prefill attention.
+  own visible length, so the same kernel runs causal prefill attention. On 16-lane vectors where
+  the CPU has AVX-512 (`wide_vectors`), else on 8-lane AVX2 ones.
 - `silu_mul`: SwiGLU's silu(gate) * up on every thread, straight from the fused gate/up output (XLA
   runs this elementwise fusion on one thread, after copying gate and up out of it).
 - `argmax`: greedy decoding's row-wise argmax over the vocabulary (XLA's reduction is one-threaded
@@ -244,7 +245,7 @@ def _product(module, inputs: NamedArray) -> tuple[list[hax.Axis], jax.Array]:
 
 
 def paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pages: jax.Array, rows: jax.Array,
-                    lens: jax.Array, window=0, softcap=None) -> jax.Array:
+                    lens: jax.Array, window=0, softcap=None, wide: bool | None = None) -> jax.Array:
     """Softmax attention of each pre-scaled query over the first `lens` cached tokens of its
     sequence (a query is a decoding sequence's token or one prompt token); with `window` > 0 (an
     i32 scalar, traced or not) over the last `window` of them only; with `softcap`, scores become
@@ -253,11 +254,20 @@ def paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pag
     q: f32[S, kv_head, group, head_dim]; k_all: [layer, page, kv_head, head_dim, slot]; v_all:
     [layer, page, kv_head, slot, head_dim], both float32 or both bfloat16 (or bfloat16's uint16 bits;
     read as such, summed in float32); layer: i32 scalar; pages: i32[R, L] page tables; rows: i32[S]
-    each query's page table; lens: i32[S] (0 for padding, which gets zeros).
+    each query's page table; lens: i32[S] (0 for padding, which gets zeros); wide: 16-lane vectors
+    (None: `wide_vectors()`, where the CPU has them).
     Returns f32[S, kv_head, group, head_dim]."""
     call = jax.ffi.ffi_call("jax_serve_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q, k_all, v_all, jnp.asarray(layer, jnp.int32), pages, rows, lens, jnp.asarray(window, jnp.int32),
-                jnp.asarray(0.0 if softcap is None else softcap, jnp.float32))
+                jnp.asarray(0.0 if softcap is None else softcap, jnp.float32),
+                wide=wide_vectors() if wide is None else bool(wide))
+
+
+def wide_vectors() -> bool:
+    """Whether the attention kernel runs on 16-lane vectors (AVX-512F/BW/DQ; with pages of 16
+    tokens and head sizes that are multiples of 16), else on 8-lane ones. A static attribute of
+    each call: a compiled step keeps the path it was traced with."""
+    return _cpu_flags() >= {"avx512f", "avx512bw", "avx512dq"}
 
 
 def silu_mul(gate_up: jax.Array) -> jax.Array:
@@ -281,11 +291,16 @@ def source_digest() -> str:
 
 
 def _cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= _cpu_flags()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
-        return False
-    return {"avx2", "fma"} <= set(flags.split())
+        return frozenset()
+    return frozenset(flags.split()[2:])
 
 
 @functools.cache
