@@ -280,18 +280,19 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
 //   out:   f32[S, H, G, D]  softmax(q k^T) v over tokens [max(0, lens[s] - window), lens[s]) of table rows[s];
 //          zeros where lens[s] == 0.
 
-inline __m256 Exp8(__m256 x) {  // e^x, relative error ~2e-7, for x <= 0 (flushes to 0 below -87)
+// e^x = 2^i e^f with i = round(x / ln 2), f = x - i ln 2 (ln 2 in a high and a low part), and e^f
+// = 1 + f + f^2 (c0 f^5 + ... + c5) on |f| <= ln2 / 2: relative error ~2e-7.
+constexpr float kLog2e = 1.44269504f, kLn2Hi = 0.693145752f, kLn2Lo = 1.42860677e-6f;
+constexpr float kExpPoly[6] = {1.98756912e-4f, 1.39819994e-3f, 8.33345205e-3f, 4.16657962e-2f, 1.66666657e-1f, 5.0e-1f};
+
+inline __m256 Exp8(__m256 x) {  // e^x for x <= 0 (flushes to 0 below -87)
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));  // x / ln 2
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(kLog2e));
   const __m256 i = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_fnmadd_ps(i, _mm256_set1_ps(0.693145752f),
-                                    _mm256_fnmadd_ps(i, _mm256_set1_ps(1.42860677e-6f), x));  // x - i ln 2
-  __m256 p = _mm256_set1_ps(1.98756912e-4f);  // e^f on |f| <= ln2 / 2
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.39819994e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.33345205e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.16657962e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.66666657e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0e-1f));
+  const __m256 f = _mm256_fnmadd_ps(i, _mm256_set1_ps(kLn2Hi), _mm256_fnmadd_ps(i, _mm256_set1_ps(kLn2Lo), x));
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+#pragma GCC unroll 5
+  for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpPoly[c]));
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, f), f, _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -374,16 +375,22 @@ inline void ForHeadBlocks(int64_t G, F f) {
   }
 }
 
+// One row of scores before its softmax: soft-capped over [first, n) when softcap > 0; the tokens
+// before `first` and the tail up to `padded` set to -1e30 (weight 0).
+inline void CapAndMask(float* sg, int64_t first, int64_t n, int64_t padded, float softcap) {
+  if (softcap > 0.0f) {
+    for (int64_t t = first; t < n; ++t) sg[t] = softcap * std::tanh(sg[t] / softcap);
+  }
+  for (int64_t t = 0; t < first; ++t) sg[t] = -1e30f;
+  for (int64_t t = n; t < padded; ++t) sg[t] = -1e30f;
+}
+
 // Row-wise softmax of scores[G, n] (row stride `padded`) in place over tokens [first, n), soft-capped
 // first when softcap > 0; the tokens before `first` and the tail up to `padded` get weight 0.
 void Softmax(float* scores, int64_t G, int64_t first, int64_t n, int64_t padded, float softcap) {
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * padded;
-    if (softcap > 0.0f) {
-      for (int64_t t = first; t < n; ++t) sg[t] = softcap * std::tanh(sg[t] / softcap);
-    }
-    for (int64_t t = 0; t < first; ++t) sg[t] = -1e30f;
-    for (int64_t t = n; t < padded; ++t) sg[t] = -1e30f;
+    CapAndMask(sg, first, n, padded, softcap);
     __m256 mx = _mm256_set1_ps(-1e30f);
     for (int64_t t = 0; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
     alignas(32) float lanes[8];
@@ -475,16 +482,12 @@ WIDE_TARGET inline __m512 Load16(const uint16_t* p) {  // 16 bfloat16 -> 16 floa
 
 WIDE_TARGET inline __m512 Exp16(__m512 x) {  // Exp8 on 16 lanes
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(kLog2e));
   const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_fnmadd_ps(i, _mm512_set1_ps(0.693145752f),
-                                    _mm512_fnmadd_ps(i, _mm512_set1_ps(1.42860677e-6f), x));
-  __m512 p = _mm512_set1_ps(1.98756912e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.39819994e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.33345205e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.16657962e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.66666657e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0e-1f));
+  const __m512 f = _mm512_fnmadd_ps(i, _mm512_set1_ps(kLn2Hi), _mm512_fnmadd_ps(i, _mm512_set1_ps(kLn2Lo), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+#pragma GCC unroll 5
+  for (int c = 1; c < 6; ++c) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpPoly[c]));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, f), f, _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
@@ -549,11 +552,7 @@ WIDE_TARGET inline void ValuePages16(const float* p, int64_t ld, const T* vpool,
 WIDE_TARGET void Softmax16(float* scores, int64_t G, int64_t first, int64_t n, int64_t padded, float softcap) {
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * padded;
-    if (softcap > 0.0f) {
-      for (int64_t t = first; t < n; ++t) sg[t] = softcap * std::tanh(sg[t] / softcap);
-    }
-    for (int64_t t = 0; t < first; ++t) sg[t] = -1e30f;
-    for (int64_t t = n; t < padded; ++t) sg[t] = -1e30f;
+    CapAndMask(sg, first, n, padded, softcap);
     __m512 mx = _mm512_set1_ps(-1e30f);
     for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
     const float m = _mm512_reduce_max_ps(mx);
