@@ -29,8 +29,8 @@ def test_passes_serves_schema_and_builds_the_app_config(name):
 
 def test_with_use_torch_off_no_serving_process_loads_torch():
     """What the configs' runtime_env buys: the modules every replica, the ingress and the app
-    builder import (transformers and levanter's included) leave torch unloaded, ~1.5-4 s of start-up
-    CPU per process; torch is only the tests' reference."""
+    builder import (transformers and levanter's included) leave torch unloaded, so none of them
+    spends its start-up importing it; torch is only the tests' reference."""
     modules = ("serve_app.app", "serve_app.server", "serve_app.embedding_server", "serve_app.transcription_server",
                "engine.llm_engine", "engine.model.loading", "levanter.models.llama", "levanter.compat.hf_checkpoints")
     code = f"import sys; import {', '.join(modules)}; print(sorted(m for m in sys.modules if m.startswith('torch')))"

@@ -12,9 +12,9 @@ def enable_compilation_cache(path: str) -> None:
     A URL (`gs://bucket/dir`) goes to JAX as it is: the hosts of a slice can share one cache.
 
     A local directory keeps every program, down to the small ones that loading and packing the
-    weights run once each (~3 s of a warm start on a 2-core host: compiling them costs more than
-    reading them back). A URL keeps only those that took 0.5 s or more to compile: there a read is
-    a round trip to the store."""
+    weights run once each (compiling them costs more than reading them back; docs/benchmarks.md).
+    A URL keeps only those that took 0.5 s or more to compile: there a read is a round trip to the
+    store."""
     if "://" in path:
         directory, min_compile_s = path, 0.5
     else:

@@ -16,8 +16,8 @@
 //    the tokens up to and including itself), so this is causal prefill attention as well as decode
 //    attention. Why: XLA gathers every row's pages into a padded copy and reduces over the padding
 //    too, which cost more than the matmuls at batch 32 and ~20% of a 512-token prefill step.
-//    On CPUs with AVX-512 (and pages of 16 tokens) it runs on 16-lane vectors: ~1.6x at 2,000
-//    causal tokens, where attention is half of a long prompt's step.
+//    On CPUs with AVX-512 (and pages of 16 tokens) it runs on 16-lane vectors: half the
+//    instructions per score and per value column.
 //
 // 3. SwiGLU's gating, out = silu(g) * u elementwise, read from the fused gate/up matmul's output.
 //    Why: XLA runs this fusion on one thread; it took ~1.3 ms of a batch-32 decode step and ~14 ms
@@ -466,7 +466,7 @@ void AttendOne(const float* q, const T* kpool, const T* vpool, const int32_t* ta
   }
 }
 
-// ---- The same attention on 16-lane vectors (AVX-512F/BW), for pages of 16 tokens and head sizes
+// ---- The same attention on 16-lane vectors (AVX-512F/BW/DQ), for pages of 16 tokens and head sizes
 // that are multiples of 16: a page's keys at one depth are one register, a value row 64 columns
 // in four. Half the instructions of the 8-lane path per score and per value column; chosen at
 // run time where the CPU has AVX-512 (`wide`), else the path above runs. Same arithmetic: float32
