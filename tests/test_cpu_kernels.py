@@ -296,6 +296,31 @@ def test_paged_attention_with_a_sliding_window_and_a_soft_cap(page_size, vector_
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"window {window}, softcap {softcap}")
 
 
+@pytest.mark.parametrize(("group", "dim", "window"), [(1, 64, 0), (3, 64, 0), (3, 64, 9), (5, 32, 0), (13, 16, 0)])
+def test_a_prompts_queries_attend_together_exactly_as_each_alone(group, dim, window, vector_width):
+    """Consecutive prompt tokens of one row (visible lengths n, n + 1, ...) share each key and
+    value load on 16 lanes, up to 12 query vectors at once (runs of 12, 4, 2 and 1 queries for
+    groups 1, 3, 5 and 13; 13 heads split 12 + 1). Each output is bit for bit the one its query
+    gets alone: batch invariance does not depend on where a step cuts a prompt. The runs here
+    break where the row or the length sequence does, and at padding."""
+    rng = np.random.default_rng(group * dim + window)
+    layers, num_pages, heads, page_size, table_len = 1, 30, 2, 16, 8
+    k_all = jnp.asarray(rng.standard_normal((layers, num_pages, heads, dim, page_size)), jnp.bfloat16)
+    v_all = jnp.asarray(rng.standard_normal((layers, num_pages, heads, page_size, dim)), jnp.bfloat16)
+    pages = rng.permutation(np.arange(1, num_pages))[: 3 * table_len].reshape(3, table_len).astype(np.int32)
+    lens = np.array([*range(1, 38), 0, 0, *range(90, 97), 5, *range(20, 26), 27], np.int32)
+    rows = np.array([0] * 37 + [3, 3] + [1] * 7 + [2] * 8, np.int32)
+    q = jnp.asarray(rng.standard_normal((len(lens), heads, group, dim)) * 0.5, jnp.float32)
+    attend = jax.jit(paged_attention, static_argnums=7, static_argnames="wide")
+    together = np.asarray(attend(q, k_all, v_all, 0, pages, rows, lens, window, wide=vector_width))
+    alone = np.concatenate([np.asarray(attend(q[s:s + 1], k_all, v_all, 0, pages, rows[s:s + 1], lens[s:s + 1],
+                                              window, wide=vector_width)) for s in range(len(lens))])
+    np.testing.assert_array_equal(together, alone)
+    want = _reference_attention(np.asarray(q), np.asarray(k_all, np.float32), np.asarray(v_all, np.float32), 0,
+                                pages, rows, lens, window)
+    np.testing.assert_allclose(together, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_kernel_and_the_xla_backend_attend_a_packed_step_alike():
     """A packed step: a decode row, a 4-token chunk continuing a cached prefix, a fresh 2-token
     prompt, then padding tokens (belonging to a padding row). Every real token attends causally to

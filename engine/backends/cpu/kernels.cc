@@ -11,13 +11,14 @@
 //      row by row, so a micro-tile reads one contiguous stream. N must be a multiple of 16.
 //   y: f32[M, N] row-major.
 //
-// 2. Paged attention: one query token at a time against its sequence's cached keys and values,
-//    read in place from the page pool. A prompt token is such a query too (its row's page table,
-//    the tokens up to and including itself), so this is causal prefill attention as well as decode
+// 2. Paged attention: each query token against its sequence's cached keys and values, read in
+//    place from the page pool. A prompt token is such a query too (its row's page table, the
+//    tokens up to and including itself), so this is causal prefill attention as well as decode
 //    attention. Why: XLA gathers every row's pages into a padded copy and reduces over the padding
 //    too, which cost more than the matmuls at batch 32 and ~20% of a 512-token prefill step.
-//    On CPUs with AVX-512 (and pages of 16 tokens) it runs on 16-lane vectors: half the
-//    instructions per score and per value column.
+//    A run of a prompt's consecutive tokens is attended together, so that each key and value load
+//    feeds all their query heads. On CPUs with AVX-512 (and pages of 16 tokens) it runs on
+//    16-lane vectors: half the instructions per score and per value column.
 //
 // 3. SwiGLU's gating, out = silu(g) * u elementwise, read from the fused gate/up matmul's output.
 //    Why: XLA runs this fusion on one thread; it took ~1.3 ms of a batch-32 decode step and ~14 ms
@@ -41,6 +42,7 @@
 #include <memory>
 #include <mutex>
 #include <type_traits>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -285,7 +287,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
 constexpr float kLog2e = 1.44269504f, kLn2Hi = 0.693145752f, kLn2Lo = 1.42860677e-6f;
 constexpr float kExpPoly[6] = {1.98756912e-4f, 1.39819994e-3f, 8.33345205e-3f, 4.16657962e-2f, 1.66666657e-1f, 5.0e-1f};
 
-inline __m256 Exp8(__m256 x) {  // e^x for x <= 0 (flushes to 0 below -87)
+inline __m256 Exp8(__m256 x) {  // e^x for x <= 0; exactly 0 below -87
+  const __m256 kept = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(kLog2e));
   const __m256 i = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -295,7 +298,7 @@ inline __m256 Exp8(__m256 x) {  // e^x for x <= 0 (flushes to 0 below -87)
   for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpPoly[c]));
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, f), f, _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), kept);
 }
 
 struct AttnShape {
@@ -309,69 +312,73 @@ inline int64_t ScoresStride(int64_t n, int64_t page_size) {
   return ((n + page_size - 1) / page_size * page_size + 7) / 8 * 8;
 }
 
-// scores[g, t] = q[g] . k[:, t] for the NG query heads at q (rows D apart) and NT * 8 tokens at kb
-// (rows of a page's [D, PS] key block; column stride PS). NG * NT accumulators stay in registers.
-template <int NG, int NT, typename T>
+// scores[v, t] = q[v] . k[:, t] for the NV query vectors at q (rows D apart) and NT * 8 tokens at kb
+// (rows of a page's [D, PS] key block; column stride PS). NV * NT accumulators stay in registers.
+template <int NV, int NT, typename T>
 inline void ScoreBlock(const float* q, int64_t D, const T* kb, int64_t PS, float* scores, int64_t ld) {
-  __m256 acc[NG][NT];
+  __m256 acc[NV][NT];
 #pragma GCC unroll 8
-  for (int g = 0; g < NG; ++g)
+  for (int v = 0; v < NV; ++v)
 #pragma GCC unroll 2
-    for (int t = 0; t < NT; ++t) acc[g][t] = _mm256_setzero_ps();
+    for (int t = 0; t < NT; ++t) acc[v][t] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
     __m256 k[NT];
 #pragma GCC unroll 2
     for (int t = 0; t < NT; ++t) k[t] = Load8(kb + d * PS + 8 * t);
 #pragma GCC unroll 8
-    for (int g = 0; g < NG; ++g) {
-      const __m256 qd = _mm256_broadcast_ss(q + g * D + d);
+    for (int v = 0; v < NV; ++v) {
+      const __m256 qd = _mm256_broadcast_ss(q + v * D + d);
 #pragma GCC unroll 2
-      for (int t = 0; t < NT; ++t) acc[g][t] = _mm256_fmadd_ps(qd, k[t], acc[g][t]);
+      for (int t = 0; t < NT; ++t) acc[v][t] = _mm256_fmadd_ps(qd, k[t], acc[v][t]);
     }
   }
 #pragma GCC unroll 8
-  for (int g = 0; g < NG; ++g)
+  for (int v = 0; v < NV; ++v)
 #pragma GCC unroll 2
-    for (int t = 0; t < NT; ++t) _mm256_storeu_ps(scores + g * ld + 8 * t, acc[g][t]);
+    for (int t = 0; t < NT; ++t) _mm256_storeu_ps(scores + v * ld + 8 * t, acc[v][t]);
 }
 
-// out[g, d0:d0+16] = sum_t p[g, t] v[t, d0:d0+16] for NG heads over the n tokens of `table`'s pages.
-template <int NG, typename T>
+// out[v, d0:d0+16] = sum_t p[v, t] v[t, d0:d0+16] for NV query vectors over the n tokens of `table`'s pages.
+template <int NV, typename T>
 inline void ValueBlock(const float* p, int64_t ld, const T* vpool, const int32_t* table, int64_t n,
                        int64_t page_stride, int64_t PS, int64_t D, int64_t d0, float* out) {
-  __m256 acc[NG][2];
+  __m256 acc[NV][2];
 #pragma GCC unroll 8
-  for (int g = 0; g < NG; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+  for (int v = 0; v < NV; ++v) acc[v][0] = acc[v][1] = _mm256_setzero_ps();
   for (int64_t t0 = 0; t0 < n; t0 += PS) {
     const T* vb = vpool + table[t0 / PS] * page_stride + d0;  // [PS, D] from column d0
     const int64_t valid = std::min(PS, n - t0);
     for (int64_t t = 0; t < valid; ++t) {
       const __m256 v0 = Load8(vb + t * D), v1 = Load8(vb + t * D + 8);
 #pragma GCC unroll 8
-      for (int g = 0; g < NG; ++g) {
-        const __m256 w = _mm256_broadcast_ss(p + g * ld + t0 + t);
-        acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]);
-        acc[g][1] = _mm256_fmadd_ps(w, v1, acc[g][1]);
+      for (int v = 0; v < NV; ++v) {
+        const __m256 w = _mm256_broadcast_ss(p + v * ld + t0 + t);
+        acc[v][0] = _mm256_fmadd_ps(w, v0, acc[v][0]);
+        acc[v][1] = _mm256_fmadd_ps(w, v1, acc[v][1]);
       }
     }
   }
 #pragma GCC unroll 8
-  for (int g = 0; g < NG; ++g) {
-    _mm256_storeu_ps(out + g * D + d0, acc[g][0]);
-    _mm256_storeu_ps(out + g * D + d0 + 8, acc[g][1]);
+  for (int v = 0; v < NV; ++v) {
+    _mm256_storeu_ps(out + v * D + d0, acc[v][0]);
+    _mm256_storeu_ps(out + v * D + d0 + 8, acc[v][1]);
   }
 }
 
-// Query heads [0, G) in blocks of up to 4: f(block_start, block_size) with the size a template argument.
-template <typename F>
-inline void ForHeadBlocks(int64_t G, F f) {
-  for (int64_t g = 0; g < G; g += 4) {
-    switch (std::min<int64_t>(4, G - g)) {
-      case 1: f(g, std::integral_constant<int, 1>()); break;
-      case 2: f(g, std::integral_constant<int, 2>()); break;
-      case 3: f(g, std::integral_constant<int, 3>()); break;
-      default: f(g, std::integral_constant<int, 4>()); break;
-    }
+// f(std::integral_constant<int, n>()) for a run-time 1 <= n <= N.
+template <int N, typename F>
+inline void WithCount(int64_t n, F&& f) {
+  if constexpr (N > 1) {
+    if (n < N) return WithCount<N - 1>(n, f);
+  }
+  f(std::integral_constant<int, N>());
+}
+
+// Query vectors [0, M) in blocks of up to Max: f(block_start, block_size) with the size a template argument.
+template <int Max, typename F>
+inline void ForVectorBlocks(int64_t M, F f) {
+  for (int64_t v = 0; v < M; v += Max) {
+    WithCount<Max>(std::min<int64_t>(Max, M - v), [&](auto nv) { f(v, nv); });
   }
 }
 
@@ -385,82 +392,87 @@ inline void CapAndMask(float* sg, int64_t first, int64_t n, int64_t padded, floa
   for (int64_t t = n; t < padded; ++t) sg[t] = -1e30f;
 }
 
-// Row-wise softmax of scores[G, n] (row stride `padded`) in place over tokens [first, n), soft-capped
-// first when softcap > 0; the tokens before `first` and the tail up to `padded` get weight 0.
-void Softmax(float* scores, int64_t G, int64_t first, int64_t n, int64_t padded, float softcap) {
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * padded;
-    CapAndMask(sg, first, n, padded, softcap);
-    __m256 mx = _mm256_set1_ps(-1e30f);
-    for (int64_t t = 0; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, mx);
-    const float m = *std::max_element(lanes, lanes + 8);
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 8) {
-      const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(m)));
-      _mm256_storeu_ps(sg + t, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    _mm256_store_ps(lanes, sum);
-    float total = 0.0f;
-    for (float l : lanes) total += l;
-    const __m256 inv = _mm256_set1_ps(1.0f / total);
-    for (int64_t t = 0; t < padded; t += 8) _mm256_storeu_ps(sg + t, _mm256_mul_ps(_mm256_loadu_ps(sg + t), inv));
+// Softmax of one row of scores sg[padded] in place over tokens [first, n), soft-capped first when
+// softcap > 0; the tokens before `first` and the tail up to `padded` get weight 0.
+void Softmax(float* sg, int64_t first, int64_t n, int64_t padded, float softcap) {
+  CapAndMask(sg, first, n, padded, softcap);
+  __m256 mx = _mm256_set1_ps(-1e30f);
+  for (int64_t t = 0; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  const float m = *std::max_element(lanes, lanes + 8);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 8) {
+    const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(m)));
+    _mm256_storeu_ps(sg + t, e);
+    sum = _mm256_add_ps(sum, e);
   }
+  _mm256_store_ps(lanes, sum);
+  float total = 0.0f;
+  for (float l : lanes) total += l;
+  const __m256 inv = _mm256_set1_ps(1.0f / total);
+  for (int64_t t = 0; t < padded; t += 8) _mm256_storeu_ps(sg + t, _mm256_mul_ps(_mm256_loadu_ps(sg + t), inv));
 }
 
-// out[G, D] for one (sequence, kv head); kpool / vpool: this layer's keys / values at head h.
+// Query vectors scored together on 8-lane vectors: 2 kMaxVectors8 sums, two keys and a broadcast
+// fit in AVX2's 16 registers.
+constexpr int64_t kMaxVectors8 = 6;
+
+// Attention for M query vectors q[M, D] of one kv head: vector m sees tokens [first[m], n[m]) of
+// `table`'s pages (kpool / vpool: this layer's keys / values at the head). All of them are scored
+// against the pages up to the longest n; each one's tokens past its own n get weight exactly 0, so
+// each output is the one it would have alone: the same products, summed in the same order.
 // The vector paths need PS % 8 == 0 and D % 16 == 0 (scalar loops otherwise). T: the cache's
 // element type (float, or uint16_t holding bfloat16); arithmetic is float32 either way.
 template <typename T>
-void AttendOne(const float* q, const T* kpool, const T* vpool, const int32_t* table, int64_t first, int64_t n,
-               const AttnShape& a, float* scores, float* out) {
-  const int64_t G = a.group, D = a.dim, PS = a.page_size;
+void AttendVectors(const float* q, int64_t M, const int64_t* first, const int64_t* n, const T* kpool,
+                   const T* vpool, const int32_t* table, const AttnShape& a, float* scores, float* out) {
+  const int64_t D = a.dim, PS = a.page_size;
   const int64_t page_stride = a.heads * D * PS;  // floats between consecutive pages of one head
-  const int64_t padded = ScoresStride(n, PS);
-  for (int64_t t0 = 0; t0 < n; t0 += PS) {  // scores[g, t] = q[g] . k[t], whole pages
+  const int64_t longest = *std::max_element(n, n + M), padded = ScoresStride(longest, PS);
+  for (int64_t t0 = 0; t0 < longest; t0 += PS) {  // scores[m, t] = q[m] . k[t], whole pages
     const T* kb = kpool + table[t0 / PS] * page_stride;  // [D, PS]
     // A row's pages lie scattered over the pool, 2 KiB blocks the hardware prefetcher does not see coming.
-    if (t0 + PS < n) Prefetch<3>(kpool + table[t0 / PS + 1] * page_stride, D * PS);  // next keys
+    if (t0 + PS < longest) Prefetch<3>(kpool + table[t0 / PS + 1] * page_stride, D * PS);  // next keys
     Prefetch<2>(vpool + table[t0 / PS] * page_stride, D * PS);  // values, for the second pass
     if (PS % 8 == 0) {
       for (int64_t t = 0; t < PS; t += 16) {
         const bool two = t + 16 <= PS;
-        ForHeadBlocks(G, [&](int64_t g, auto ng) {
-          if (two) ScoreBlock<decltype(ng)::value, 2>(q + g * D, D, kb + t, PS, scores + g * padded + t0 + t, padded);
-          else ScoreBlock<decltype(ng)::value, 1>(q + g * D, D, kb + t, PS, scores + g * padded + t0 + t, padded);
+        ForVectorBlocks<kMaxVectors8>(M, [&](int64_t v, auto nv) {
+          constexpr int NV = decltype(nv)::value;
+          if (two) ScoreBlock<NV, 2>(q + v * D, D, kb + t, PS, scores + v * padded + t0 + t, padded);
+          else ScoreBlock<NV, 1>(q + v * D, D, kb + t, PS, scores + v * padded + t0 + t, padded);
         });
       }
       continue;
     }
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = scores + g * padded + t0;
-      for (int64_t t = 0; t < PS; ++t) sg[t] = 0.0f;
+    for (int64_t m = 0; m < M; ++m) {
+      float* sm = scores + m * padded + t0;
+      for (int64_t t = 0; t < PS; ++t) sm[t] = 0.0f;
       for (int64_t d = 0; d < D; ++d) {
-        const float qd = q[g * D + d];
-        for (int64_t t = 0; t < PS; ++t) sg[t] += qd * ToFloat(kb[d * PS + t]);
+        const float qd = q[m * D + d];
+        for (int64_t t = 0; t < PS; ++t) sm[t] += qd * ToFloat(kb[d * PS + t]);
       }
     }
   }
-  Softmax(scores, G, first, n, padded, a.softcap);
-  if (D % 16 == 0) {  // out[g] = sum_t p[g, t] v[t], 16 columns at a time
+  for (int64_t m = 0; m < M; ++m) Softmax(scores + m * padded, first[m], n[m], padded, a.softcap);
+  if (D % 16 == 0) {  // out[m] = sum_t p[m, t] v[t], 16 columns at a time
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
-      ForHeadBlocks(G, [&](int64_t g, auto ng) {
-        ValueBlock<decltype(ng)::value>(scores + g * padded, padded, vpool, table, n, page_stride, PS, D, d0,
-                                        out + g * D);
+      ForVectorBlocks<kMaxVectors8>(M, [&](int64_t v, auto nv) {
+        ValueBlock<decltype(nv)::value>(scores + v * padded, padded, vpool, table, longest, page_stride, PS, D, d0,
+                                        out + v * D);
       });
     }
     return;
   }
-  for (int64_t i = 0; i < G * D; ++i) out[i] = 0.0f;
-  for (int64_t t0 = 0; t0 < n; t0 += PS) {
+  for (int64_t i = 0; i < M * D; ++i) out[i] = 0.0f;
+  for (int64_t t0 = 0; t0 < longest; t0 += PS) {
     const T* vb = vpool + table[t0 / PS] * page_stride;  // [PS, D]
-    const int64_t valid = std::min(PS, n - t0);
+    const int64_t valid = std::min(PS, longest - t0);
     for (int64_t t = 0; t < valid; ++t) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[g * padded + t0 + t];
-        for (int64_t d = 0; d < D; ++d) out[g * D + d] += p * ToFloat(vb[t * D + d]);
+      for (int64_t m = 0; m < M; ++m) {
+        const float p = scores[m * padded + t0 + t];
+        for (int64_t d = 0; d < D; ++d) out[m * D + d] += p * ToFloat(vb[t * D + d]);
       }
     }
   }
@@ -481,6 +493,7 @@ WIDE_TARGET inline __m512 Load16(const uint16_t* p) {  // 16 bfloat16 -> 16 floa
 }
 
 WIDE_TARGET inline __m512 Exp16(__m512 x) {  // Exp8 on 16 lanes
+  const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(kLog2e));
   const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -490,149 +503,181 @@ WIDE_TARGET inline __m512 Exp16(__m512 x) {  // Exp8 on 16 lanes
   for (int c = 1; c < 6; ++c) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpPoly[c]));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, f), f, _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(i), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  return _mm512_maskz_mul_ps(kept, p, _mm512_castsi512_ps(e));
 }
 
-// scores[g, 16p + t] = q[g] . k_p[:, t] for NG heads and the NP pages whose [D, 16] key blocks are kb[p].
-template <int NG, int NP, typename T>
+// Query vectors scored together on 16-lane vectors: 2 kMaxVectors16 sums, two pages' keys and a
+// broadcast fit in AVX-512's 32 registers.
+constexpr int64_t kMaxVectors16 = 12;
+
+// scores[v, 16p + t] = q[v] . k_p[:, t] for NV query vectors (rows D apart) and the NP pages whose
+// [D, 16] key blocks are kb[p]. Each key load feeds all NV vectors.
+template <int NV, int NP, typename T>
 WIDE_TARGET inline void ScorePages16(const float* q, int64_t D, const T* const* kb, float* scores, int64_t ld) {
-  __m512 acc[NG][NP];
-#pragma GCC unroll 4
-  for (int g = 0; g < NG; ++g)
+  __m512 acc[NV][NP];
+#pragma GCC unroll 12
+  for (int v = 0; v < NV; ++v)
 #pragma GCC unroll 2
-    for (int p = 0; p < NP; ++p) acc[g][p] = _mm512_setzero_ps();
+    for (int p = 0; p < NP; ++p) acc[v][p] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
     __m512 k[NP];
 #pragma GCC unroll 2
     for (int p = 0; p < NP; ++p) k[p] = Load16(kb[p] + d * 16);
-#pragma GCC unroll 4
-    for (int g = 0; g < NG; ++g) {
-      const __m512 qd = _mm512_set1_ps(q[g * D + d]);
+#pragma GCC unroll 12
+    for (int v = 0; v < NV; ++v) {
+      const __m512 qd = _mm512_set1_ps(q[v * D + d]);
 #pragma GCC unroll 2
-      for (int p = 0; p < NP; ++p) acc[g][p] = _mm512_fmadd_ps(qd, k[p], acc[g][p]);
+      for (int p = 0; p < NP; ++p) acc[v][p] = _mm512_fmadd_ps(qd, k[p], acc[v][p]);
     }
   }
-#pragma GCC unroll 4
-  for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 12
+  for (int v = 0; v < NV; ++v)
 #pragma GCC unroll 2
-    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(scores + g * ld + 16 * p, acc[g][p]);
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(scores + v * ld + 16 * p, acc[v][p]);
 }
 
-// out[g, d0:d0 + 16 ND] = sum_t p[g, t] v[t, d0:d0 + 16 ND] for NG heads over the n tokens of `table`'s pages.
-template <int NG, int ND, typename T>
+// out[v, d0:d0 + 16 ND] = sum_t p[v, t] v[t, d0:d0 + 16 ND] for NV query vectors over the n tokens
+// of `table`'s pages. Each value load feeds all NV vectors.
+template <int NV, int ND, typename T>
 WIDE_TARGET inline void ValuePages16(const float* p, int64_t ld, const T* vpool, const int32_t* table, int64_t n,
                                      int64_t page_stride, int64_t D, int64_t d0, float* out) {
-  __m512 acc[NG][ND];
+  __m512 acc[NV][ND];
+#pragma GCC unroll 12
+  for (int v = 0; v < NV; ++v)
 #pragma GCC unroll 4
-  for (int g = 0; g < NG; ++g)
-#pragma GCC unroll 4
-    for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_setzero_ps();
+    for (int j = 0; j < ND; ++j) acc[v][j] = _mm512_setzero_ps();
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     const T* vb = vpool + table[t0 / 16] * page_stride + d0;  // [16, D] from column d0
     const int64_t valid = std::min<int64_t>(16, n - t0);
     for (int64_t t = 0; t < valid; ++t) {
-      __m512 v[ND];
+      __m512 x[ND];
 #pragma GCC unroll 4
-      for (int j = 0; j < ND; ++j) v[j] = Load16(vb + t * D + 16 * j);
+      for (int j = 0; j < ND; ++j) x[j] = Load16(vb + t * D + 16 * j);
+#pragma GCC unroll 12
+      for (int v = 0; v < NV; ++v) {
+        const __m512 w = _mm512_set1_ps(p[v * ld + t0 + t]);
 #pragma GCC unroll 4
-      for (int g = 0; g < NG; ++g) {
-        const __m512 w = _mm512_set1_ps(p[g * ld + t0 + t]);
-#pragma GCC unroll 4
-        for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_fmadd_ps(w, v[j], acc[g][j]);
+        for (int j = 0; j < ND; ++j) acc[v][j] = _mm512_fmadd_ps(w, x[j], acc[v][j]);
       }
     }
   }
+#pragma GCC unroll 12
+  for (int v = 0; v < NV; ++v)
 #pragma GCC unroll 4
-  for (int g = 0; g < NG; ++g)
-#pragma GCC unroll 4
-    for (int j = 0; j < ND; ++j) _mm512_storeu_ps(out + g * D + d0 + 16 * j, acc[g][j]);
+    for (int j = 0; j < ND; ++j) _mm512_storeu_ps(out + v * D + d0 + 16 * j, acc[v][j]);
 }
 
 // Softmax's 16-lane form (`padded` a multiple of 16).
-WIDE_TARGET void Softmax16(float* scores, int64_t G, int64_t first, int64_t n, int64_t padded, float softcap) {
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * padded;
-    CapAndMask(sg, first, n, padded, softcap);
-    __m512 mx = _mm512_set1_ps(-1e30f);
-    for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
-    const float m = _mm512_reduce_max_ps(mx);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 16) {
-      const __m512 e = Exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), _mm512_set1_ps(m)));
-      _mm512_storeu_ps(sg + t, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
+WIDE_TARGET void Softmax16(float* sg, int64_t first, int64_t n, int64_t padded, float softcap) {
+  CapAndMask(sg, first, n, padded, softcap);
+  __m512 mx = _mm512_set1_ps(-1e30f);
+  for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
+  const float m = _mm512_reduce_max_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 16) {
+    const __m512 e = Exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), _mm512_set1_ps(m)));
+    _mm512_storeu_ps(sg + t, e);
+    sum = _mm512_add_ps(sum, e);
   }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
 }
 
-// Query heads in blocks of up to 4 and value columns in blocks of up to 64: f(g, d0, NG, ND).
+// Query vectors in blocks of up to kMaxVectors16 and value columns in blocks of up to 64 (32 beside
+// more than 6 vectors, so that NV * ND sums stay in registers): f(v, d0, NV, ND).
 template <typename F>
-inline void ForHeadAndColumnBlocks(int64_t G, int64_t D, F f) {
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    const int64_t nd = std::min<int64_t>(4, (D - d0) / 16);
-    ForHeadBlocks(G, [&](int64_t g, auto ng) {
-      switch (nd) {
-        case 1: f(g, d0, ng, std::integral_constant<int, 1>()); break;
-        case 2: f(g, d0, ng, std::integral_constant<int, 2>()); break;
-        case 3: f(g, d0, ng, std::integral_constant<int, 3>()); break;
-        default: f(g, d0, ng, std::integral_constant<int, 4>()); break;
-      }
-    });
-  }
+inline void ForVectorAndColumnBlocks(int64_t M, int64_t D, F f) {
+  ForVectorBlocks<kMaxVectors16>(M, [&](int64_t v, auto nv) {
+    constexpr int kColumns = decltype(nv)::value <= 6 ? 4 : 2;
+    for (int64_t d0 = 0; d0 < D; d0 += 16 * kColumns) {
+      WithCount<kColumns>(std::min<int64_t>(kColumns, (D - d0) / 16), [&](auto nd) { f(v, d0, nv, nd); });
+    }
+  });
 }
 
-// AttendOne for pages of 16 tokens and D % 16 == 0, on 16-lane vectors.
+// Attention for M query vectors q[M, D] of one kv head on pages of 16 tokens (D % 16 == 0): vector
+// m sees tokens [first[m], n[m]) of `table`'s pages; scored and summed as AttendVectors does.
 template <typename T>
-WIDE_TARGET void AttendOne16(const float* q, const T* kpool, const T* vpool, const int32_t* table, int64_t first,
-                             int64_t n, const AttnShape& a, float* scores, float* out) {
-  const int64_t G = a.group, D = a.dim;
-  const int64_t page_stride = a.heads * D * 16;
-  const int64_t pages = (n + 15) / 16, padded = pages * 16;
-  for (int64_t pg = 0; pg < pages; pg += 2) {  // two pages at a time: 2 NG independent sums
+WIDE_TARGET void AttendVectors16(const float* q, int64_t M, const int64_t* first, const int64_t* n, const T* kpool,
+                                 const T* vpool, const int32_t* table, const AttnShape& a, float* scores, float* out) {
+  const int64_t D = a.dim, page_stride = a.heads * D * 16;
+  const int64_t longest = *std::max_element(n, n + M);
+  const int64_t pages = (longest + 15) / 16, padded = pages * 16;
+  for (int64_t pg = 0; pg < pages; pg += 2) {  // two pages at a time: 2 NV independent sums
     const bool two = pg + 1 < pages;
     const T* kb[2] = {kpool + table[pg] * page_stride, two ? kpool + table[pg + 1] * page_stride : nullptr};
     if (pg + 2 < pages) Prefetch<3>(kpool + table[pg + 2] * page_stride, D * 16);  // next keys
     if (pg + 3 < pages) Prefetch<3>(kpool + table[pg + 3] * page_stride, D * 16);
     Prefetch<2>(vpool + table[pg] * page_stride, D * 16);  // values, for the second pass
     if (two) Prefetch<2>(vpool + table[pg + 1] * page_stride, D * 16);
-    ForHeadBlocks(G, [&](int64_t g, auto ng) {
-      if (two) ScorePages16<decltype(ng)::value, 2>(q + g * D, D, kb, scores + g * padded + pg * 16, padded);
-      else ScorePages16<decltype(ng)::value, 1>(q + g * D, D, kb, scores + g * padded + pg * 16, padded);
+    ForVectorBlocks<kMaxVectors16>(M, [&](int64_t v, auto nv) {
+      if (two) ScorePages16<decltype(nv)::value, 2>(q + v * D, D, kb, scores + v * padded + pg * 16, padded);
+      else ScorePages16<decltype(nv)::value, 1>(q + v * D, D, kb, scores + v * padded + pg * 16, padded);
     });
   }
-  Softmax16(scores, G, first, n, padded, a.softcap);
-  ForHeadAndColumnBlocks(G, D, [&](int64_t g, int64_t d0, auto ng, auto nd) {
-    ValuePages16<decltype(ng)::value, decltype(nd)::value>(scores + g * padded, padded, vpool, table, n, page_stride,
-                                                            D, d0, out + g * D);
+  for (int64_t m = 0; m < M; ++m) Softmax16(scores + m * padded, first[m], n[m], padded, a.softcap);
+  ForVectorAndColumnBlocks(M, D, [&](int64_t v, int64_t d0, auto nv, auto nd) {
+    ValuePages16<decltype(nv)::value, decltype(nd)::value>(scores + v * padded, padded, vpool, table, longest,
+                                                            page_stride, D, d0, out + v * D);
   });
 }
 
+// The tokens query s sees: its length clamped to its table, 0 for padding.
+inline int64_t Visible(const AttnShape& a, int64_t tables, int32_t row, int32_t len) {
+  return row < 0 || row >= tables ? 0 : std::min<int64_t>(std::max<int32_t>(len, 0), a.table_len * a.page_size);
+}
+
+// Runs of consecutive queries that share a page table and see n, n + 1, ... tokens (a prompt's
+// tokens), up to `longest` queries each: starts[r] is run r's first query, starts.back() == queries.
+std::vector<int64_t> QueryRuns(const AttnShape& a, int64_t queries, int64_t tables, const int32_t* rp,
+                               const int32_t* lp, int64_t longest) {
+  std::vector<int64_t> starts;
+  for (int64_t s = 0; s < queries;) {
+    starts.push_back(s);
+    int64_t e = s + 1;
+    for (int64_t n = Visible(a, tables, rp[s], lp[s]); n > 0 && e < queries && e - s < longest && rp[e] == rp[s] &&
+                                                       Visible(a, tables, rp[e], lp[e]) == n + (e - s);
+         ++e) {
+    }
+    s = e;
+  }
+  starts.push_back(queries);
+  return starts;
+}
+
+// Each (run of queries, kv head) is one chunk, the G heads of its queries attended together, on
+// 16-lane vectors where `wide` (and pages hold 16 tokens, D % 16 == 0), else on 8-lane ones.
+// Decoding rows are runs of one query.
 template <typename T>
 void AttendAll(ffi::ThreadPool& pool, const AttnShape& a, int64_t queries, int64_t tables, const float* qp,
                const T* kl, const T* vl, const int32_t* tp, const int32_t* rp, const int32_t* lp, float* op,
                bool wide) {
-  const int64_t max_tokens = a.table_len * a.page_size;
-  const bool sixteen = wide && a.page_size == 16 && a.dim % 16 == 0;
-  ParallelFor(pool, queries * a.heads, [=](int64_t c) {
-    const int64_t s = c / a.heads, h = c % a.heads, row = rp[s];
-    const int64_t n = row < 0 || row >= tables ? 0 : std::min<int64_t>(std::max<int32_t>(lp[s], 0), max_tokens);
-    float* o = op + c * a.group * a.dim;
-    if (n == 0) {
-      std::fill(o, o + a.group * a.dim, 0.0f);
+  const int64_t G = a.group, D = a.dim, H = a.heads, PS = a.page_size;
+  const bool sixteen = wide && PS == 16 && D % 16 == 0;
+  const std::vector<int64_t> runs =
+      QueryRuns(a, queries, tables, rp, lp, std::max<int64_t>(1, (sixteen ? kMaxVectors16 : kMaxVectors8) / G));
+  const int64_t* starts = runs.data();
+  ParallelFor(pool, (static_cast<int64_t>(runs.size()) - 1) * H, [=](int64_t c) {
+    const int64_t s0 = starts[c / H], count = starts[c / H + 1] - s0, h = c % H, M = count * G;
+    const int64_t last = Visible(a, tables, rp[s0 + count - 1], lp[s0 + count - 1]);
+    if (last == 0) {  // padding (a run of one)
+      std::fill(op + (s0 * H + h) * G * D, op + (s0 * H + h + 1) * G * D, 0.0f);
       return;
     }
-    std::unique_ptr<float[]> scores(new float[a.group * ScoresStride(n, a.page_size)]);
-    const int64_t head_offset = h * a.dim * a.page_size;
-    const int64_t first = a.window > 0 ? std::max<int64_t>(0, n - a.window) : 0;
-    if (sixteen) {
-      AttendOne16(qp + c * a.group * a.dim, kl + head_offset, vl + head_offset, tp + row * a.table_len, first, n, a,
-                  scores.get(), o);
-      return;
+    std::vector<int64_t> first(M), n(M);
+    std::unique_ptr<float[]> buffer(new float[2 * M * D + M * ScoresStride(last, PS)]);
+    float *q = buffer.get(), *out = q + M * D, *scores = out + M * D;
+    for (int64_t i = 0; i < count; ++i) {  // gather the run's vectors: query s0 + i's G heads at kv head h
+      std::copy_n(qp + ((s0 + i) * H + h) * G * D, G * D, q + i * G * D);
+      const int64_t visible = last - (count - 1 - i);
+      std::fill_n(n.begin() + i * G, G, visible);
+      std::fill_n(first.begin() + i * G, G, a.window > 0 ? std::max<int64_t>(0, visible - a.window) : 0);
     }
-    AttendOne(qp + c * a.group * a.dim, kl + head_offset, vl + head_offset, tp + row * a.table_len, first, n, a,
-              scores.get(), o);
+    const T *k = kl + h * D * PS, *v = vl + h * D * PS;
+    const int32_t* table = tp + rp[s0] * a.table_len;
+    if (sixteen) AttendVectors16(q, M, first.data(), n.data(), k, v, table, a, scores, out);
+    else AttendVectors(q, M, first.data(), n.data(), k, v, table, a, scores, out);
+    for (int64_t i = 0; i < count; ++i) std::copy_n(out + i * G * D, G * D, op + ((s0 + i) * H + h) * G * D);
   });
 }
 

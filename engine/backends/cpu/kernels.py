@@ -6,8 +6,9 @@
   over the plain matrix (`xla_matmul`).
 - `paged_attention`: each query token against its sequence's pages, read in place from the KV pool
   (XLA would gather every row's pages into a padded copy first). A prompt token is a query with its
-  own visible length, so the same kernel runs causal prefill attention. On 16-lane vectors where
-  the CPU has AVX-512 (`wide_vectors`), else on 8-lane AVX2 ones.
+  own visible length, so the same kernel runs causal prefill attention; a prompt's consecutive
+  tokens are attended together, each key and value load feeding all of them. On 16-lane vectors
+  where the CPU has AVX-512 (`wide_vectors`), else on 8-lane AVX2 ones.
 - `silu_mul`: SwiGLU's silu(gate) * up on every thread, straight from the fused gate/up output (XLA
   runs this elementwise fusion on one thread, after copying gate and up out of it).
 - `argmax`: greedy decoding's row-wise argmax over the vocabulary (XLA's reduction is one-threaded
