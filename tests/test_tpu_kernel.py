@@ -11,7 +11,7 @@ import pytest
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 from jax.sharding import Mesh
 from pallas_interpret import SIMULATED_TPU, interpreted_kernel, interpreter_fixes  # noqa: F401
-from parity import TIGHT, assert_greedy_parity
+from parity import TIGHT, assert_ragged_parity
 
 from engine.backends import tpu_kernel
 from engine.core.config import EngineConfig
@@ -58,7 +58,7 @@ def test_an_engine_running_the_kernel_answers_as_transformers_does(checkpoint_fa
     backend = engine.executor.runner.backend
     assert (backend.name, backend.kernel_target, backend.interpret) == ("tpu", SIMULATED_TPU, True)
     assert engine.executor.runner.cache.pages.shape[-1] == 128  # heads of 16 stored padded for the kernel
-    assert_greedy_parity(engine, model_dir)
+    assert_ragged_parity(engine, model_dir)
 
 
 def test_block_sizes_come_from_the_kernels_table_for_the_named_generation():
