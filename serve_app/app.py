@@ -62,6 +62,7 @@ def server_deployment(model: ModelConfig) -> serve.Deployment:
         max_queued_requests=model.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=model.retry_after_s),
         health_check_period_s=model.health_check_period_s,
+        health_check_timeout_s=model.health_check_timeout_s,
         graceful_shutdown_timeout_s=model.graceful_shutdown_timeout_s,
     )
     if model.request_router == "prefix_affinity" and model.task == "generate":

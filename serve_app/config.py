@@ -159,6 +159,9 @@ class ModelConfig(BaseModel):
     without it a warning suggests `RAY_worker_niceness=0`. None keeps Ray's."""
     health_check_period_s: float = Field(10.0, gt=0)
     """How often Ray Serve probes a replica; a replica whose engine died is restarted."""
+    health_check_timeout_s: float = Field(30.0, gt=0)
+    """How long Ray Serve waits for a probe's answer; a replica that misses three in a row (frozen,
+    or its host lost) is replaced, so a stuck replica goes after ~3 x (period + timeout)."""
     stream_keepalive_s: float = Field(5.0, gt=0)
     """A streamed request sends the ingress an empty batch (not forwarded to the client) after this
     long without output (queued, or in a long prefill): a sign of life for the silence timeout."""

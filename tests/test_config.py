@@ -164,3 +164,16 @@ def test_lora_modules_turn_on_adapter_slots_unless_set():
     assert AppConfig.from_args({"model": "m", "lora_modules": {"a": "/l"}, "max_loras": 3}).models[0].engine[
         "max_loras"] == 3
     assert AppConfig.from_args({"model": "m"}).models[0].engine["max_loras"] == 0
+
+
+def test_replica_probe_and_shutdown_settings_reach_serves_deployment():
+    """health_check_timeout_s decides how soon Serve replaces a frozen replica (three missed probes);
+    Serve's own default would be 30 s a probe."""
+    from serve_app.app import server_deployment
+
+    model = ModelConfig.model_validate({"model": "/ckpt/m", "health_check_period_s": "1", "health_check_timeout_s": 2,
+                                        "graceful_shutdown_timeout_s": 5})
+    deployed = server_deployment(model)._deployment_config
+    assert (deployed.health_check_period_s, deployed.health_check_timeout_s,
+            deployed.graceful_shutdown_timeout_s) == (1.0, 2.0, 5.0)
+    assert ModelConfig(model="/ckpt/m").health_check_timeout_s == 30.0
