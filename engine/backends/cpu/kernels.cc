@@ -418,18 +418,27 @@ void Softmax(float* sg, int64_t first, int64_t n, int64_t padded, float softcap)
 // fit in AVX2's 16 registers.
 constexpr int64_t kMaxVectors8 = 6;
 
-// Attention for M query vectors q[M, D] of one kv head: vector m sees tokens [first[m], n[m]) of
-// `table`'s pages (kpool / vpool: this layer's keys / values at the head). All of them are scored
-// against the pages up to the longest n; each one's tokens past its own n get weight exactly 0, so
-// each output is the one it would have alone: the same products, summed in the same order.
-// The vector paths need PS % 8 == 0 and D % 16 == 0 (scalar loops otherwise). T: the cache's
-// element type (float, or uint16_t holding bfloat16); arithmetic is float32 either way.
+// `count` consecutive queries of one row, `group` query vectors each (vector m: query m / group):
+// query i sees tokens [First, Seen) with Seen = last - (count - 1 - i), the last one `last`.
+struct QueryRun {
+  int64_t count, group, last, window;
+  int64_t vectors() const { return count * group; }
+  int64_t Seen(int64_t m) const { return last - (count - 1 - m / group); }
+  int64_t First(int64_t m) const { return window > 0 ? std::max<int64_t>(0, Seen(m) - window) : 0; }
+};
+
+// Attention for a run's query vectors q[M, D] at one kv head (kpool / vpool: this layer's keys /
+// values at the head). All of them are scored against the pages up to the run's last length; each
+// one's tokens past its own length get weight exactly 0, so each output is the one it would have
+// alone: the same products, summed in the same order. The vector paths need PS % 8 == 0 and
+// D % 16 == 0 (scalar loops otherwise). T: the cache's element type (float, or uint16_t holding
+// bfloat16); arithmetic is float32 either way.
 template <typename T>
-void AttendVectors(const float* q, int64_t M, const int64_t* first, const int64_t* n, const T* kpool,
-                   const T* vpool, const int32_t* table, const AttnShape& a, float* scores, float* out) {
-  const int64_t D = a.dim, PS = a.page_size;
+void AttendVectors(const float* q, const QueryRun& run, const T* kpool, const T* vpool, const int32_t* table,
+                   const AttnShape& a, float* scores, float* out) {
+  const int64_t D = a.dim, PS = a.page_size, M = run.vectors();
   const int64_t page_stride = a.heads * D * PS;  // floats between consecutive pages of one head
-  const int64_t longest = *std::max_element(n, n + M), padded = ScoresStride(longest, PS);
+  const int64_t longest = run.last, padded = ScoresStride(longest, PS);
   for (int64_t t0 = 0; t0 < longest; t0 += PS) {  // scores[m, t] = q[m] . k[t], whole pages
     const T* kb = kpool + table[t0 / PS] * page_stride;  // [D, PS]
     // A row's pages lie scattered over the pool, 2 KiB blocks the hardware prefetcher does not see coming.
@@ -455,7 +464,7 @@ void AttendVectors(const float* q, int64_t M, const int64_t* first, const int64_
       }
     }
   }
-  for (int64_t m = 0; m < M; ++m) Softmax(scores + m * padded, first[m], n[m], padded, a.softcap);
+  for (int64_t m = 0; m < M; ++m) Softmax(scores + m * padded, run.First(m), run.Seen(m), padded, a.softcap);
   if (D % 16 == 0) {  // out[m] = sum_t p[m, t] v[t], 16 columns at a time
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       ForVectorBlocks<kMaxVectors8>(M, [&](int64_t v, auto nv) {
@@ -595,13 +604,12 @@ inline void ForVectorAndColumnBlocks(int64_t M, int64_t D, F f) {
   });
 }
 
-// Attention for M query vectors q[M, D] of one kv head on pages of 16 tokens (D % 16 == 0): vector
-// m sees tokens [first[m], n[m]) of `table`'s pages; scored and summed as AttendVectors does.
+// AttendVectors on pages of 16 tokens (D % 16 == 0): the same scores and sums on 16-lane vectors.
 template <typename T>
-WIDE_TARGET void AttendVectors16(const float* q, int64_t M, const int64_t* first, const int64_t* n, const T* kpool,
-                                 const T* vpool, const int32_t* table, const AttnShape& a, float* scores, float* out) {
-  const int64_t D = a.dim, page_stride = a.heads * D * 16;
-  const int64_t longest = *std::max_element(n, n + M);
+WIDE_TARGET void AttendVectors16(const float* q, const QueryRun& run, const T* kpool, const T* vpool,
+                                 const int32_t* table, const AttnShape& a, float* scores, float* out) {
+  const int64_t D = a.dim, page_stride = a.heads * D * 16, M = run.vectors();
+  const int64_t longest = run.last;
   const int64_t pages = (longest + 15) / 16, padded = pages * 16;
   for (int64_t pg = 0; pg < pages; pg += 2) {  // two pages at a time: 2 NV independent sums
     const bool two = pg + 1 < pages;
@@ -615,7 +623,7 @@ WIDE_TARGET void AttendVectors16(const float* q, int64_t M, const int64_t* first
       else ScorePages16<decltype(nv)::value, 1>(q + v * D, D, kb, scores + v * padded + pg * 16, padded);
     });
   }
-  for (int64_t m = 0; m < M; ++m) Softmax16(scores + m * padded, first[m], n[m], padded, a.softcap);
+  for (int64_t m = 0; m < M; ++m) Softmax16(scores + m * padded, run.First(m), run.Seen(m), padded, a.softcap);
   ForVectorAndColumnBlocks(M, D, [&](int64_t v, int64_t d0, auto nv, auto nd) {
     ValuePages16<decltype(nv)::value, decltype(nd)::value>(scores + v * padded, padded, vpool, table, longest,
                                                             page_stride, D, d0, out + v * D);
@@ -664,19 +672,16 @@ void AttendAll(ffi::ThreadPool& pool, const AttnShape& a, int64_t queries, int64
       std::fill(op + (s0 * H + h) * G * D, op + (s0 * H + h + 1) * G * D, 0.0f);
       return;
     }
-    std::vector<int64_t> first(M), n(M);
+    const QueryRun run{count, G, last, a.window};
     std::unique_ptr<float[]> buffer(new float[2 * M * D + M * ScoresStride(last, PS)]);
     float *q = buffer.get(), *out = q + M * D, *scores = out + M * D;
     for (int64_t i = 0; i < count; ++i) {  // gather the run's vectors: query s0 + i's G heads at kv head h
       std::copy_n(qp + ((s0 + i) * H + h) * G * D, G * D, q + i * G * D);
-      const int64_t visible = last - (count - 1 - i);
-      std::fill_n(n.begin() + i * G, G, visible);
-      std::fill_n(first.begin() + i * G, G, a.window > 0 ? std::max<int64_t>(0, visible - a.window) : 0);
     }
     const T *k = kl + h * D * PS, *v = vl + h * D * PS;
     const int32_t* table = tp + rp[s0] * a.table_len;
-    if (sixteen) AttendVectors16(q, M, first.data(), n.data(), k, v, table, a, scores, out);
-    else AttendVectors(q, M, first.data(), n.data(), k, v, table, a, scores, out);
+    if (sixteen) AttendVectors16(q, run, k, v, table, a, scores, out);
+    else AttendVectors(q, run, k, v, table, a, scores, out);
     for (int64_t i = 0; i < count; ++i) std::copy_n(out + i * G * D, G * D, op + ((s0 + i) * H + h) * G * D);
   });
 }
