@@ -653,6 +653,14 @@ std::vector<int64_t> QueryRuns(const AttnShape& a, int64_t queries, int64_t tabl
   return starts;
 }
 
+// This thread's scratch memory, grown to the largest chunk it has run and kept: a long row's scores
+// were a fresh allocation per chunk, its pages faulted in on first touch.
+float* Scratch(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
 // Each (run of queries, kv head) is one chunk, the G heads of its queries attended together, on
 // 16-lane vectors where `wide` (and pages hold 16 tokens, D % 16 == 0), else on 8-lane ones.
 // Decoding rows are runs of one query.
@@ -673,8 +681,7 @@ void AttendAll(ffi::ThreadPool& pool, const AttnShape& a, int64_t queries, int64
       return;
     }
     const QueryRun run{count, G, last, a.window};
-    std::unique_ptr<float[]> buffer(new float[2 * M * D + M * ScoresStride(last, PS)]);
-    float *q = buffer.get(), *out = q + M * D, *scores = out + M * D;
+    float *q = Scratch(2 * M * D + M * ScoresStride(last, PS)), *out = q + M * D, *scores = out + M * D;
     for (int64_t i = 0; i < count; ++i) {  // gather the run's vectors: query s0 + i's G heads at kv head h
       std::copy_n(qp + ((s0 + i) * H + h) * G * D, G * D, q + i * G * D);
     }
