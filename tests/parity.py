@@ -83,7 +83,8 @@ def assert_ragged_parity(engine: LLMEngine, model_dir) -> None:
     kernel interpreted): 5 prompts queue (4 slots); the 33- and 50-token ones chunk, sharing steps
     with decodes and with each other; the last extends the 50-token one (a prefix hit); 8 new
     tokens each, greedy tokens and logprobs as transformers', all pages return."""
-    prompts = [make_prompts()[i] for i in (4, 0, 5, 2)]
+    every = make_prompts()
+    prompts = [every[i] for i in (4, 0, 5, 2)]
     prompts.append(prompts[2][:30] + make_prompts([5], seed=99)[0])
     _assert_prompts_answer_as_transformers(engine, model_dir, prompts, 8)
 

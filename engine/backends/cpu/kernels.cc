@@ -636,16 +636,17 @@ inline int64_t Visible(const AttnShape& a, int64_t tables, int32_t row, int32_t 
 }
 
 // Runs of consecutive queries that share a page table and see n, n + 1, ... tokens (a prompt's
-// tokens), up to `longest` queries each: starts[r] is run r's first query, starts.back() == queries.
+// tokens), up to `max_count` queries each: starts[r] is run r's first query, starts.back() == queries.
 std::vector<int64_t> QueryRuns(const AttnShape& a, int64_t queries, int64_t tables, const int32_t* rp,
-                               const int32_t* lp, int64_t longest) {
+                               const int32_t* lp, int64_t max_count) {
   std::vector<int64_t> starts;
   for (int64_t s = 0; s < queries;) {
     starts.push_back(s);
+    const int64_t n = Visible(a, tables, rp[s], lp[s]);
     int64_t e = s + 1;
-    for (int64_t n = Visible(a, tables, rp[s], lp[s]); n > 0 && e < queries && e - s < longest && rp[e] == rp[s] &&
-                                                       Visible(a, tables, rp[e], lp[e]) == n + (e - s);
-         ++e) {
+    while (n > 0 && e < queries && e - s < max_count && rp[e] == rp[s] &&
+           Visible(a, tables, rp[e], lp[e]) == n + (e - s)) {
+      ++e;
     }
     s = e;
   }
