@@ -5,6 +5,8 @@ step's per-token tables, against the XLA path's masked decode and causal prefill
 
 from __future__ import annotations
 
+import functools
+
 import haliax as hax
 import haliax.nn as hnn
 import jax
@@ -19,19 +21,40 @@ from engine.backends.cpu.kernels import (FusedLinear, PackedLinear, argmax, matm
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 + FMA and g++")
 
 
+WIDTHS = [False, pytest.param(True, marks=pytest.mark.skipif(not cpu_kernels.wide_vectors(),
+                                                            reason="needs AVX-512"))]
+
+
 @pytest.mark.parametrize("m,k,n", [(1, 768, 2048), (1, 1027, 32), (2, 301, 16), (5, 100, 48), (7, 1030, 256),
-                                   (13, 64, 16), (100, 600, 96), (200, 40, 32)])
+                                   (13, 64, 16), (100, 600, 96), (200, 40, 32), (131, 1100, 48)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_matmul_equals_numpy(m, k, n, dtype):
-    """Every row-tile size (1-6, the 1- and 2-row ones with depth tails their partial sums do not
-    cover), one row tile streaming whole panels and several sharing depth blocks of 512."""
+@pytest.mark.parametrize("wide", WIDTHS)
+def test_matmul_equals_numpy(m, k, n, dtype, wide):
+    """Every row-tile size (1-6 on 8 lanes, the 1- and 2-row ones with depth tails their partial
+    sums do not cover; 1-12 on 16), one row tile streaming whole panels and several sharing depth
+    blocks, an odd panel count."""
     rng = np.random.default_rng(m * 1000 + k)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
     w_rounded = np.asarray(jnp.asarray(w).astype(dtype).astype(jnp.float32))  # what the kernel multiplies by
-    got = np.asarray(jax.jit(matmul)(jnp.asarray(x), pack(jnp.asarray(w), dtype)))
+    got = np.asarray(jax.jit(functools.partial(matmul, wide=wide))(jnp.asarray(x), pack(jnp.asarray(w), dtype)))
     assert got.shape == (m, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, x.astype(np.float64) @ w_rounded, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_kernels.wide_vectors(), reason="needs AVX-512")
+@pytest.mark.parametrize("m", [17, 40, 130])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+def test_many_row_products_are_the_same_on_both_vector_widths(m, dtype):
+    """Products of more than 16 rows run on 16-lane tiles of up to 12 rows where the CPU has
+    AVX-512, else on 8-lane tiles of up to 6: the same float32 sums in the same order (row counts
+    whose 8-lane tiling has no 1- or 2-row tile, which sums in parts), over two depth blocks and
+    an odd number of panels, so the outputs are equal bit for bit."""
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 1100)).astype(np.float32))
+    w = pack(jnp.asarray(rng.standard_normal((1100, 48)) * (30 if dtype == jnp.int8 else 0.05)), dtype)
+    wide, narrow = (jax.jit(functools.partial(matmul, wide=flag))(x, w) for flag in (True, False))
+    np.testing.assert_array_equal(np.asarray(wide), np.asarray(narrow))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -2,8 +2,9 @@
 
 - `matmul` / `PackedLinear`: XLA's CPU dot is slow on the few-row products of decoding and has no
   fast bfloat16 path; this kernel streams packed weights (float32, bfloat16, or int8 with a scale
-  per output column) and accumulates in float32. Many-row products may run on XLA's dot instead,
-  over the plain matrix (`xla_matmul`).
+  per output column) and accumulates in float32, on 16-lane vectors for many-row products where
+  the CPU has AVX-512. Many-row products may run on XLA's dot instead, over the plain matrix
+  (`xla_matmul`).
 - `paged_attention`: each query token against its sequence's pages, read in place from the KV pool
   (XLA would gather every row's pages into a padded copy first). A prompt token is a query with its
   own visible length, so the same kernel runs causal prefill attention; a prompt's consecutive
@@ -62,13 +63,15 @@ def pack(w: jax.Array, dtype) -> jax.Array:
     return jnp.swapaxes(w.astype(dtype).reshape(*lead, k, n // PANEL, PANEL), -3, -2)
 
 
-def matmul(x: jax.Array, packed: jax.Array, layer=None) -> jax.Array:
+def matmul(x: jax.Array, packed: jax.Array, layer=None, wide: bool | None = None) -> jax.Array:
     """f32[M, K] @ packed[N / 16, K, 16] -> f32[M, N]; packed is float32, bfloat16 or int8 (its
-    integer values, unscaled). With `layer`
-    (an i32 scalar), packed is a stack [layers, N / 16, K, 16] read in place at that layer."""
+    integer values, unscaled). With `layer` (an i32 scalar), packed is a stack [layers, N / 16, K,
+    16] read in place at that layer. `wide`: products of more than 16 rows on 16-lane vectors (None:
+    `wide_vectors()`); the same sums in the same order, so the same outputs, as the 8-lane path."""
     m, n = x.shape[0], packed.shape[-3] * PANEL
     call = jax.ffi.ffi_call("jax_serve_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32))
-    return call(x.astype(jnp.float32), packed, jnp.asarray(0 if layer is None else layer, jnp.int32))
+    return call(x.astype(jnp.float32), packed, jnp.asarray(0 if layer is None else layer, jnp.int32),
+                wide=wide_vectors() if wide is None else bool(wide))
 
 
 def xla_matmul(x: jax.Array, w: jax.Array, out_first: bool = False, f32: bool = False) -> jax.Array:
@@ -265,9 +268,9 @@ def paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pag
 
 
 def wide_vectors() -> bool:
-    """Whether the attention kernel runs on 16-lane vectors (AVX-512F/BW/DQ; with pages of 16
-    tokens and head sizes that are multiples of 16), else on 8-lane ones. A static attribute of
-    each call: a compiled step keeps the path it was traced with."""
+    """Whether the attention kernel (with pages of 16 tokens and head sizes that are multiples of
+    16) and the matmul's many-row products run on 16-lane vectors (AVX-512F/BW/DQ), else on 8-lane
+    ones. A static attribute of each call: a compiled step keeps the path it was traced with."""
     return _cpu_flags() >= {"avx512f", "avx512bw", "avx512dq"}
 
 

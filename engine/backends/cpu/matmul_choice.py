@@ -11,10 +11,11 @@ head). A weight keeps only the layouts its chosen products read: one where one p
 row counts, both (the memory cost is logged) where they split. XLA's path multiplies activations
 rounded to the weights' dtype (bf16 activations with bf16 weights, as accelerators run them); the
 kernel keeps them float32. A third path, XLA's dot in float32 (`xla_f32`: the plain weight widened
-to float32 inside the step, the activations kept float32, the kernel's arithmetic), wins many-row
-products on CPUs whose float32 dot is faster than their bf16 one (AVX-512 without AMX); widening
-costs a pass over the weight per product, so it is timed only for products of `WIDEN_FROM_ROWS`
-rows or more, where the product's compute dwarfs that pass.
+to float32 inside the step, the activations kept float32, the kernel's arithmetic), may win
+many-row products on CPUs whose float32 dot is faster than their bf16 one (AVX-512 without AMX),
+where it races the kernel's 16-lane tiles; widening costs a pass over the weight per product, so
+it is timed only for products of `WIDEN_FROM_ROWS` rows or more, where the product's compute
+dwarfs that pass.
 
 The timings are cached as JSON beside XLA's compiled buckets, under a key of this machine (CPU
 model, flags and core count), jax's version and the kernel source, so a restarted replica reuses

@@ -1,0 +1,75 @@
+"""The CPU matmul paths side by side on a model's product shapes.
+
+    .venv/bin/python benchmarks/matmul_bench.py --rows 32,128,512,2048
+    PYTHONPATH=/tmp/base .venv/bin/python benchmarks/matmul_bench.py   # another checkout's kernel
+
+For each row count and each of a layer's products (SmolLM2-135M's by default: fused q/k/v, the
+attention output, fused gate/up, down), f32[rows, in] times a bfloat16 weight on: the kernel over
+packed panels on 8-lane vectors and (where the CPU has AVX-512) on 16-lane ones, XLA's dot on
+bf16 activations, and XLA's dot on fp32 activations over the weight widened in the step (what
+`cpu_matmul: auto` chooses among). All are compiled in one process and timed alternately; prints
+the median of `--repeats` runs in ms and GFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from engine.backends.cpu import kernels
+
+SMOLLM2 = "576x960,576x576,576x3072,1536x576"
+"""in x out of SmolLM2-135M's four products per layer."""
+
+
+def paths(wide: bool) -> dict:
+    """name -> (jitted product, whether it reads the packed panels)."""
+    out = {"kernel 8-lane": (jax.jit(functools.partial(kernels.matmul, wide=False)), True)}
+    if wide:
+        out["kernel 16-lane"] = (jax.jit(functools.partial(kernels.matmul, wide=True)), True)
+    out["XLA bf16"] = (jax.jit(kernels.xla_matmul), False)
+    out["XLA fp32"] = (jax.jit(functools.partial(kernels.xla_matmul, f32=True)), False)
+    return out
+
+
+def time_once(run, x, w) -> float:
+    start = time.perf_counter()
+    run(x, w).block_until_ready()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="32,128,512,2048", help="comma-separated row counts")
+    parser.add_argument("--shapes", default=SMOLLM2, help="comma-separated in x out products")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    if not kernels.available():
+        raise SystemExit("the CPU kernels are not available here (needs x86 with AVX2 + FMA and g++)")
+    runs = paths(kernels.wide_vectors())
+    print("rows x in x out | " + " | ".join(runs) + "   (ms, median; GFLOP/s)")
+    for rows in (int(r) for r in args.rows.split(",")):
+        for shape in args.shapes.split(","):
+            depth, width = (int(s) for s in shape.split("x"))
+            x = jnp.ones((rows, depth), jnp.float32)
+            packed = jnp.full((width // kernels.PANEL, depth, kernels.PANEL), 0.01, jnp.bfloat16)
+            plain = jnp.full((depth, width), 0.01, jnp.bfloat16)
+            for run, reads_panels in runs.values():
+                run(x, packed if reads_panels else plain).block_until_ready()
+            times = {name: [] for name in runs}
+            for _ in range(args.repeats):
+                for name, (run, reads_panels) in runs.items():
+                    times[name].append(time_once(run, x, packed if reads_panels else plain))
+            flops = 2 * rows * depth * width
+            cells = [f"{1e3 * statistics.median(t):8.2f} ({flops / statistics.median(t) / 1e9:4.0f})"
+                     for t in times.values()]
+            print(f"{rows:5d} x {depth:5d} x {width:5d} | " + " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
