@@ -57,8 +57,8 @@ MODEL_PAIR = "pair-fake"
 """Two replicas of fake_engine.FakeEngine behind the prefix-affinity router."""
 MODEL_FAULTY = "faulty-fake"
 """A replica whose engine (fake_engine.FaultyFakeEngine) fails or hangs when a test asks it to, with
-a 2 s step watchdog, a 1 s health-check period, and streams the ingress ends after 3 s of silence
-(keepalives every 0.5 s)."""
+a 2 s step watchdog, health checks every 1 s that fail after 5 s, 5 s to shut down, and streams the
+ingress ends after 3 s of silence (keepalives every 0.5 s)."""
 MODEL_WHISPER = "tiny-whisper"
 """tiny_models.make_whisper_checkpoint: /v1/audio/* on its own replica, beside the text models."""
 MODEL_LLAVA = "tiny-llava"
@@ -126,7 +126,8 @@ def serving(checkpoint_factory, tmp_path_factory, whisper_dir, llava_dir):
                      "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
                     {"model": str(checkpoint), "model_id": MODEL_FAULTY, **engine, "engine_cls": "fake_engine:FaultyFakeEngine",
                      "env_vars": {"PYTHONPATH": str(Path(__file__).parent)}, "step_timeout_s": 2,
-                     "health_check_period_s": 1, "num_cpus": 0.1, "stream_batch_ms": 5,
+                     "health_check_period_s": 1, "health_check_timeout_s": 5, "graceful_shutdown_timeout_s": 5,
+                     "num_cpus": 0.1, "stream_batch_ms": 5,
                      "stream_keepalive_s": 0.5, "stream_silence_timeout_s": 3},
                     {**embedder, "warmup": False, "num_cpus": 0.1},
                     {"model": str(whisper_dir), "model_id": MODEL_WHISPER, "max_num_seqs": 4, "num_cpus": 0.1,
