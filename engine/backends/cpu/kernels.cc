@@ -86,6 +86,28 @@ WIDE_TARGET inline __m512 Load16(const int8_t* p) {  // 16 int8 -> 16 float32 (e
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// acc[r][c] = sum over i < depth of a[r * lda + i] * b[c][16 i : 16 i + 16]: R broadcast rows against C
+// columns of 16 lanes, in order of i, each column load feeding R FMAs. Inlined, acc stays in registers.
+template <int R, int C, typename T>
+WIDE_TARGET __attribute__((always_inline)) inline void Products16(const float* a, int64_t lda, const T* const* b,
+                                                                  int64_t depth, __m512 (&acc)[R][C]) {
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < depth; ++i) {
+    __m512 col[C];
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c) col[c] = Load16(b[c] + i * 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 ai = _mm512_set1_ps(a[r * lda + i]);
+#pragma GCC unroll 2
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(ai, col[c], acc[r][c]);
+    }
+  }
+}
+
 inline float ToFloat(float f) { return f; }
 
 inline float ToFloat(uint16_t h) {
@@ -216,22 +238,11 @@ constexpr int64_t kWideRows = 12;
 template <int R, int P, typename T>
 WIDE_TARGET inline void WideTile(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kc, float* y,
                                  int64_t ldy, bool accumulate) {
+  const T* panels[P];
+#pragma GCC unroll 2
+  for (int p = 0; p < P; ++p) panels[p] = w + p * ldw;
   __m512 acc[R][P];
-#pragma GCC unroll 12
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kc; ++k) {
-    __m512 wk[P];
-#pragma GCC unroll 2
-    for (int p = 0; p < P; ++p) wk[p] = Load16(w + p * ldw + k * kNR);
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
-#pragma GCC unroll 2
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(b, wk[p], acc[r][p]);
-    }
-  }
+  Products16<R, P>(x, ldx, panels, kc, acc);
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
@@ -638,21 +649,7 @@ constexpr int64_t kMaxVectors16 = 12;
 template <int NV, int NP, typename T>
 WIDE_TARGET inline void ScorePages16(const float* q, int64_t D, const T* const* kb, float* scores, int64_t ld) {
   __m512 acc[NV][NP];
-#pragma GCC unroll 12
-  for (int v = 0; v < NV; ++v)
-#pragma GCC unroll 2
-    for (int p = 0; p < NP; ++p) acc[v][p] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    __m512 k[NP];
-#pragma GCC unroll 2
-    for (int p = 0; p < NP; ++p) k[p] = Load16(kb[p] + d * 16);
-#pragma GCC unroll 12
-    for (int v = 0; v < NV; ++v) {
-      const __m512 qd = _mm512_set1_ps(q[v * D + d]);
-#pragma GCC unroll 2
-      for (int p = 0; p < NP; ++p) acc[v][p] = _mm512_fmadd_ps(qd, k[p], acc[v][p]);
-    }
-  }
+  Products16<NV, NP>(q, D, kb, D, acc);
 #pragma GCC unroll 12
   for (int v = 0; v < NV; ++v)
 #pragma GCC unroll 2
