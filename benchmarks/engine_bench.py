@@ -175,8 +175,9 @@ def engine_config(args, model: Path, seqs: int, max_model_len: int) -> EngineCon
         optional["scan_layers"] = args.scan_layers == "true"
     if args.lora_rank:
         optional.update(max_loras=1, max_lora_rank=args.lora_rank)
-    return EngineConfig(model=str(model), dtype=args.dtype, quantization=args.quantization,
-                        page_size=args.page_size, max_num_seqs=seqs,
+    if args.quantization:  # only where asked: older checkouts' configs have no such field
+        optional["quantization"] = args.quantization
+    return EngineConfig(model=str(model), dtype=args.dtype, page_size=args.page_size, max_num_seqs=seqs,
                         max_num_batched_tokens=max(seqs, args.max_num_batched_tokens), max_model_len=max_model_len,
                         attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
                         cpu_matmul=args.cpu_matmul, num_hosts=args.num_hosts, num_pages=args.num_pages, **optional)

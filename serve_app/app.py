@@ -65,6 +65,8 @@ def server_deployment(model: ModelConfig) -> serve.Deployment:
         health_check_timeout_s=model.health_check_timeout_s,
         graceful_shutdown_timeout_s=model.graceful_shutdown_timeout_s,
     )
+    if model.max_constructor_retry_count is not None:
+        options["max_constructor_retry_count"] = model.max_constructor_retry_count
     if model.request_router == "prefix_affinity" and model.task == "generate":
         options["request_router_config"] = RequestRouterConfig(request_router_class=PREFIX_ROUTER)
     if model.autoscaling_config:

@@ -168,6 +168,11 @@ class ModelConfig(BaseModel):
     stream_silence_timeout_s: float = Field(60.0, gt=0)
     """The ingress ends a stream whose replica sent nothing, not even a keepalive, for this long (a
     frozen or lost replica) with a 503 error event and [DONE]. Must exceed stream_keepalive_s."""
+    max_constructor_retry_count: Optional[int] = Field(None, ge=1)
+    """Starts of a replica whose constructor fails (a bad checkpoint, a config error) before Serve
+    gives up and the model is reported failed; Serve tries at most 3 per replica whatever is set.
+    None: Serve's default. 1 where a failed start is not worth repeating (a model that takes minutes
+    to load)."""
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
     """On shutdown or scale-down, a replica gets no new requests and its running ones have this long
     to finish; then what is left ends with an error event and the replica stops."""

@@ -78,15 +78,15 @@ def assert_greedy_parity(engine: LLMEngine, model_dir) -> None:
     assert stats.num_preemptions >= 1, "the page pool was meant to force a preemption"
 
 
-def assert_ragged_parity(engine: LLMEngine, model_dir) -> None:
+def assert_ragged_parity(engine: LLMEngine, model_dir, new_tokens: int = 8) -> None:
     """assert_greedy_parity's steps without its length, for backends slow on a CPU (a Pallas
     kernel interpreted): 5 prompts queue (4 slots); the 33- and 50-token ones chunk, sharing steps
-    with decodes and with each other; the last extends the 50-token one (a prefix hit); 8 new
-    tokens each, greedy tokens and logprobs as transformers', all pages return."""
+    with decodes and with each other; the last extends the 50-token one (a prefix hit);
+    `new_tokens` each, greedy tokens and logprobs as transformers', all pages return."""
     every = make_prompts()
     prompts = [every[i] for i in (4, 0, 5, 2)]
     prompts.append(prompts[2][:30] + make_prompts([5], seed=99)[0])
-    _assert_prompts_answer_as_transformers(engine, model_dir, prompts, 8)
+    _assert_prompts_answer_as_transformers(engine, model_dir, prompts, new_tokens)
 
 
 def _assert_prompts_answer_as_transformers(engine: LLMEngine, model_dir, prompts, new_tokens: int):

@@ -13,15 +13,19 @@ from typing import Any, Callable, Iterable
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> Any:
-    """Poll `condition` until it returns something truthy; fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
+    """Poll `condition` until it returns something truthy; fail after `timeout_s`. The polls start
+    20 ms apart and back off to 0.25 s: a condition that takes long (a replica starting) is not
+    asked 50 times a second through the HTTP proxy and Serve's controller, on the cores the
+    replica needs."""
+    deadline, pause = time.monotonic() + timeout_s, 0.02
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(pause)
+        pause = min(0.25, pause * 1.5)
 
 
 def sse_events(lines: Iterable[str]) -> list[Any]:

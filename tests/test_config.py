@@ -177,3 +177,15 @@ def test_replica_probe_and_shutdown_settings_reach_serves_deployment():
     assert (deployed.health_check_period_s, deployed.health_check_timeout_s,
             deployed.graceful_shutdown_timeout_s) == (1.0, 2.0, 5.0)
     assert ModelConfig(model="/ckpt/m").health_check_timeout_s == 30.0
+
+
+def test_a_failed_start_is_tried_as_often_as_asked():
+    """max_constructor_retry_count reaches Serve's deployment; unset, Serve's default stays (20,
+    which Serve caps at 3 per replica); 0 is refused with the field named."""
+    from serve_app.app import server_deployment
+
+    once = ModelConfig.model_validate({"model": "/ckpt/m", "max_constructor_retry_count": 1})
+    assert server_deployment(once)._deployment_config.max_constructor_retry_count == 1
+    assert server_deployment(ModelConfig(model="/ckpt/m"))._deployment_config.max_constructor_retry_count == 20
+    with pytest.raises(ValueError, match="max_constructor_retry_count"):
+        ModelConfig.model_validate({"model": "/ckpt/m", "max_constructor_retry_count": 0})

@@ -99,7 +99,10 @@ def serving(checkpoint_factory, tmp_path_factory, whisper_dir, llava_dir):
     # the default app's embedding model, as deploy/config.yaml configures it (compiled on first use)
     embedder = yaml.safe_load(DEFAULT_APP.read_text())["applications"][0]["args"]["models"][1]
     port = free_port()
-    ray.init(address="local", num_cpus=5, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    # USE_TORCH=0 as deploy/config.yaml sets it: no serving process runs a torch model, and each of
+    # the ~15 this app starts at once would import torch through transformers (~2.5 s of CPU each)
+    ray.init(address="local", num_cpus=5, include_dashboard=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "USE_TORCH": "0"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         engine = {"max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN, "max_num_batched_tokens": 256, "prefill_chunk": 64}
@@ -880,7 +883,8 @@ def test_models_that_cannot_start_get_a_503_that_says_why_and_the_others_keep_se
                                                                                        tmp_path):
     """An app of four models: a healthy one, one whose replica waits at start until the test opens
     its gate, one whose tokenizer class no transformers knows and one whose
-    config.json does not parse. Serve gives up on the last two after three tries each; requests for
+    config.json does not parse. Serve gives up on the last two after one try each
+    (`max_constructor_retry_count: 1`; Serve's default is three); requests for
     them get a 503 in OpenAI's shape with Retry-After and the replica's own error, the starting one a
     503 that says so (until its gate opens), the healthy one answers throughout; /health and
     /v1/models show every state."""
@@ -903,8 +907,8 @@ def test_models_that_cannot_start_get_a_503_that_says_why_and_the_others_keep_se
     fake = {"engine_cls": "fake_engine:FakeEngine", "env_vars": env, "num_cpus": 0.05, "max_model_len": 64}
     models = [{"model": str(good), "model_id": "healthy", **fake},
               {"model": str(good), "model_id": "gated", **fake, "engine_cls": "fake_engine:GatedFakeEngine"},
-              {"model": str(bad_tokenizer), "model_id": "bad-tokenizer", **fake},
-              {"model": str(bad_config), "model_id": "bad-config", **fake}]
+              {"model": str(bad_tokenizer), "model_id": "bad-tokenizer", **fake, "max_constructor_retry_count": 1},
+              {"model": str(bad_config), "model_id": "bad-config", **fake, "max_constructor_retry_count": 1}]
     base = f"{serving.url}/startup"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
     # serve.run waits for the app to run; with two models that never start it raises once Serve gives up

@@ -19,7 +19,8 @@ from engine.core.request import Grammar, SamplingParams
 from engine.core.step_plan import empty_step_plan
 from engine.llm_engine import LLMEngine
 
-WORKER_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
+WORKER_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1",
+              "USE_TORCH": "0"}  # as deploy/config.yaml: the workers run no torch model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine
 
 POD, TOPOLOGY = "v4-16", "2x2x2"
-WORKER_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
+WORKER_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1",
+              "USE_TORCH": "0"}  # as deploy/config.yaml: the workers run no torch model
 
 
 @pytest.fixture(scope="module")
