@@ -27,7 +27,12 @@ import pytest
 from fake_engine import FAIL, FAULT_MARK, HANG
 from hub_server import HubServer
 from s3_server import S3Server
-from serving_helpers import engine_worker_processes, model_server_processes, wait_for
+from serving_helpers import (
+    engine_worker_processes,
+    model_server_processes,
+    ray_processes,
+    wait_for,
+)
 from tiny_models import make_lora_adapter
 
 openai = pytest.importorskip("openai")
@@ -81,11 +86,10 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def serving(checkpoint_factory, tmp_path_factory, whisper_dir, llava_dir):
     import ray
+    import yaml
     from ray import serve
 
     from serve_app import build_app
-
-    import yaml
 
     checkpoint = checkpoint_factory("llama")
     eight_heads = checkpoint_factory("llama", **EIGHT_HEADS)
@@ -997,11 +1001,14 @@ def test_two_hosts_show_in_the_info_metric(serving, http):
 def test_replicas_over_two_hosts_scale_as_whole_groups(serving, checkpoint_factory):
     """Each replica with num_hosts 2 owns one placement group (leader + 2 worker bundles) and its
     two EngineWorkers: two replicas run four workers in two more groups; scaling to one stops a whole
-    group (no half-alive pair, no leaked group); deleting the app leaves only the other app's."""
+    group (no half-alive pair, no leaked group) and keeps the other replica running; deleting the
+    app leaves only the other app's. Deployed as `serve deploy` does, from a Serve config whose
+    `deployments:` sets the replica count: a change there scales the running app (a change under
+    `args` would be a new version of it, every replica restarted)."""
     import ray
     from ray import serve
-
-    from serve_app import build_app
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
 
     def created_groups() -> int:
         return sum(g["state"] == "CREATED" for g in ray.util.placement_group_table().values())
@@ -1009,20 +1016,31 @@ def test_replicas_over_two_hosts_scale_as_whole_groups(serving, checkpoint_facto
     def deploy(replicas: int) -> None:
         model = {"model": str(checkpoint_factory("llama")), "model_id": "scaled", "max_num_seqs": 2,
                  "max_model_len": 64, "max_num_batched_tokens": 64, "prefill_chunk": 32, "warmup": False,
-                 "num_hosts": 2, "tensor_parallel_size": 2, "num_cpus": 0.1, "num_replicas": replicas}
-        serve.run(build_app({"models": [model], "ingress_num_cpus": 0.05}), name="scaled", route_prefix="/scaled")
+                 "num_hosts": 2, "tensor_parallel_size": 2, "num_cpus": 0.1}
+        app = {"name": "scaled", "route_prefix": "/scaled", "import_path": "serve_app:build_app",
+               "runtime_env": {"env_vars": {"USE_TORCH": "0", "HF_HUB_OFFLINE": "1"}},
+               "args": {"models": [model], "ingress_num_cpus": 0.05},
+               "deployments": [{"name": "ModelServer-scaled", "num_replicas": replicas}]}
+        _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+
+    def running() -> bool:
+        app = serve.status().applications.get("scaled")
+        return app is not None and app.status == "RUNNING"
 
     workers, groups = len(engine_worker_processes()), created_groups()
     try:
         deploy(2)
-        wait_for(lambda: len(engine_worker_processes()) == workers + 4, 120, "two groups of two workers")
+        wait_for(lambda: len(engine_worker_processes()) == workers + 4 and running(), 120, "two groups of two workers")
         assert created_groups() == groups + 2
         answer = httpx.post(f"{serving.url}/scaled/v1/completions", timeout=60,
                             json={"model": "scaled", "prompt": PROMPT, "max_tokens": 3, "temperature": 0})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+        servers = {p.pid for p in ray_processes(r"ray::ServeReplica:scaled:ModelServer-scaled")}
         deploy(1)
         wait_for(lambda: len(engine_worker_processes()) == workers + 2 and created_groups() == groups + 1, 120,
                  "one group of two workers")
+        kept = {p.pid for p in ray_processes(r"ray::ServeReplica:scaled:ModelServer-scaled")}
+        assert len(kept) == 1 and kept <= servers  # scaled down, not redeployed
     finally:
         serve.delete("scaled")
     wait_for(lambda: len(engine_worker_processes()) == workers and created_groups() == groups, 120,
