@@ -478,6 +478,40 @@ def test_after_the_background_compiles_serving_compiles_nothing(llama_dir):
     assert_all_pages_free(engine)
 
 
+def test_a_process_exiting_mid_compile_finishes_that_program_and_compiles_no_more(llama_dir):
+    """A replica stopped while its programs compile in the background (a scale-down right after a
+    scale-up): at exit the compile in progress completes before jax's own exit handler clears the
+    backends under it, nothing after it starts, and the process exits cleanly. The compile thread is
+    held inside its first background program until the interpreter has begun to exit."""
+    import subprocess
+    import sys
+
+    config = {**TIGHT, "warmup": True}
+    code = f"""
+import atexit, logging, sys, threading
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from engine.core.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.runner import programs
+
+inside, exiting, compile_bucket = threading.Event(), threading.Event(), programs.StepCompiler._compile
+def held(self, bucket):
+    if threading.current_thread().name == "step-compiler" and not inside.is_set():
+        inside.set()
+        exiting.wait()
+    compile_bucket(self, bucket)
+programs.StepCompiler._compile = held
+engine = LLMEngine(EngineConfig(model={str(llama_dir)!r}, **{config!r}))
+inside.wait()
+atexit.register(exiting.set)  # registered last, so run first at exit
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "USE_TORCH": "0"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "compiling a step program failed" not in run.stderr, run.stderr[-3000:]
+    assert "step program 2/4" in run.stderr and "step program 3/4" not in run.stderr, run.stderr[-3000:]
+
+
 def test_a_url_compilation_cache_goes_to_jax_as_it_is(tmp_path, monkeypatch):
     """A local path is expanded and made; a URL (a cache the hosts of a slice share) is JAX's to
     open, and no local directory named after it appears."""

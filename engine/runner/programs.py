@@ -19,11 +19,11 @@ its next step (it would fail the same way on first use).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
-import weakref
 from typing import Callable, Generic, Hashable, Optional, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,10 @@ class StepCompiler(Generic[B]):
         if background and len(self.order) > self.first:
             thread = threading.Thread(target=self._compile_rest, name="step-compiler", daemon=True)
             thread.start()
-            # At exit, let the compile in progress finish: a thread killed inside XLA aborts the process.
-            weakref.finalize(self, _stop_and_join, self._stop, thread)
+            # At exit, stop after the compile in progress and wait for it: a thread killed inside XLA
+            # aborts the process. Registered after jax's own exit handler, so run before it (atexit is
+            # last in, first out): that one clears the backends and caches the compile is using.
+            atexit.register(_stop_and_join, self._stop, thread)
         else:
             self._compile_rest(lower_priority=False)
             self.ready()  # raises what failed
