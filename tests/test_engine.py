@@ -336,7 +336,7 @@ def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monke
     from engine.backends.cpu import matmul_choice
 
     llama_dir = checkpoint_factory("llama", vocab_size=512)
-    def timer(product, path):
+    def timer(product, path, bound=None):
         return 1.0 if (path == "xla") == (product.rows >= 16) else 2.0
 
     monkeypatch.setattr(matmul_choice, "time_product", timer)
@@ -368,7 +368,7 @@ def test_xla_dot_in_float32_computes_the_kernels_arithmetic_on_bfloat16_weights(
 
     llama_dir = checkpoint_factory("llama", vocab_size=512)
     monkeypatch.setattr(matmul_choice, "WIDEN_FROM_ROWS", 16)
-    def timer(product, path):  # the kernel below 16 rows; from 16, XLA's fp32 dot, then its bf16 one
+    def timer(product, path, bound=None):  # the kernel below 16 rows; from 16, XLA's fp32 dot, then its bf16 one
         return {"kernel": 1.0, "xla": 2.0}[path] if product.rows < 16 else {"xla_f32": 1.0, "xla": 1.5}.get(path, 2.0)
 
     monkeypatch.setattr(matmul_choice, "time_product", timer)

@@ -19,7 +19,7 @@ class FakeTimer:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, product, path):
+    def __call__(self, product, path, bound=None):
         self.calls.append((product, path))
         fast_xla = product.rows >= 128
         return {KERNEL: 2.0 if fast_xla else 1.0, XLA: 1.0 if fast_xla else 3.0,
@@ -27,12 +27,70 @@ class FakeTimer:
 
 
 def test_the_fastest_path_wins_per_shape(tmp_path):
-    """Widening to float32 is timed only for bf16 weights from 64 rows (the 128- and 512-row ones)."""
+    """Widening to float32 is timed only for bf16 weights from 64 rows (the 128- and 512-row ones).
+    XLA's dot, 3x the kernel's time at 8 rows, is not timed at 1 row of the same weight."""
     timer = FakeTimer()
     choices = MatmulChooser(tmp_path / "m.json", timer=timer).choose(SHAPES, measure=True)
     assert [choices[p] for p in SHAPES] == [KERNEL, KERNEL, XLA, XLA_F32, KERNEL]
     wide = {SHAPES[2], SHAPES[3]}
-    assert sorted(timer.calls) == sorted((p, path) for p in SHAPES for path in PATHS if path != XLA_F32 or p in wide)
+    timed = [(p, path) for p in SHAPES for path in PATHS if (path != XLA_F32 or p in wide) and (p, path) != (SHAPES[0], XLA)]
+    assert sorted(timer.calls) == sorted(timed)
+
+
+def test_a_path_out_of_the_race_is_not_timed_at_fewer_rows(tmp_path):
+    """Each weight is timed from its most rows down, the kernel first, and every path gets the
+    kernel's time as its bound. A path 1.5x the kernel's time or more is recorded as not timed
+    (null) at fewer rows of that weight, and a restart takes those as known; a path within 1.5x
+    stays in the race, and another weight's timings do not count."""
+    shapes = [Product(rows, 64, 192, "bfloat16") for rows in (1, 8, 32, 64)] + [Product(8, 64, 512, "bfloat16")]
+
+    def timer(product, path, bound=None):
+        calls.append((product.rows, product.width, path, bound))
+        if path == KERNEL:
+            return 1.0
+        return {64: 1.2, 32: 1.4, 8: 1.6}[product.rows] if path == XLA else 2.0  # xla_f32: out at 64 rows
+
+    calls = []
+    cache = tmp_path / "m.json"
+    choices = MatmulChooser(cache, timer=timer).choose(shapes, measure=True)
+    assert calls == [(64, 192, KERNEL, None), (64, 192, XLA, 1.0), (64, 192, XLA_F32, 1.0),
+                     (32, 192, KERNEL, None), (32, 192, XLA, 1.0), (8, 192, KERNEL, None), (8, 192, XLA, 1.0),
+                     (1, 192, KERNEL, None), (8, 512, KERNEL, None), (8, 512, XLA, 1.0)]
+    assert set(choices.values()) == {KERNEL}
+    timings = json.loads(cache.read_text())[matmul_choice.machine_key()]
+    assert timings["1x64x192:bfloat16"] == {KERNEL: 1.0, XLA: None}
+    calls.clear()
+    assert MatmulChooser(cache, timer=timer).choose(shapes, measure=True) == choices and calls == []
+
+
+def test_a_timing_far_behind_its_bound_stops_after_two_runs(monkeypatch):
+    """Every run of the fake clock takes 1 s: against a bound of 0.5 s (1 s is 2x it) the timing
+    stops after two runs; against 1 s, or without a bound, all five run."""
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            self.now += 1.0  # a run reads it at its start and its end: 1 s apart
+            return self.now
+
+    class Run:
+        def __init__(self):
+            self.runs = 0
+
+        def __call__(self, fn):
+            def run(*args):
+                self.runs += 1
+                return fn(*args)
+            return run
+
+    product = Product(8, 64, 32, "float32")
+    for bound, runs in ((0.5, 1 + 2), (1.0, 1 + 5), (None, 1 + 5)):
+        counter = Run()
+        monkeypatch.setattr(matmul_choice, "time", Clock())
+        monkeypatch.setattr(matmul_choice.jax, "jit", counter)
+        assert matmul_choice.time_product(product, XLA, bound) == 1.0
+        assert counter.runs == runs, bound
 
 
 def test_without_widening_the_float32_dot_is_neither_timed_nor_chosen(tmp_path):

@@ -17,6 +17,12 @@ where it races the kernel's 16-lane tiles; widening costs a pass over the weight
 it is timed only for products of `WIDEN_FROM_ROWS` rows or more, where the product's compute
 dwarfs that pass.
 
+Timing is most of a cold start's warm-up (a compile and a few runs per product and path), so
+paths that lose clearly are not timed to the last digit: XLA's paths only gain on the kernel as a
+product's rows grow (more products per weight byte read), so once one is `CLEAR_LOSS` times the
+kernel's time at some row count, it is not timed at fewer rows of that weight (cached as null);
+and a timing stops after two runs once it is that far behind the kernel on the same product.
+
 The timings are cached as JSON beside XLA's compiled buckets, under a key of this machine (CPU
 model, flags and core count), jax's version and the kernel source, so a restarted replica reuses
 them. Without measuring (warm-up off), cached choices apply and the rest stays on the kernel.
@@ -48,6 +54,8 @@ XLA_PATHS = (XLA, XLA_F32)
 """The paths that read the plain matrix."""
 WIDEN_FROM_ROWS = 64
 """The fewest rows at which `xla_f32` is timed (below it, widening the weight costs more than it can win)."""
+CLEAR_LOSS = 1.5
+"""A path this many times the kernel's time is out of the race: not timed further, nor at fewer rows."""
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -64,13 +72,15 @@ class Product:
         return f"{self.rows}x{self.depth}x{self.width}:{self.dtype}"
 
 
-Timer = Callable[[Product, str], float]
-"""Seconds one product takes on one path."""
+Timer = Callable[[Product, str, Optional[float]], float]
+"""Seconds one product takes on one path; with a bound (the kernel's seconds), it may stop early at
+a time of `CLEAR_LOSS` times the bound or more."""
 
 
-def time_product(product: Product, path: str, repeats: int = 5) -> float:
+def time_product(product: Product, path: str, bound: Optional[float] = None, repeats: int = 5) -> float:
     """The fastest of `repeats` runs after one that compiles and warms up (the least disturbed by
-    whatever else shares the cores; a median of 3 flipped choices near the crossover)."""
+    whatever else shares the cores; a median of 3 flipped choices near the crossover). Two runs
+    both `CLEAR_LOSS` times `bound` or more end it: that path will not be chosen."""
     x = jnp.ones((product.rows, product.depth), jnp.float32)
     if path == KERNEL:
         run, w = jax.jit(kernels.matmul), jnp.full((product.width // kernels.PANEL, product.depth, kernels.PANEL),
@@ -84,6 +94,8 @@ def time_product(product: Product, path: str, repeats: int = 5) -> float:
         start = time.perf_counter()
         run(x, w).block_until_ready()
         times.append(time.perf_counter() - start)
+        if bound is not None and len(times) >= 2 and min(times) >= CLEAR_LOSS * bound:
+            break
     return min(times)
 
 
@@ -116,21 +128,35 @@ class MatmulChooser:
         missing = [p for p in products if not set(wanted[p]) <= set(timings.get(p.key, {}))]
         if measure and missing:
             start = time.perf_counter()
-            timer = self.timer or time_product
-            for p in missing:
-                known = timings.setdefault(p.key, {})
-                known.update({path: timer(p, path) for path in wanted[p] if path not in known})
+            self._measure(products, missing, wanted, timings)
             logger.info("timed %d CPU matmul shapes in %.1f s", len(missing), time.perf_counter() - start)
             self._save(timings)
         choices = {}
         for p in products:
-            known = {path: t for path, t in timings.get(p.key, {}).items() if path in allowed}
+            known = {path: t for path, t in timings.get(p.key, {}).items() if path in allowed and t is not None}
             choices[p] = min(known, key=known.get) if known else KERNEL
-        logger.info("CPU matmul per shape (ms on the kernel / XLA's dot / XLA's dot in float32 -> chosen):\n%s",
-                    _table(choices, timings))
+        logger.info("CPU matmul per shape (ms on the kernel / XLA's dot / XLA's dot in float32, -: not timed "
+                    "-> chosen):\n%s", _table(choices, timings))
         return choices
 
-    def _load(self) -> dict[str, dict[str, float]]:
+    def _measure(self, products: list[Product], missing: list[Product], wanted: dict[Product, list[str]],
+                 timings: dict[str, dict[str, Optional[float]]]) -> None:
+        """Times each missing product's wanted paths, the kernel first, a weight's most rows first; a
+        path that lost clearly at more rows of the same weight is recorded as null (not timed)."""
+        timer = self.timer or time_product
+        for p in sorted(missing, key=lambda p: (p.depth, p.width, p.dtype, -p.rows)):
+            known = timings.setdefault(p.key, {})
+            more_rows = [timings.get(q.key, {}) for q in products
+                         if (q.depth, q.width, q.dtype) == (p.depth, p.width, p.dtype) and q.rows > p.rows]
+            for path in sorted(wanted[p], key=lambda path: path != KERNEL):
+                if path in known:
+                    continue
+                if path != KERNEL and any(_lost(t, path) for t in more_rows):
+                    known[path] = None
+                else:
+                    known[path] = timer(p, path, known.get(KERNEL) if path != KERNEL else None)
+
+    def _load(self) -> dict[str, dict[str, Optional[float]]]:
         if self.cache_file is None or not self.cache_file.is_file():
             return {}
         try:
@@ -139,7 +165,7 @@ class MatmulChooser:
             logger.warning("ignoring an unreadable CPU matmul cache %s", self.cache_file)
             return {}
 
-    def _save(self, timings: dict[str, dict[str, float]]) -> None:
+    def _save(self, timings: dict[str, dict[str, Optional[float]]]) -> None:
         if self.cache_file is None:
             return
         try:
@@ -170,11 +196,19 @@ def machine_key() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def _table(choices: dict[Product, str], timings: dict[str, dict[str, float]]) -> str:
+def _lost(timing: dict[str, Optional[float]], path: str) -> bool:
+    """Whether `path` was out of the race in one product's timings: clearly slower than the kernel,
+    or itself not timed for losing at more rows."""
+    if path not in timing or KERNEL not in timing:
+        return False
+    return timing[path] is None or timing[path] >= CLEAR_LOSS * timing[KERNEL]
+
+
+def _table(choices: dict[Product, str], timings: dict[str, dict[str, Optional[float]]]) -> str:
     lines = []
     for p, path in choices.items():
         t = timings.get(p.key)
         measured = "not measured" if t is None else " / ".join(
-            f"{1e3 * t[path]:8.3f}" if path in t else f"{'-':>8s}" for path in PATHS)
+            f"{1e3 * t[path]:8.3f}" if t.get(path) is not None else f"{'-':>8s}" for path in PATHS)
         lines.append(f"  {p.rows:5d} x {p.depth:5d} x {p.width:6d} {p.dtype:8s} {measured} -> {path}")
     return "\n".join(lines)
