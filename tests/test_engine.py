@@ -410,9 +410,12 @@ def test_xla_dot_in_float32_computes_the_kernels_arithmetic_on_bfloat16_weights(
 def test_requests_sent_while_programs_compile_are_answered_from_the_ready_ones(llama_dir, monkeypatch):
     """With the background compiler held after the first program (8 tokens: the full decode batch
     of 4 fits), every step takes that bucket, so a 30-token prompt is read 8 tokens at a time, and
-    the answers equal transformers'. Released, the rest compile, and a later request's prompt is
-    read in one step of the 24-token program, its logits computed for one row."""
+    the answers equal transformers'. Nothing compiles meanwhile: the first program's sampler variants
+    cover greedy and random sampling (a seeded request beside them). Released, the rest compile, and
+    a later request's prompt is read in one step of the 24-token program, its logits computed for one row."""
     import threading
+
+    import jax.monitoring
 
     from engine.core.buckets import Bucket
     from engine.runner import programs
@@ -430,9 +433,18 @@ def test_requests_sent_while_programs_compile_are_answered_from_the_ready_ones(l
         return step, slots
 
     monkeypatch.setattr(engine.planner, "build", spy)
+    compiles = []
+    traced = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+    listener = lambda event, seconds, **_: event in traced and compiles.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
     prompts = make_prompts([30, 5], seed=21)
-    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
-    got = run_to_completion(engine, {str(i): (p, greedy) for i, p in enumerate(prompts)})
+    greedy, seeded = SamplingParams(max_tokens=8, ignore_eos=True), SamplingParams(max_tokens=8, temperature=0.8, seed=5)
+    try:
+        got = run_to_completion(engine, {**{str(i): (p, greedy) for i, p in enumerate(prompts)},
+                                         "seeded": (prompts[1], seeded)})
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
     assert set(buckets) == {Bucket(8, 4)} and len(buckets) >= 4 + 7  # 30 + 5 prompt tokens in pieces of 8
     for i, prompt in enumerate(prompts):
         assert tokens_of(got[str(i)]) == hf_greedy(llama_dir, prompt, 8)[0]
@@ -472,6 +484,9 @@ def test_after_the_background_compiles_serving_compiles_nothing(llama_dir):
     try:
         greedy = SamplingParams(max_tokens=6, ignore_eos=True)
         run_to_completion(engine, {f"r{i}": (p, greedy) for i, p in enumerate(make_prompts([3, 9, 30, 17, 5]))})
+        # the variants the first program left to the background: random with logprobs, over 4 rows too
+        seeded = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=1, logprobs=1)
+        run_to_completion(engine, {f"s{i}": (p, seeded) for i, p in enumerate(make_prompts([3, 9, 30, 17, 5]))})
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)
     assert compiles == []

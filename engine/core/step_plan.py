@@ -96,6 +96,9 @@ WARM_SAMPLER_SWITCHES = (SamplerSwitches(), SamplerSwitches(random=True),
                          SamplerSwitches(random=True, constrain=True))
 """The variants warm-up compiles (once per distinct row count: a few seconds); penalties and
 top-k/p filtering compile on first use."""
+FIRST_SAMPLER_SWITCHES = (SamplerSwitches(), SamplerSwitches(random=True))
+"""The variants of the first bucket's rows compiled before a replica serves: greedy and random
+sampling, what most requests take; its other warm variants are the first background compile."""
 
 
 class DraftInputs(NamedTuple):

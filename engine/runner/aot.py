@@ -239,6 +239,7 @@ def _compile_all(steps, buckets, cache, mesh, vocab_size: int, axis_mapping,
     import jax
     import numpy as np
 
+    from engine.core.step_plan import WARM_SAMPLER_SWITCHES
     from engine.runner import sharding
 
     replicated = sharding.replicated(mesh)
@@ -252,7 +253,7 @@ def _compile_all(steps, buckets, cache, mesh, vocab_size: int, axis_mapping,
         for bucket in buckets.compile_order():
             try:
                 compiled = steps.compile_bucket(bucket, buckets, cache, prev_tokens, vocab_size, place,
-                                                samplers=bucket.rows not in sampler_rows)
+                                                samplers=() if bucket.rows in sampler_rows else WARM_SAMPLER_SWITCHES)
                 if draft is not None:
                     compiled += _compile_draft(draft, bucket, buckets, place, prev_tokens)
             except Exception as exc:  # noqa: BLE001 -- the compiler's word that a program cannot fit is a finding

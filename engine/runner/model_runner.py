@@ -26,7 +26,7 @@ import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import haliax as hax
 import jax
@@ -40,6 +40,7 @@ from engine.core.buckets import SMALLEST_BATCH, Bucket, ShapeBuckets
 from engine.core.config import EngineConfig
 from engine.core.grammar import mask_words
 from engine.core.step_plan import (
+    FIRST_SAMPLER_SWITCHES,
     WARM_SAMPLER_SWITCHES,
     DraftInputs,
     SamplerSwitches,
@@ -158,12 +159,12 @@ class _Steps:
         return self._prompt_logprobs(self.weights, hidden, index, targets)
 
     def compile_bucket(self, bucket: Bucket, buckets: ShapeBuckets, cache, prev_tokens, vocab_size: int,
-                       place, samplers: bool = True, lora: Optional[LoraPool] = None,
-                       images: Optional[ImageRows] = None) -> list[CompiledProgram]:
-        """Lower and compile (never run) one bucket's forward program and, with `samplers`, the
-        common sampler variants for its rows, with a padding step's arguments: `place` turns its
-        host arrays into the step's arguments (or their types); `cache`, `prev_tokens` and `lora`
-        may be types. Call under the mesh."""
+                       place, samplers: Sequence[SamplerSwitches] = WARM_SAMPLER_SWITCHES,
+                       lora: Optional[LoraPool] = None, images: Optional[ImageRows] = None) -> list[CompiledProgram]:
+        """Lower and compile (never run) one bucket's forward program and the `samplers` variants
+        for its rows, with a padding step's arguments: `place` turns its host arrays into the step's
+        arguments (or their types); `cache`, `prev_tokens` and `lora` may be types. Call under the
+        mesh. A forward program compiled before comes from jit's in-memory cache."""
         plan = empty_step_plan(bucket, buckets, step_id=-1)
         every_token = np.full((bucket.rows, mask_words(vocab_size)), -1, np.int32)
         inputs, sampling, masked = place((plan.inputs, plan.sampling, plan.sampling._replace(allowed=every_token)))
@@ -174,7 +175,7 @@ class _Steps:
         if samplers:
             info = lowered.out_info[0]  # the sampled rows' hidden states, as the forward program hands them over
             rows = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=forward.output_shardings[0])
-            for switches in WARM_SAMPLER_SWITCHES:
+            for switches in samplers:
                 start = time.perf_counter()
                 compiled = self.lower_sample(rows, masked if switches.constrain else sampling, switches).compile()
                 programs.append(CompiledProgram(f"sample R={bucket.rows} {switches.name}", compiled,
@@ -236,6 +237,8 @@ class ModelRunner:
         self._last_step: Optional[int] = None
         self._last_tokens = self._no_tokens
         self._sampler_rows: set[int] = set()
+        self._owed: Optional[Bucket] = None
+        """The first bucket, while its other sampler variants wait for the next compile."""
         self.compiler = StepCompiler(self.buckets.compile_order(), self._compile_bucket,
                                      lambda b: f"({b.tokens} tokens, {b.rows} rows)")
         logger.info("%s", self._startup_line())
@@ -347,11 +350,19 @@ class ModelRunner:
 
     def _compile_bucket(self, bucket: Bucket) -> None:
         """Compile one bucket's forward program and its common sampler variants without running
-        them, with the arguments' types of a real step (so the step finds them in jit's cache)."""
+        them, with the arguments' types of a real step (so the step finds them in jit's cache).
+        The first bucket, which serving waits for, takes only FIRST_SAMPLER_SWITCHES when more
+        follow; the next call compiles its other variants first."""
+        first = not self._sampler_rows
         with self._device_context():
-            self.steps.compile_bucket(bucket, self.buckets, self._cache_type, self._no_tokens, self.vocab_size,
-                                      self._global, samplers=bucket.rows not in self._sampler_rows,
-                                      lora=self._lora_type, images=self._images_type)
+            if self._owed is not None:
+                owed, self._owed = self._owed, None
+                self._compile_programs(owed, [s for s in WARM_SAMPLER_SWITCHES if s not in FIRST_SAMPLER_SWITCHES])
+            if first and len(self.compiler.order) > 1:
+                self._compile_programs(bucket, FIRST_SAMPLER_SWITCHES)
+                self._owed = bucket
+            else:
+                self._compile_programs(bucket, () if bucket.rows in self._sampler_rows else WARM_SAMPLER_SWITCHES)
             if self.draft_steps is not None:
                 inputs = self._global(empty_step_plan(bucket, self.buckets, step_id=-1).inputs)
                 self.draft_steps.lower_forward(self._draft_cache_type, inputs, self._no_tokens).compile()
@@ -359,6 +370,10 @@ class ModelRunner:
                     draft = self._global(draft_inputs(self.buckets, [], ready=[bucket]))
                     self.draft_steps.lower_propose(self._draft_cache_type, draft).compile()
         self._sampler_rows.add(bucket.rows)
+
+    def _compile_programs(self, bucket: Bucket, samplers) -> None:
+        self.steps.compile_bucket(bucket, self.buckets, self._cache_type, self._no_tokens, self.vocab_size,
+                                  self._global, samplers=samplers, lora=self._lora_type, images=self._images_type)
 
     def describe(self) -> dict[str, str]:
         """How this replica runs its model (logged at start; an info metric's labels)."""
