@@ -371,7 +371,7 @@ class ModelRunner:
                     self.draft_steps.lower_propose(self._draft_cache_type, draft).compile()
         self._sampler_rows.add(bucket.rows)
 
-    def _compile_programs(self, bucket: Bucket, samplers) -> None:
+    def _compile_programs(self, bucket: Bucket, samplers: Sequence[SamplerSwitches]) -> None:
         self.steps.compile_bucket(bucket, self.buckets, self._cache_type, self._no_tokens, self.vocab_size,
                                   self._global, samplers=samplers, lora=self._lora_type, images=self._images_type)
 

@@ -13,10 +13,10 @@ function of the engine config alone), and the leader plans with the buckets ever
 Compiling never runs a program: it lowers the jitted functions with the real arguments' types and
 compiles them, which fills jit's own cache, so the step that first runs a bucket finds its
 executable. The background thread runs at a lower priority than the engine's (Linux niceness is
-per thread), which covers tracing and lowering; XLA's own compiling runs on jaxlib's compile
-threads, at the niceness of the thread that started them (on the CPU, ~80% of a background
-compile's CPU time). A compile that fails is raised to the engine at its next step (it would fail
-the same way on first use).
+per thread), which covers tracing and lowering only: XLA's own compiling runs on jaxlib's compile
+threads, at the engine's niceness (most of a background compile's CPU time: docs/benchmarks.md).
+A compile that fails is raised to the engine at its next step (it would fail the same way on
+first use).
 """
 
 from __future__ import annotations
