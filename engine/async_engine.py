@@ -4,7 +4,8 @@ Any object with the `EngineCore` surface works (the real `LLMEngine`, or a fake 
 The engine itself is single-threaded: only the loop thread touches it. Callers talk to the loop
 through a command queue; deltas come back to each request's asyncio queue through
 `call_soon_threadsafe`. Closing or cancelling a request's iterator aborts it in the engine, so a
-client that goes away returns its KV pages.
+client that goes away returns its KV pages; so does the caller's event loop closing under an open
+iterator (the loop thread finds it when a delivery fails, and lives on).
 
 Failure is final and reaches every stream: the loop raising (a failed device, a lost host), a step
 running past `watchdog_s` (found by `check()`, which the replica's health probe calls; the stuck
@@ -64,8 +65,14 @@ class _Stream:
         self.loop = loop
         self.queue: asyncio.Queue[TokenDelta | BaseException] = asyncio.Queue()
 
-    def put(self, item: TokenDelta | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: TokenDelta | BaseException) -> bool:
+        """Queue `item` for the caller; False if the caller's event loop has closed, so nobody
+        will ever read this stream (its generator's `finally` may never run)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the only error call_soon_threadsafe raises here
+            return False
+        return True
 
 
 class AsyncEngine(WatchedWorker):
@@ -222,9 +229,13 @@ class AsyncEngine(WatchedWorker):
         with self._lock:
             targets = [(self._streams.get(d.request_id), d) for d in deltas]
         for stream, delta in targets:
-            if stream is not None:
-                stream.put(delta)
-            elif not delta.finished:  # nobody listens any more
+            if stream is not None and stream.put(delta):
+                continue
+            if stream is not None:  # its event loop closed under it
+                with self._lock:
+                    if self._streams.get(delta.request_id) is stream:
+                        del self._streams[delta.request_id]
+            if not delta.finished:  # nobody listens any more
                 self.core.abort(delta.request_id)
 
     def _die(self, cause: BaseException) -> None:

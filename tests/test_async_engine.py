@@ -94,6 +94,22 @@ def test_cancelling_the_consumer_aborts_and_frees_its_pages(engine):
     asyncio.run(run())
 
 
+
+def test_a_consumer_whose_event_loop_closes_is_aborted_and_the_loop_serves_on(engine):
+    """The caller's event loop closes while its stream is open and unclosed (its generator's
+    `finally` never runs): the engine loop drops the stream, aborts the request, and lives."""
+    loop = asyncio.new_event_loop()
+    stream = engine.generate("orphan", list(range(60, 80)), SamplingParams(max_tokens=100, ignore_eos=True))
+    first = loop.run_until_complete(anext(stream))
+    loop.close()
+    assert len(first.token_ids) == 1
+
+    async def after():
+        await wait_until(lambda: all_pages_free(engine))
+        return await collect(engine, "after", [5, 6, 7])
+
+    assert [len(d.token_ids) for d in asyncio.run(after())] == [1] * PARAMS.max_tokens
+    del stream  # its finalizer cannot run on the closed loop; keep it until the test is done
 def test_abort_ends_the_stream_with_an_abort_delta(engine):
     async def run():
         deltas = []
