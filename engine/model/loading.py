@@ -9,6 +9,7 @@ mistaken for a Hub repo id.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from pathlib import Path
@@ -135,8 +136,7 @@ def load_model(model_dir: str | Path, dtype: str):
         resize_vocab_to_match_tokenizer=False,
         dtype=jnp.dtype(dtype),
     )
-    model = cast_floating(model, jnp.dtype(dtype))  # levanter keeps a bf16 checkpoint in bf16
-    model = inputs_first(model)
+    model = _serving_layout(model, jnp.dtype(dtype))
     logger.info("loaded %s checkpoint %s (%d layers, %s)", info.family, path, info.num_layers, dtype)
     return model, info
 
@@ -192,6 +192,18 @@ def _fill_missing_qwen2_biases(converter, hf_config: dict) -> None:
         return state
 
     object.__setattr__(converter, "load_state_dict", load_with_zero_biases)
+
+
+def _serving_layout(model, dtype):
+    """The loaded model in `dtype` (levanter keeps a bf16 checkpoint in bf16) and `inputs_first`:
+    one program for all weights, which takes the loaded arrays (donated: nothing else holds them)."""
+    import equinox as eqx
+
+    @functools.partial(eqx.filter_jit, donate="all")
+    def relaid(model):
+        return inputs_first(cast_floating(model, dtype))
+
+    return relaid(model)
 
 
 def inputs_first(model):

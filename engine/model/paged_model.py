@@ -62,7 +62,7 @@ class ServingModel(eqx.Module):
         array is not split as the stack was), so no more than one layer is ever replicated."""
         layers = model.transformer.layers
         if not scan_layers:
-            layers = tuple(place(jax.tree_util.tree_map(jnp.copy, layers.get_layer(i))) for i in range(layers.Block.size))
+            layers = tuple(place(_layer_of(layers, jnp.int32(i))) for i in range(layers.Block.size))
         return ServingModel(model.embeddings, layers, model.transformer.norm, model.lm_head, rope, variant)
 
     @property
@@ -76,6 +76,13 @@ class ServingModel(eqx.Module):
     @property
     def first_layer(self):
         return self.layers[0] if isinstance(self.layers, tuple) else self.layers.stacked
+
+
+@eqx.filter_jit
+def _layer_of(layers, index: jax.Array):
+    """Layer `index` of a stack, as arrays of its own. The index is traced: every layer is cut by
+    the same one program (a replica compiles or loads one, not a slice and a copy per weight)."""
+    return layers.get_layer(index)
 
 
 class ImageRows(eqx.Module):

@@ -23,6 +23,7 @@ on CPU. One device only: the FFI calls have no partitioning rule.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 
@@ -88,9 +89,13 @@ class CpuBackend(XlaBackend):
 
     def _packed(self, model, rows: dict[str, list[int]], keep):
         """`model` with its packable layers packed and fused, each packed module then passed
-        through `keep(module, row counts)`, layer by layer (at most one layer's transient copies)."""
+        through `keep(module, row counts)`, layer by layer (at most one layer's transient copies).
+        A layer is packed by one program, the same for every layer; it takes the layer's arrays
+        (donated: the model's layers are not used again), so a weight kept in its own layout is
+        the same buffer."""
         pack = lambda m: PackedLinear.from_linear(m, self.weight_dtype) if _packable(m) else m  # noqa: E731
 
+        @functools.partial(eqx.filter_jit, donate="all")
         def packed_layer(layer):
             layer = _fuse(jax.tree_util.tree_map(pack, layer, is_leaf=_packable))
             return jax.tree_util.tree_map(lambda m: keep(m, rows["layers"]) if _is_packed(m) else m, layer,

@@ -43,6 +43,7 @@ from typing import Callable, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from engine.backends.cpu import kernels
 
@@ -81,13 +82,13 @@ def time_product(product: Product, path: str, bound: Optional[float] = None, rep
     """The fastest of `repeats` runs after one that compiles and warms up (the least disturbed by
     whatever else shares the cores; a median of 3 flipped choices near the crossover). Two runs
     both `CLEAR_LOSS` times `bound` or more end it: that path will not be chosen."""
-    x = jnp.ones((product.rows, product.depth), jnp.float32)
     if path == KERNEL:
-        run, w = jax.jit(kernels.matmul), jnp.full((product.width // kernels.PANEL, product.depth, kernels.PANEL),
-                                                   0.01, product.dtype)
+        run, w_shape = jax.jit(kernels.matmul), (product.width // kernels.PANEL, product.depth, kernels.PANEL)
     else:
-        run = jax.jit(functools.partial(kernels.xla_matmul, f32=path == XLA_F32))
-        w = jnp.full((product.depth, product.width), 0.01, product.dtype)
+        run, w_shape = jax.jit(functools.partial(kernels.xla_matmul, f32=path == XLA_F32)), (product.depth, product.width)
+    # operands made on the host: jnp.full would compile a program per shape
+    x = jax.device_put(np.ones((product.rows, product.depth), np.float32))
+    w = jax.device_put(np.full(w_shape, 0.01, jnp.dtype(product.dtype)))
     run(x, w).block_until_ready()
     times = []
     for _ in range(repeats):
