@@ -119,7 +119,7 @@ class LLMEngine:
         """Adapters by name (written by any thread, one assignment at a time)."""
         self.eos_token_ids = frozenset(self.executor.info.eos_token_ids)
         self.vocab_size = self.executor.vocab_size
-        self.grammars, self._no_grammars = _grammar_compiler(config.model, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(config.model, self.vocab_size, tuple(sorted(self.eos_token_ids)))
         self.planner = StepPlanner(self.executor.buckets, self.vocab_size, self.executor.info.eos_token_ids,
                                    self.grammars)
         self._sequences: dict[str, Sequence] = {}
@@ -164,10 +164,6 @@ class LLMEngine:
             raise InvalidRequestError(f"LoRA adapter {adapter!r} is not loaded; loaded: "
                                       f"{', '.join(sorted(self._adapters)) or 'none'}", "model")
         if params.grammar is not None:  # compiled once: `add_request` finds it compiled
-            if self.grammars is None:
-                raise InvalidRequestError(f"this model cannot constrain its output ({self._no_grammars}); send "
-                                          "the request without a response format or tool choice",
-                                          params.grammar.param)
             self.grammars.compile(params.grammar)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -496,15 +492,6 @@ class LLMEngine:
             return FinishReason.LENGTH
         return None
 
-
-
-def _grammar_compiler(model_dir: str, vocab_size: int, eos_token_ids) -> tuple[Optional[GrammarCompiler], str]:
-    """The model's grammar compiler, or None and why it cannot have one (e.g. no fast tokenizer)."""
-    try:
-        return GrammarCompiler(model_dir, vocab_size, tuple(sorted(eos_token_ids))), ""
-    except Exception as exc:  # noqa: BLE001 -- structured output is optional; everything else still serves
-        logger.warning("structured output is off for %s: %s", model_dir, exc)
-        return None, str(exc)
 
 
 def _row_results(plan: Plan, slots: RowSlots, out: StepOutput) -> list[RowResult]:

@@ -16,7 +16,7 @@ from parity import TIGHT, assert_all_pages_free, make_prompts, run_to_completion
 from transformers import AutoTokenizer
 
 from engine.core.config import EngineConfig
-from engine.core.grammar import JSON_DEFAULTS, mask_words
+from engine.core.grammar import JSON_DEFAULTS, GrammarCompiler, mask_words
 from engine.core.request import FinishReason, Grammar, InvalidRequestError, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.runner import sampler
@@ -127,6 +127,17 @@ def test_invalid_schema_is_refused_naming_the_problem(engine, schema, message):
         engine.validate([1, 2], SamplingParams(grammar=Grammar("json_schema", json.dumps(schema), "response_format")))
     assert str(info.value) == message and info.value.param == "response_format"
     assert engine.stats().num_waiting == 0
+
+
+def test_a_model_whose_tokenizer_llguidance_cannot_read_refuses_grammars_with_the_reason(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # no tokenizer.json: no fast tokenizer
+    compiler = GrammarCompiler(tmp_path, 64, (2,))
+    assert compiler.wait() is False
+    with pytest.raises(InvalidRequestError) as info:
+        compiler.compile(Grammar("regex", "[ab]+", "tool_choice"))
+    assert str(info.value).startswith("this model cannot constrain its output (")
+    assert str(info.value).endswith("); send the request without a response format or tool choice")
+    assert info.value.param == "tool_choice"
 
 
 def test_min_tokens_with_a_grammar_is_refused(engine):

@@ -17,8 +17,10 @@ ids the model has beyond the tokenizer's vocabulary.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -47,25 +49,53 @@ def mask_words(vocab_size: int) -> int:
 
 class GrammarCompiler:
     """Compiles grammars against one model's tokenizer. Thread-safe: the serving thread validates
-    requests while the engine's loop makes matchers."""
+    requests while the engine's loop makes matchers.
+
+    The tokenizer's llguidance form is built on a thread of its own from construction (about a
+    second for a 50k vocabulary), so a replica does not wait for it before it serves; the first
+    constrained request waits for the rest of it. If it cannot be built (e.g. the model has no
+    fast tokenizer), structured output is off and every grammar is refused with the reason."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        from engine.formats.transformers_files import load_tokenizer
-
-        start = time.perf_counter()
-        hf_tokenizer = load_tokenizer(model_dir)
-        eos = [t for t in eos_token_ids if t < vocab_size] or None
         self.vocab_size = vocab_size
-        self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
         self._executor = llguidance.LLExecutor()  # 80% of the CPUs, at most 32 threads
+        self._built: concurrent.futures.Future = concurrent.futures.Future()
         # a request is checked on the serving thread, then its matcher made on the engine's, once per
         # choice: each grammar compiles once (lru_cache is thread-safe; errors are not cached)
         self.compile = functools.lru_cache(maxsize=COMPILED_GRAMMARS)(self._compile)
-        logger.info("structured output: tokenizer of %d ids ready in %.2f s", vocab_size, time.perf_counter() - start)
+        threading.Thread(target=self._build, args=(model_dir, eos_token_ids), name="grammar-tokenizer",
+                         daemon=True).start()
+
+    def _build(self, model_dir: str | Path, eos_token_ids: tuple[int, ...]) -> None:
+        from engine.formats.transformers_files import load_tokenizer
+
+        start = time.perf_counter()
+        try:
+            hf_tokenizer = load_tokenizer(model_dir)
+            eos = [t for t in eos_token_ids if t < self.vocab_size] or None
+            tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+        except Exception as exc:  # noqa: BLE001 -- structured output is optional; everything else still serves
+            logger.warning("structured output is off for %s: %s", model_dir, exc)
+            self._built.set_exception(exc)
+            return
+        self._built.set_result(tokenizer)
+        logger.info("structured output: tokenizer of %d ids ready in %.2f s", self.vocab_size,
+                    time.perf_counter() - start)
+
+    def wait(self) -> bool:
+        """Wait until the tokenizer is built; whether structured output is on."""
+        return self._built.exception() is None
+
+    @property
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        return self._built.result()
 
     def _compile(self, grammar: Grammar) -> str:
         """llguidance's form of `grammar`; InvalidRequestError (naming grammar.param) if it is invalid.
         Called through `compile`, which remembers the latest grammars."""
+        if not self.wait():
+            raise InvalidRequestError(f"this model cannot constrain its output ({self._built.exception()}); send "
+                                      "the request without a response format or tool choice", grammar.param)
         try:
             if grammar.kind == "json_schema":
                 text = llguidance.LLMatcher.grammar_from_json_schema(grammar.source, defaults=JSON_DEFAULTS)

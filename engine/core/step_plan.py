@@ -187,7 +187,7 @@ class StepPlanner:
 
     def __init__(self, buckets: ShapeBuckets, vocab_size: int, eos_token_ids: tuple[int, ...],
                  grammars: Optional[GrammarCompiler] = None):
-        """`grammars` fills constrained rows' masks (none: the engine refuses such requests)."""
+        """`grammars` fills constrained rows' masks (None where no row is ever constrained)."""
         self.grammars = grammars
         self.buckets = buckets
         self.page_size = buckets.page_size
