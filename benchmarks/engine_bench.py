@@ -10,7 +10,9 @@ random prompt tokens and `--new-tokens` new tokens per request with EOS ignored,
 submitted at once; with `--requests N`, a closed loop like `jax-serve-bench --max-concurrency batch`:
 each finished request is replaced by a new one until N have run (the engine's ceiling under the
 serving comparison, without HTTP, Ray or detokenizing). Compile time is excluded (the engine warms up
-first). Prints one row per batch size; each figure is the median of `--repeats` runs.
+first). Prints one row per batch size; each figure is the median of `--repeats` runs. "of batch /
+step" is output tok/s as a share of batch / decode step, what the run would make if every step
+were a full batch of decodes: the rest went to prefill and to steps with fewer rows.
 
 `--grammar none,json` runs each batch size both free and under a JSON schema (structured output:
 an array of strings that cannot close before `--new-tokens`, so both produce as many tokens),
@@ -268,13 +270,13 @@ def main(argv=None) -> None:
                 engine.wait_until_compiled()  # steady state: every step program compiled
         if batch == batches[0]:
             d = engine.describe()
-            print(f"| batch | grammar | output tok/s | decode step ms | run s | steps |"
+            print(f"| batch | grammar | output tok/s | decode step ms | of batch / step | run s | steps |"
                   f"{' replayed step ms |' * args.replay}"
                   f"  ({d['dtype']}, {d['attention_backend']} "
                   f"backend, cpu_matmul {args.cpu_matmul}, tp={d['tensor_parallel_size']}, hosts={d['num_hosts']}, "
                   f"{args.prompt_len} in / "
                   f"{args.new_tokens} out)")
-            print("|---|---|---|---|---|---|" + "---|" * args.replay)
+            print("|---|---|---|---|---|---|---|" + "---|" * args.replay)
         runs = {g: [] for g in grammars}
         for seed in range(args.repeats):  # interleaved: drift hits every grammar alike
             for g in grammars:
@@ -286,8 +288,9 @@ def main(argv=None) -> None:
         for g in grammars:
             med = {k: statistics.median(r[k] for r in runs[g]) for k in runs[g][0]}
             step_ms.setdefault(batch, med["step_ms"])
-            print(f"| {batch} | {g} | {med['tok_s']:.0f} | {med['step_ms']:.2f} | {med['seconds']:.2f} | "
-                  f"{med['steps']:.0f} |{replayed}", flush=True)
+            ceiling = 1000 * batch / med["step_ms"]  # every step a full batch of decodes
+            print(f"| {batch} | {g} | {med['tok_s']:.0f} | {med['step_ms']:.2f} | {med['tok_s'] / ceiling:.0%} | "
+                  f"{med['seconds']:.2f} | {med['steps']:.0f} |{replayed}", flush=True)
     if args.num_hosts > 1 and args.one_engine:
         engine.shutdown()
     if bandwidth:
