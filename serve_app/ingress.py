@@ -576,8 +576,9 @@ def _ending_span(response: Response, span) -> Response:
 
     async def ending() -> AsyncIterator:
         try:
-            async for part in body:
-                yield part
+            async with contextlib.aclosing(body):
+                async for part in body:
+                    yield part
         finally:
             span.end()
 

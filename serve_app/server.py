@@ -155,9 +155,11 @@ class ModelServer(Replica):
                 finals = []
                 batches = merge_batches(self._runs(job, context.arrival_time), self._chunk_interval,
                                         flush=lambda update: update.finish_reason is not None)
-                async for batch in with_keepalive(batches, self._keepalive_s):  # [] while there is no output
-                    finals += [u for u in batch if u.finish_reason is not None]
-                    yield [job.formatter.chunk(u).model_dump_json() for u in batch]
+                # closed with this stream (a client gone): its engine requests end now, not when collected
+                async with contextlib.aclosing(with_keepalive(batches, self._keepalive_s)) as kept:
+                    async for batch in kept:  # [] while there is no output
+                        finals += [u for u in batch if u.finish_reason is not None]
+                        yield [job.formatter.chunk(u).model_dump_json() for u in batch]
                 if request.include_usage:
                     yield [job.formatter.usage_chunk(total_usage(finals, job.n)).model_dump_json()]
         except Exception as exc:

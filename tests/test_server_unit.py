@@ -440,6 +440,7 @@ def test_closing_a_stream_aborts_every_choice_and_frees_the_kv_cache(checkpoint)
         chunks = server.stream_chunks(request, RequestContext(time.time()))
         first = await anext(chunks)
         await chunks.aclose()
+        assert server.engine._streams == {}  # every choice let go within aclose, not when collected later
         return first
 
     assert len(asyncio.run(read_one_batch_then_leave())) >= 1
