@@ -156,7 +156,10 @@ class ModelConfig(BaseModel):
     """Niceness of the engine's threads (the loop, XLA's thread pools). Ray starts its workers at 15
     so that its daemons win the CPU; on a CPU-only host the engine is the work, and at 15 every
     daemon wake-up stalls a decode step. Lowering it needs CAP_SYS_NICE (root in most containers);
-    without it a warning suggests `RAY_worker_niceness=0`. None keeps Ray's."""
+    without it a warning suggests `RAY_worker_niceness=0`. None keeps Ray's. Where several models'
+    replicas share a small host, a higher value for the secondary ones gives the main one the CPU
+    first, their compiles at start included (docs/benchmarks.md, "what a second replica's
+    background compiles cost")."""
     health_check_period_s: float = Field(10.0, gt=0)
     """How often Ray Serve probes a replica; a replica whose engine died is restarted."""
     health_check_timeout_s: float = Field(30.0, gt=0)
