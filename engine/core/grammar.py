@@ -74,7 +74,7 @@ class GrammarCompiler:
             hf_tokenizer = load_tokenizer(model_dir)
             eos = [t for t in eos_token_ids if t < self.vocab_size] or None
             tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
-        except Exception as exc:  # noqa: BLE001 -- structured output is optional; everything else still serves
+        except BaseException as exc:  # noqa: BLE001 -- structured output is optional; no waiter may hang
             logger.warning("structured output is off for %s: %s", model_dir, exc)
             self._built.set_exception(exc)
             return
