@@ -6,6 +6,7 @@ token budget below the longest prompt) and must preempt (a small page pool).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -407,6 +408,25 @@ def test_xla_dot_in_float32_computes_the_kernels_arithmetic_on_bfloat16_weights(
                                    [lp.logprob for d in kernel for lp in d.logprobs], atol=1e-4)
 
 
+@contextlib.contextmanager
+def recorded_compiles():
+    """The misses in jit's own cache while the block runs (each trace and each backend compile),
+    whether or not the persistent compilation cache then has the executable."""
+    import jax.monitoring
+
+    compiles = []
+
+    def on_event(event: str, seconds: float, **_) -> None:
+        if event in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+
+
 def test_requests_sent_while_programs_compile_are_answered_from_the_ready_ones(llama_dir, monkeypatch):
     """With the background compiler held after the first program (8 tokens: the full decode batch
     of 4 fits), every step takes that bucket, so a 30-token prompt is read 8 tokens at a time, and
@@ -414,8 +434,6 @@ def test_requests_sent_while_programs_compile_are_answered_from_the_ready_ones(l
     cover greedy and random sampling (a seeded request beside them). Released, the rest compile, and
     a later request's prompt is read in one step of the 24-token program, its logits computed for one row."""
     import threading
-
-    import jax.monitoring
 
     from engine.core.buckets import Bucket
     from engine.runner import programs
@@ -433,17 +451,11 @@ def test_requests_sent_while_programs_compile_are_answered_from_the_ready_ones(l
         return step, slots
 
     monkeypatch.setattr(engine.planner, "build", spy)
-    compiles = []
-    traced = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
-    listener = lambda event, seconds, **_: event in traced and compiles.append(event)  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
     prompts = make_prompts([30, 5], seed=21)
     greedy, seeded = SamplingParams(max_tokens=8, ignore_eos=True), SamplingParams(max_tokens=8, temperature=0.8, seed=5)
-    try:
+    with recorded_compiles() as compiles:
         got = run_to_completion(engine, {**{str(i): (p, greedy) for i, p in enumerate(prompts)},
                                          "seeded": (prompts[1], seeded)})
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
     assert set(buckets) == {Bucket(8, 4)} and len(buckets) >= 4 + 7  # 30 + 5 prompt tokens in pieces of 8
     for i, prompt in enumerate(prompts):
@@ -469,26 +481,15 @@ def test_after_the_background_compiles_serving_compiles_nothing(llama_dir):
     with the arguments' types a real step passes (the previous step's tokens included), so once the
     last is in, requests wait for no compiler. A trace is a miss in jit's own cache, whether or not
     the persistent compilation cache then has the executable."""
-    import jax.monitoring
-
     engine = LLMEngine(EngineConfig(model=str(llama_dir), **{**TIGHT, "warmup": True}))
     assert engine.wait_until_compiled(timeout=600)
     assert engine.stats().compiled_programs == engine.stats().step_programs == 4
-    compiles = []
-
-    def on_event(event: str, seconds: float, **_) -> None:
-        if event in ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"):
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with recorded_compiles() as compiles:
         greedy = SamplingParams(max_tokens=6, ignore_eos=True)
         run_to_completion(engine, {f"r{i}": (p, greedy) for i, p in enumerate(make_prompts([3, 9, 30, 17, 5]))})
         # the variants the first program left to the background: random with logprobs, over 4 rows too
         seeded = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=1, logprobs=1)
         run_to_completion(engine, {f"s{i}": (p, seeded) for i, p in enumerate(make_prompts([3, 9, 30, 17, 5]))})
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
     assert compiles == []
     assert_all_pages_free(engine)
 
