@@ -11,10 +11,12 @@ bytes of single tokens for logprobs.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from tokenizers import decoders
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is loaded, not by the app's builder
+    from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 4

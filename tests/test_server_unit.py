@@ -520,6 +520,12 @@ def test_the_ingress_does_not_load_transformers():
     assert imported_after("import serve_app.ingress", ("transformers", "torch", "jax")) == []
 
 
+def test_building_the_app_does_not_load_transformers():
+    """`serve run` builds the app in a task of its own before any replica starts: importing the
+    builder stays off transformers (a model server imports it when it loads its tokenizer)."""
+    assert imported_after("from serve_app import build_app", ("transformers", "torch", "jax")) == []
+
+
 def test_engine_niceness_applies_to_threads_started_afterwards():
     """Linux niceness is per thread: the replica sets it before the engine starts its threads."""
     import os

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
@@ -67,6 +66,8 @@ class GrammarCompiler:
                          daemon=True).start()
 
     def _build(self, model_dir: str | Path, eos_token_ids: tuple[int, ...]) -> None:
+        import llguidance.hf  # imports transformers: here, not where the app is built
+
         from engine.formats.transformers_files import load_tokenizer
 
         start = time.perf_counter()
