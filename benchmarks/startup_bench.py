@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/startup_bench.py --runs 2            # an empty compilation cache, then the one it left
     .venv/bin/python benchmarks/startup_bench.py --repo /path/to/other/checkout   # the same for another checkout
+    .venv/bin/python benchmarks/startup_bench.py --runs 3 --floor imports         # Ray Serve's own share
 
 Starts `serve run` on the repository's deploy/config.yaml (models already fetched and converted:
 run it once before), with every model's `compilation_cache_dir` pointed at a fresh directory, and
@@ -9,7 +10,9 @@ sends the README's chat request every 0.5 s until one is answered; prints the se
 command to that answer, and to `/health` 200. `--runs N` starts N times on the same directory:
 the first with an empty cache, the rest with the cache the earlier runs left. The server and its
 Ray instance are stopped after each run. `--repo` runs another checkout's code and config with
-this machine's venv (for side-by-side figures against an older version).
+this machine's venv (for side-by-side figures against an older version). `--floor bare|imports`
+runs benchmarks/serve_floor_app.py instead: the default app's shape without a model (see there),
+what any application costs `serve run` on this machine.
 """
 
 from __future__ import annotations
@@ -60,6 +63,14 @@ def config_with_cache(repo: Path, cache: Path, port: int) -> Path:
     return path
 
 
+def floor_config(work: Path, port: int, imports: bool) -> Path:
+    app = {"name": "floor", "route_prefix": "/", "import_path": "benchmarks.serve_floor_app:build_app",
+           "runtime_env": {"env_vars": {"USE_TORCH": "0"}}, "args": {"imports": imports}}
+    path = work / "floor.yaml"
+    path.write_text(yaml.safe_dump({"http_options": {"host": "127.0.0.1", "port": port}, "applications": [app]}))
+    return path
+
+
 def one_start(repo: Path, config: Path, port: int, timeout: float) -> tuple[float, float, str]:
     """(seconds to /health 200, seconds to the first chat answer, its text)."""
     env = {**os.environ, "PYTHONPATH": str(repo)}
@@ -98,14 +109,19 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=2, help="starts on one cache directory, the first on an empty one")
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--floor", choices=("bare", "imports"),
+                        help="time benchmarks/serve_floor_app.py (no model) instead of deploy/config.yaml")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "xla"
-        config = config_with_cache(args.repo.resolve(), cache, args.port)
+        if args.floor:
+            config = floor_config(Path(tmp), args.port, args.floor == "imports")
+        else:
+            config = config_with_cache(args.repo.resolve(), cache, args.port)
         print(f"| run | compilation cache | /health 200 s | first chat answer s | answer |  ({args.repo})")
         print("|---|---|---|---|---|")
         for run in range(args.runs):
-            state = "empty" if run == 0 else "from the runs before"
+            state = "none (no model)" if args.floor else "empty" if run == 0 else "from the runs before"
             health, first, text = one_start(args.repo.resolve(), config, args.port, args.timeout)
             print(f"| {run + 1} | {state} | {health:.1f} | {first:.1f} | {text!r} |", flush=True)
 
