@@ -66,12 +66,12 @@ class GrammarCompiler:
                          daemon=True).start()
 
     def _build(self, model_dir: str | Path, eos_token_ids: tuple[int, ...]) -> None:
-        import llguidance.hf  # imports transformers: here, not where the app is built
-
-        from engine.formats.transformers_files import load_tokenizer
-
         start = time.perf_counter()
         try:
+            import llguidance.hf  # imports transformers: here, not where the app is built
+
+            from engine.formats.transformers_files import load_tokenizer
+
             hf_tokenizer = load_tokenizer(model_dir)
             eos = [t for t in eos_token_ids if t < self.vocab_size] or None
             tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
