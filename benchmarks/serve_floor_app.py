@@ -29,6 +29,7 @@ class FloorServer:
 @serve.deployment(ray_actor_options={"num_cpus": 0.1})
 class FloorIngress:
     def __init__(self, text, embeddings):
+        # both servers are bound so that both start, as the default app's do; chat reaches the text one
         self.text, self.embeddings = text, embeddings
 
     async def __call__(self, request: Request) -> dict:
