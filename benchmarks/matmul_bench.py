@@ -8,18 +8,22 @@ attention output, fused gate/up, down), f32[rows, in] times a bfloat16 weight on
 packed panels on 8-lane vectors and (where the CPU has AVX-512) on 16-lane ones, XLA's dot on
 bf16 activations, and XLA's dot on fp32 activations over the weight widened in the step (what
 `cpu_matmul: auto` chooses among). All are compiled in one process and timed alternately; prints
-the median of `--repeats` runs in ms and GFLOP/s.
+the median of `--repeats` runs in ms and GFLOP/s. `--reference` adds PyTorch's float32 and bfloat16
+products (oneDNN / MKL on x86) on as many threads as this process may use: what a tuned BLAS
+reaches on the same host.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from engine.backends.cpu import kernels
 
@@ -37,9 +41,23 @@ def paths(wide: bool) -> dict:
     return out
 
 
-def time_once(run, x, w) -> float:
+def jax_call(run, x, w):
+    return lambda: run(x, w).block_until_ready()
+
+
+def torch_products(x, plain) -> dict:
+    """name -> a call of PyTorch's product of the same operands, float32 and bfloat16."""
+    import torch
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    x32, w32 = torch.from_numpy(np.array(x)), torch.from_numpy(np.array(plain, np.float32))
+    x16, w16 = x32.to(torch.bfloat16), w32.to(torch.bfloat16)
+    return {"torch fp32": lambda: torch.mm(x32, w32), "torch bf16": lambda: torch.mm(x16, w16)}
+
+
+def time_once(call) -> float:
     start = time.perf_counter()
-    run(x, w).block_until_ready()
+    call()
     return time.perf_counter() - start
 
 
@@ -48,23 +66,29 @@ def main() -> None:
     parser.add_argument("--rows", default="32,128,512,2048", help="comma-separated row counts")
     parser.add_argument("--shapes", default=SMOLLM2, help="comma-separated in x out products")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--reference", action="store_true", help="add PyTorch's products (oneDNN / MKL)")
     args = parser.parse_args()
     if not kernels.available():
         raise SystemExit("the CPU kernels are not available here (needs x86 with AVX2 + FMA and g++)")
     runs = paths(kernels.wide_vectors())
-    print("rows x in x out | " + " | ".join(runs) + "   (ms, median; GFLOP/s)")
+    names = list(runs) + (["torch fp32", "torch bf16"] if args.reference else [])
+    print("rows x in x out | " + " | ".join(names) + "   (ms, median; GFLOP/s)")
     for rows in (int(r) for r in args.rows.split(",")):
         for shape in args.shapes.split(","):
             depth, width = (int(s) for s in shape.split("x"))
             x = jnp.ones((rows, depth), jnp.float32)
             packed = jnp.full((width // kernels.PANEL, depth, kernels.PANEL), 0.01, jnp.bfloat16)
             plain = jnp.full((depth, width), 0.01, jnp.bfloat16)
-            for run, reads_panels in runs.values():
-                run(x, packed if reads_panels else plain).block_until_ready()
-            times = {name: [] for name in runs}
+            calls = {name: jax_call(run, x, packed if reads_panels else plain)
+                     for name, (run, reads_panels) in runs.items()}
+            if args.reference:
+                calls.update(torch_products(x, plain))
+            for call in calls.values():
+                call()  # compile / warm up
+            times = {name: [] for name in calls}
             for _ in range(args.repeats):
-                for name, (run, reads_panels) in runs.items():
-                    times[name].append(time_once(run, x, packed if reads_panels else plain))
+                for name, call in calls.items():
+                    times[name].append(time_once(call))
             flops = 2 * rows * depth * width
             cells = [f"{1e3 * statistics.median(t):8.2f} ({flops / statistics.median(t) / 1e9:4.0f})"
                      for t in times.values()]

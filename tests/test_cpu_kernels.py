@@ -379,6 +379,17 @@ def test_the_kernel_and_the_xla_backend_attend_a_packed_step_alike():
     assert not kernel[7:].any()
 
 
+def test_the_attention_benchmarks_pytorch_reference_computes_what_the_kernel_does():
+    """`attention_bench.py --reference` times PyTorch's attention over the same prompt: its keys and
+    values gathered out of the shuffled pages, one copy per query head, the queries unscaled."""
+    from benchmarks.attention_bench import inputs, torch_attention
+
+    q, k, v, pages, rows, lens = inputs(tokens=45, kv_heads=2, group=3, dim=32, page_size=16, seed=3)
+    kernel = np.asarray(jax.jit(paged_attention)(q, k, v, 0, pages, rows, lens))
+    reference = torch_attention(q, k, v, pages)().numpy()[0]  # [query head, token, dim]
+    np.testing.assert_allclose(kernel, reference.transpose(1, 0, 2).reshape(kernel.shape), rtol=1e-5, atol=1e-5)
+
+
 def test_a_failing_build_falls_back_with_a_warning(tmp_path):
     """No working compiler: available() is False and the warning says why (the engine then uses
     XLA's ops)."""
