@@ -11,6 +11,7 @@ a 400 before anything is queued; `dimensions` only truncates a model trained for
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -56,7 +57,7 @@ class EmbeddingServer(Replica):
         """The JSON of an embeddings response."""
         try:
             dimensions = self._dimensions(request.dimensions)
-            inputs = [self._input_ids(i, value) for i, value in enumerate(request.inputs)]
+            inputs = await asyncio.to_thread(self._inputs, request.inputs)
             tracker = self.metrics.track(f"embd-{uuid.uuid4().hex}", arrival_time)
             prompt_tokens = sum(map(len, inputs))
             reason = "abort"
@@ -81,6 +82,11 @@ class EmbeddingServer(Replica):
         return self._max_model_len
 
     # ---- internals ----
+
+    def _inputs(self, values: list[Any]) -> list[list[int]]:
+        """Each input's token ids. Run on a worker thread: tokenizing a large batch must not hold up
+        the event loop (the tokenizer releases the GIL)."""
+        return [self._input_ids(i, value) for i, value in enumerate(values)]
 
     def _input_ids(self, index: int, value: Any) -> list[int]:
         if isinstance(value, str) and not value:

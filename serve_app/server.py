@@ -1,7 +1,7 @@
 """The model-server deployment: one tokenizer and one async engine per replica.
 
 The path of one request through a replica: the ingress sends a parsed OpenAI request; `_job` turns
-it into token ids (a chat template for chat) and one engine request per choice (n > 1 fans out as
+it, on a worker thread, into token ids (a chat template for chat) and one engine request per choice (n > 1 fans out as
 ids f"{rid}-{i}" with seeds seed + i); `_run` turns each engine request's token deltas into
 `ChoiceUpdate`s (incremental text, stop strings, logprobs, counts); the choices are merged and
 formatted as OpenAI chunks (batched over `stream_batch_ms`) or as one response.
@@ -151,7 +151,7 @@ class ModelServer(Replica):
         try:
             images = await self._images(request)
             async with self._adapter(context.lora) as adapter:
-                job = self._job(request, adapter, span, images)
+                job = await self._prepare(request, adapter, span, images)
                 finals = []
                 batches = merge_batches(self._runs(job, context.arrival_time), self._chunk_interval,
                                         flush=lambda update: update.finish_reason is not None)
@@ -179,7 +179,7 @@ class ModelServer(Replica):
         try:
             images = await self._images(request)
             async with self._adapter(context.lora) as adapter:
-                job = self._job(request, adapter, span, images)
+                job = await self._prepare(request, adapter, span, images)
                 choices = {s.index: ChoiceUpdate(s.index) for s in job.samples}
                 async for batch in merge_batches(self._runs(job, context.arrival_time)):
                     for update in batch:
@@ -233,6 +233,14 @@ class ModelServer(Replica):
         return self.engine.stats().max_model_len
 
     # ---- requests to engine requests ----
+
+    async def _prepare(self, request: OpenAIRequest, adapter: Optional[str], span,
+                       images: tuple[ImageInput, ...]) -> Job:
+        """`_job` on a worker thread: a long prompt's template and tokenizing (~70 ms for 20,000
+        tokens; the tokenizer releases the GIL) or a grammar's first compile must not hold up the
+        streams this event loop serves. A client gone meanwhile drops the job: nothing is queued
+        in the engine until `_run`."""
+        return await asyncio.to_thread(self._job, request, adapter, span, images)
 
     def _job(self, request: OpenAIRequest, adapter: Optional[str] = None, span=None,
              images: tuple[ImageInput, ...] = ()) -> Job:

@@ -35,12 +35,18 @@ class PromptInput:
 
 
 class PromptTokenizer:
-    """The Hugging Face tokenizer of one model, with the checks a server needs."""
+    """The Hugging Face tokenizer of one model, with the checks a server needs.
+
+    Thread-safety: requests are tokenized on worker threads while streams decode on the event
+    loop. The fast tokenizer allows that as long as every call only reads it; an encode changes
+    it only to reset truncation or padding settings that differ from the call's, which the encode
+    in __init__ settles (no call here asks for truncation or padding)."""
 
     def __init__(self, model_dir: str, model_id: str):
         self.hf = load_tokenizer(model_dir)
         self.model_id = model_id
         self.vocab_size = len(self.hf)  # a fast tokenizer's len() builds its whole vocab dict: ~10 ms
+        self.hf.encode("")
 
     def prompt(self, prompt: Union[str, list[int]], param: str = "prompt") -> PromptInput:
         """Text (with the tokenizer's special tokens) or token ids (checked, used as given)."""

@@ -10,6 +10,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -448,6 +449,44 @@ def test_closing_a_stream_aborts_every_choice_and_frees_the_kv_cache(checkpoint)
     assert sorted(r.rsplit("-", 1)[1] for r in server.engine.core.aborted) == ["0", "1", "2"]
     stats = wait_for(lambda: (s := server.engine.stats()).num_running == 0 and s, what="an idle engine")
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    server.engine.shutdown()
+
+
+def test_a_request_being_tokenized_does_not_hold_up_the_streams_of_others(checkpoint, tokenizer):
+    """Requests are prepared (chat template, tokenizing, a grammar's compile) off the event loop:
+    while one is held inside its tokenizing, a running stream goes on delivering; then the held
+    one is answered in full."""
+    server = make_server(checkpoint, "SlowFakeEngine")
+    entered, release = threading.Event(), threading.Event()
+    encode = server.prompts.prompt
+
+    def held_prompt(value, param="prompt"):
+        if value == "Held back":
+            entered.set()
+            if not release.wait(timeout=30):
+                raise TimeoutError("never released: the event loop was blocked while this request was tokenized")
+        return encode(value, param)
+
+    server.prompts.prompt = held_prompt
+    running = CompletionRequest(model=MODEL, prompt="Hello world", max_tokens=100, ignore_eos=True, stream=True)
+    held = CompletionRequest(model=MODEL, prompt="Held back", max_tokens=2, ignore_eos=True, temperature=0)
+
+    async def scenario():
+        chunks = server.stream_chunks(running, RequestContext(time.time()))
+        await anext(chunks)
+        answer = asyncio.create_task(server.respond(held, RequestContext(time.time())))
+        assert await asyncio.to_thread(entered.wait, 30)
+        delivered = await anext(chunks)  # while the other request is still held in its tokenizing
+        release.set()
+        body = json.loads(await answer)
+        await chunks.aclose()
+        return delivered, body
+
+    delivered, body = asyncio.run(scenario())
+    assert len(delivered) >= 1 and json.loads(delivered[0])["choices"][0]["text"]
+    ids = tokenizer.encode("Held back")
+    assert body["choices"][0]["text"] == tokenizer.decode(repeat_prompt(ids, 0, 2))
+    assert body["usage"] == usage(len(ids), 2)
     server.engine.shutdown()
 
 
