@@ -1,10 +1,10 @@
 """The model-server deployment: one tokenizer and one async engine per replica.
 
 The path of one request through a replica: the ingress sends a parsed OpenAI request; `_job` turns
-it, on a worker thread, into token ids (a chat template for chat) and one engine request per choice (n > 1 fans out as
-ids f"{rid}-{i}" with seeds seed + i); `_run` turns each engine request's token deltas into
-`ChoiceUpdate`s (incremental text, stop strings, logprobs, counts); the choices are merged and
-formatted as OpenAI chunks (batched over `stream_batch_ms`) or as one response.
+it, on a worker thread, into token ids (a chat template for chat) and one engine request per choice
+(n > 1 fans out as ids f"{rid}-{i}" with seeds seed + i); `_run` turns each engine request's token
+deltas into `ChoiceUpdate`s (incremental text, stop strings, logprobs, counts); the choices are
+merged and formatted as OpenAI chunks (batched over `stream_batch_ms`) or as one response.
 
 A request for a LoRA adapter arrives with its `LoraRef`: the replica reads the adapter on first
 use (serve_app.lora) and runs the request's engine requests with it.
