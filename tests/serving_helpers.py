@@ -1,5 +1,6 @@
 """Helpers shared by the serving tests: waiting on a condition, reading server-sent events,
-finding the Ray processes a test started, and serving a checkpoint in this process."""
+finding the Ray processes a test started, serving a checkpoint in this process, and holding a
+request inside its tokenizing."""
 
 from __future__ import annotations
 
@@ -7,9 +8,32 @@ import contextlib
 import json
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
+
+
+@contextlib.contextmanager
+def held_in_tokenizing(prompts, text: str):
+    """Patches `prompts` (a replica's PromptTokenizer) so that tokenizing the prompt `text` waits
+    for the yielded `release` event; `entered` is set once it waits. Unreleased after 30 s, the
+    request fails with a TimeoutError that names the likely cause."""
+    entered, release = threading.Event(), threading.Event()
+    encode = prompts.prompt
+
+    def held_prompt(value, param="prompt"):
+        if value == text:
+            entered.set()
+            if not release.wait(timeout=30):
+                raise TimeoutError("never released: the event loop was blocked while this request was tokenized")
+        return encode(value, param)
+
+    prompts.prompt = held_prompt
+    try:
+        yield entered, release
+    finally:
+        del prompts.prompt  # the class's method again
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> Any:

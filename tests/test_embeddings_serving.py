@@ -11,6 +11,7 @@ import openai
 import pytest
 import tiny_models
 from fastapi.testclient import TestClient
+from serving_helpers import held_in_tokenizing
 from transformers import BertTokenizerFast
 
 from serve_app.config import AppConfig
@@ -176,31 +177,16 @@ def test_an_input_held_in_its_tokenizing_does_not_hold_up_other_requests(app, be
     """Inputs are tokenized off the event loop: while one request is held inside its tokenizing,
     another is answered; then the held one is answered too (on its first try: no retries)."""
     import concurrent.futures
-    import threading
 
     _, client, servers = app
     client = client.with_options(max_retries=0)
-    prompts = servers[EMBED].prompts
-    entered, release = threading.Event(), threading.Event()
-    encode = prompts.prompt
-
-    def held_prompt(value, param="prompt"):
-        if value == "bananas":
-            entered.set()
-            if not release.wait(timeout=30):
-                raise TimeoutError("never released: the event loop was blocked while this input was tokenized")
-        return encode(value, param)
-
-    prompts.prompt = held_prompt
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            held = pool.submit(client.embeddings.create, model=EMBED, input=["bananas"])
-            assert entered.wait(timeout=30)
-            other = client.embeddings.create(model=EMBED, input=["yellow bananas"])
-            release.set()
-            answers = [held.result(timeout=60), other]
-    finally:
-        del prompts.prompt  # the class's method again
+    with (held_in_tokenizing(servers[EMBED].prompts, "bananas") as (entered, release),
+          concurrent.futures.ThreadPoolExecutor(1) as pool):
+        held = pool.submit(client.embeddings.create, model=EMBED, input=["bananas"])
+        assert entered.wait(timeout=30)
+        other = client.embeddings.create(model=EMBED, input=["yellow bananas"])
+        release.set()
+        answers = [held.result(timeout=60), other]
     tokenizer = BertTokenizerFast.from_pretrained(bert_dir)
     want = reference(bert_dir, [tokenizer.encode(t) for t in ("bananas", "yellow bananas")])
     assert cosines(np.array([a.data[0].embedding for a in answers]), want).min() >= 0.9999

@@ -10,14 +10,13 @@ import asyncio
 import json
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from ray.serve.exceptions import BackPressureError
-from serving_helpers import sse_events, wait_for
+from serving_helpers import held_in_tokenizing, sse_events, wait_for
 
 from serve_app.config import AppConfig
 from serve_app.ingress import LocalBackend, create_app
@@ -457,21 +456,10 @@ def test_a_request_being_tokenized_does_not_hold_up_the_streams_of_others(checkp
     while one is held inside its tokenizing, a running stream goes on delivering; then the held
     one is answered in full."""
     server = make_server(checkpoint, "SlowFakeEngine")
-    entered, release = threading.Event(), threading.Event()
-    encode = server.prompts.prompt
-
-    def held_prompt(value, param="prompt"):
-        if value == "Held back":
-            entered.set()
-            if not release.wait(timeout=30):
-                raise TimeoutError("never released: the event loop was blocked while this request was tokenized")
-        return encode(value, param)
-
-    server.prompts.prompt = held_prompt
     running = CompletionRequest(model=MODEL, prompt="Hello world", max_tokens=100, ignore_eos=True, stream=True)
     held = CompletionRequest(model=MODEL, prompt="Held back", max_tokens=2, ignore_eos=True, temperature=0)
 
-    async def scenario():
+    async def scenario(entered, release):
         chunks = server.stream_chunks(running, RequestContext(time.time()))
         await anext(chunks)
         answer = asyncio.create_task(server.respond(held, RequestContext(time.time())))
@@ -482,7 +470,8 @@ def test_a_request_being_tokenized_does_not_hold_up_the_streams_of_others(checkp
         await chunks.aclose()
         return delivered, body
 
-    delivered, body = asyncio.run(scenario())
+    with held_in_tokenizing(server.prompts, "Held back") as events:
+        delivered, body = asyncio.run(scenario(*events))
     assert len(delivered) >= 1 and json.loads(delivered[0])["choices"][0]["text"]
     ids = tokenizer.encode("Held back")
     assert body["choices"][0]["text"] == tokenizer.decode(repeat_prompt(ids, 0, 2))
