@@ -15,9 +15,10 @@
 ARG PYTHON_VERSION=3.11
 FROM python:${PYTHON_VERSION}-slim-bookworm
 
-# g++: the cpu backend builds its kernels on first use; curl: the health check.
+# g++: the cpu backend builds its kernels on first use; curl: the health check; git: levanter
+# imports GitPython at import time, which raises ImportError without a git executable.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ curl \
+    && apt-get install -y --no-install-recommends g++ curl git \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/jax-serve
