@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from engine.core.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.generate.engine import LLMEngine  # noqa: E402
 
 WIDTH = dict(hidden_size=768, num_heads=12, num_kv_heads=4, intermediate_size=2048, vocab_size=32000)
 

@@ -29,8 +29,8 @@ from typing import Callable
 
 import numpy as np
 
-from engine.core.config import EngineConfig
-from engine.embedding_engine import EmbeddingEngine
+from engine.config import EngineConfig
+from engine.embed.engine import EmbeddingEngine
 from engine.formats.model_sources import resolve_model
 
 _WORDS = ("the a city river capital France Paris yellow banana engine model server token vector quickly "

@@ -41,9 +41,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from engine.core.config import EngineConfig  # noqa: E402
-from engine.core.request import Grammar, SamplingParams  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.generate.request import Grammar, SamplingParams  # noqa: E402
+from engine.generate.engine import LLMEngine  # noqa: E402
 
 SHAPES = {
     "bench-110m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048,
@@ -159,7 +159,7 @@ def replay_step_ms(engine: LLMEngine, batch: int, steps: int = 50) -> float:
     """The device side alone: `steps` padding-only decode steps of `batch` rows (the bucket and
     the work of a real one) launched back to back and fetched once, per step. What the runner's
     dispatch and the device take, without scheduling or reading each step's tokens."""
-    from engine.core.step_plan import empty_step_plan
+    from engine.generate.step_plan import empty_step_plan
 
     runner = engine.executor.runner
     plan = empty_step_plan(runner.buckets.for_step(batch, batch), runner.buckets, step_id=-1)

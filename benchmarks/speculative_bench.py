@@ -28,9 +28,9 @@ import statistics
 import time
 from pathlib import Path
 
-from engine.core.config import EngineConfig, SpeculativeConfig
-from engine.core.request import SamplingParams
-from engine.llm_engine import LLMEngine
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.generate.request import SamplingParams
+from engine.generate.engine import LLMEngine
 
 CODE = '''def moving_average(values, window):
     result = []

@@ -54,8 +54,8 @@ def pipeline_run(pipe, audio: list[np.ndarray], concurrency: int, words: bool) -
 
 def ours(transcriber, mels: list[np.ndarray], concurrency: int, words: bool) -> tuple[float, list[list[int]], int]:
     """(seconds, each clip's segment tokens, tokens sampled) to transcribe every clip, `concurrency` at a time."""
-    from engine.async_transcriber import Done, Segments
-    from engine.core.transcription import TranscriptionOptions
+    from engine.transcribe.driver import Done, Segments
+    from engine.transcribe.decoding import TranscriptionOptions
 
     options = TranscriptionOptions(language="en", timestamps=True, word_timestamps=words)
 
@@ -109,9 +109,9 @@ def main(argv=None) -> None:
     import torch
     import transformers
 
-    from engine.async_transcriber import AsyncTranscriber
-    from engine.core.config import EngineConfig
-    from engine.speech_engine import SpeechEngine
+    from engine.transcribe.driver import AsyncTranscriber
+    from engine.config import EngineConfig
+    from engine.transcribe.engine import SpeechEngine
 
     scratch = tempfile.TemporaryDirectory()  # the random checkpoint's, removed at the end
     model_dir = Path(args.model) if args.model else random_checkpoint(Path(scratch.name) / "whisper-tiny")
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
     transcriber = AsyncTranscriber(engine)
     hf = transformers.WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
     hf.eval()
-    from serve_app.audio import log_mel
+    from serve_app.media.audio import log_mel
 
     audio = clips_of(args.seconds, args.clips)
     mels = [log_mel(a, engine.num_mel_bins) for a in audio]

@@ -1,7 +1,7 @@
 """A continuous-batching, paged-attention LLM engine in JAX on levanter models.
 
-Surface: `LLMEngine.add_request / abort / step` (engine.llm_engine, imports jax) and `AsyncEngine`
-(engine.async_engine, pure Python). Grouped by concern:
+Surface: `LLMEngine.add_request / abort / step` (engine.generate.engine, imports jax) and `AsyncEngine`
+(engine.generate.driver, pure Python). Grouped by concern:
 
 - `core/`: request, config, pages, scheduler, step plan: pure Python, no jax;
 - `executor/`: what runs step plans: in this process, or over one worker per host;
@@ -11,5 +11,5 @@ Surface: `LLMEngine.add_request / abort / step` (engine.llm_engine, imports jax)
 - `formats/`: GGUF conversion and model sources.
 
 This package's `__init__` imports nothing heavy so that the serving layer can use `engine.core`
-and `engine.async_engine` without jax.
+and `engine.generate.driver` without jax.
 """

@@ -2,7 +2,7 @@
 
 `build_app` is the Serve import path `serve_app:build_app`. Nothing here imports jax: the engine
 class is imported by its import-path string on the model-server replicas. `build_app` is loaded on
-first use, so an ingress replica (which imports `serve_app.ingress`) does not pay for transformers.
+first use, so an ingress replica (which imports `serve_app.http.ingress`) does not pay for transformers.
 """
 
 __all__ = ["build_app"]

@@ -14,14 +14,14 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from serve_app.config import AppConfig, ModelConfig
-from serve_app.embedding_server import EmbeddingServer
-from serve_app.ingress import Ingress
-from serve_app.server import ModelServer
-from serve_app.transcription_server import TranscriptionServer
+from serve_app.http.ingress import Ingress
+from serve_app.replicas.embed import EmbeddingServer
+from serve_app.replicas.generate import ModelServer
+from serve_app.replicas.transcribe import TranscriptionServer
 
 SERVERS = {"generate": ModelServer, "embed": EmbeddingServer, "transcribe": TranscriptionServer}
 """The replica class of each task."""
-PREFIX_ROUTER = "serve_app.routing:PrefixAffinityRouter"
+PREFIX_ROUTER = "serve_app.http.routing:PrefixAffinityRouter"
 
 
 def build_app(args: dict[str, Any]) -> Application:

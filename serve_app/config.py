@@ -14,13 +14,21 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
 
-from engine.core.config import EngineConfig
-from engine.core.request import MAX_TOP_LOGPROBS
-from engine.core.transcription import Fallback
+from engine.config import EngineConfig
 from engine.formats import hub
 from engine.formats.model_sources import ModelSource, builtin_task
+from engine.generate.request import MAX_TOP_LOGPROBS
+from engine.transcribe.decoding import Fallback
 
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model", "source"}
 
@@ -62,8 +70,8 @@ class ModelConfig(BaseModel):
     engine_cls: Optional[str] = None
     """Import path `module:Class` of the engine core, constructed as `cls(EngineConfig)`; imported
     lazily on the model-server replica (the serving layer never imports jax). None: the task's
-    (engine.llm_engine:LLMEngine, engine.embedding_engine:EmbeddingEngine,
-    engine.speech_engine:SpeechEngine)."""
+    (engine.generate.engine:LLMEngine, engine.embed.engine:EmbeddingEngine,
+    engine.transcribe.engine:SpeechEngine)."""
     max_image_pixels: int = Field(40_000_000, ge=1)
     """A vision-language model: the most pixels an image may have (checked from its header, before
     it is decoded; a 400 beyond)."""
@@ -129,7 +137,7 @@ class ModelConfig(BaseModel):
     """Environment of the model-server replicas (e.g. JAX_PLATFORMS, HF_HUB_OFFLINE)."""
 
     request_router: Literal["prefix_affinity", "power_of_two"] = "prefix_affinity"
-    """How the ingress picks a replica for a request (serve_app/routing.py): prefix_affinity sends
+    """How the ingress picks a replica for a request (serve_app/http/routing.py): prefix_affinity sends
     it to the replica that was given the longest prefix of its prompt before (its KV pages are
     likely still cached there) unless that replica's queue is 4 requests longer than the shortest,
     else as power_of_two does: the shorter queue of two random replicas (Ray Serve's default)."""
@@ -235,12 +243,12 @@ class ModelConfig(BaseModel):
         return "ModelServer-" + re.sub(r"[^A-Za-z0-9_.-]", "-", self.model_id)
 
 
-DEFAULT_ENGINES = {"generate": "engine.llm_engine:LLMEngine", "embed": "engine.embedding_engine:EmbeddingEngine",
-                   "transcribe": "engine.speech_engine:SpeechEngine"}
+DEFAULT_ENGINES = {"generate": "engine.generate.engine:LLMEngine", "embed": "engine.embed.engine:EmbeddingEngine",
+                   "transcribe": "engine.transcribe.engine:SpeechEngine"}
 ENCODER_MODEL_TYPES = frozenset({"bert"})
-"""config.json model types the embedding engine loads (engine/model/encoder.py)."""
+"""config.json model types the embedding engine loads (engine/models/encoder.py)."""
 SPEECH_MODEL_TYPES = frozenset({"whisper"})
-"""config.json model types the speech engine loads (engine/model/whisper.py)."""
+"""config.json model types the speech engine loads (engine/models/whisper.py)."""
 
 
 def detect_task(spec: str) -> str:

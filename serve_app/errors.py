@@ -17,7 +17,7 @@ from typing import Any, Optional
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from engine.core.request import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

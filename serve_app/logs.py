@@ -1,8 +1,12 @@
-"""Where the serving layer's and the engine's log lines go inside a Ray Serve replica."""
+"""The Ray Serve replica a process is: its name (the `replica` / `ingress` label of metrics) and where
+the serving layer's and the engine's log lines go."""
 
 from __future__ import annotations
 
 import logging
+
+from ray import serve
+from ray.serve.exceptions import RayServeException
 
 
 def route_logs_to_replica_log() -> None:
@@ -16,3 +20,11 @@ def route_logs_to_replica_log() -> None:
             if handler not in package_logger.handlers:
                 package_logger.addHandler(handler)
         package_logger.propagate = not serve_logger.handlers
+
+
+def replica_name() -> str:
+    """The Serve replica this process is (the `replica` / `ingress` label), or "local" outside one."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:  # not inside a Serve replica (tests, a single process)
+        return "local"

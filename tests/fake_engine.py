@@ -1,4 +1,4 @@
-"""A pure-Python engine core (the `EngineCore` surface of engine.async_engine) for serving tests.
+"""A pure-Python engine core (the `EngineCore` surface of engine.generate.driver) for serving tests.
 
 Deterministic and easy to predict: a request's i-th output token is its prompt's token at position
 (i + shift) mod len(prompt), so the output repeats the prompt. `shift` is 0 for greedy requests
@@ -23,16 +23,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from engine.core.config import EngineConfig
-from engine.core.request import (
-    EngineStats,
-    FinishReason,
-    InvalidRequestError,
-    SamplingParams,
-    TokenDelta,
-    TokenLogprob,
-    check_request,
-)
+from engine.config import EngineConfig
+from engine.stats import EngineStats
+from engine.generate.request import FinishReason, SamplingParams, TokenDelta, TokenLogprob, check_request
+from engine.errors import InvalidRequestError
 
 
 @dataclasses.dataclass

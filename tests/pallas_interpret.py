@@ -96,7 +96,7 @@ def interpreter_fixes(monkeypatch):
 def interpreted_kernel(monkeypatch, interpreter_fixes):
     """Engines made in this test run the tpu backend's Pallas kernel in TPU interpret mode."""
     from engine.backends.tpu import TpuBackend
-    from engine.runner import model_runner
+    from engine.generate.runner import model_runner
 
     def select(config, dtype, mesh, model_axis):
         assert config.attention_backend == "tpu", "interpreted_kernel is for engines of the tpu backend"

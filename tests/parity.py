@@ -8,8 +8,8 @@ import numpy as np
 import torch
 import transformers
 
-from engine.core.request import FinishReason, SamplingParams
-from engine.llm_engine import LLMEngine
+from engine.generate.request import FinishReason, SamplingParams
+from engine.generate.engine import LLMEngine
 
 PROMPT_LENGTHS = [3, 7, 12, 24, 33, 50, 9, 17]
 """Shorter than, equal to and longer than TIGHT's step budget."""

@@ -109,8 +109,8 @@ def app_in_process(checkpoint, model_id: str, tracing=None, **args):
     from fastapi.testclient import TestClient
 
     from serve_app.config import AppConfig
-    from serve_app.ingress import LocalBackend, create_app
-    from serve_app.server import ModelServer
+    from serve_app.http.ingress import LocalBackend, create_app
+    from serve_app.replicas.generate import ModelServer
 
     config = AppConfig.from_args({"model": str(checkpoint), "model_id": model_id, "warmup": False, **args})
     from serve_app.tracing import Tracing

@@ -9,10 +9,11 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.core.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.core.request import EngineDeadError, FinishReason, InvalidRequestError, SamplingParams
+from engine.generate.driver import AsyncEngine
+from engine.config import EngineConfig
+from engine.generate.engine import LLMEngine
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.generate.request import FinishReason, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -166,7 +167,7 @@ class _DyingCore:
         raise RuntimeError("device lost")
 
     def stats(self):
-        from engine.core.request import EngineStats
+        from engine.stats import EngineStats
 
         return EngineStats()
 

@@ -1,4 +1,4 @@
-"""serve_app.audio: uploads decoded with PyAV, and Whisper's log-mel front end.
+"""serve_app.media.audio: uploads decoded with PyAV, and Whisper's log-mel front end.
 
 Test audio is a 2.5 s sum of sines under a sin^2 envelope (it starts and ends at zero, so codec
 edges do not matter), encoded in memory with PyAV. Tolerances are measured with PyAV 15.1.0
@@ -13,16 +13,8 @@ import av
 import numpy as np
 import pytest
 
-from serve_app import audio
-from serve_app.audio import (
-    HOP_LENGTH,
-    N_FRAMES,
-    N_SAMPLES,
-    SAMPLE_RATE,
-    decode_audio,
-    log_mel,
-    mel_filters,
-)
+from serve_app.media import audio
+from serve_app.media.audio import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, decode_audio, log_mel, mel_filters
 from serve_app.errors import BadRequest
 
 SECONDS = 2.5

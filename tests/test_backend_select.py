@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 
 from engine.backends.cpu import kernels as cpu_kernels
 from engine.backends.select import select_backend
-from engine.core.config import EngineConfig
+from engine.config import EngineConfig
 
 MESH = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
 

@@ -1,4 +1,4 @@
-"""engine.core.buckets: the ladder of step shapes, which bucket a step takes, and that a step only
+"""engine.generate.buckets: the ladder of step shapes, which bucket a step takes, and that a step only
 takes a bucket that is ready."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from engine.core.buckets import Bucket, ShapeBuckets, pow2
+from engine.generate.buckets import Bucket, ShapeBuckets, pow2
 
 DEFAULT = ShapeBuckets(max_num_seqs=32, max_num_batched_tokens=512, max_pages_per_seq=128, page_size=16)
 

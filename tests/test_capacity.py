@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from engine.core.config import EngineConfig
-from engine.runner import capacity
+from engine.config import EngineConfig
+from engine.tools import capacity
 
 # A bf16 Llama of 2 layers, width 64, MLP 128, 4 heads of 16 over 2 KV heads, 256 tokens, untied head.
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -98,8 +98,8 @@ def test_a_config_that_cannot_fit_is_refused_with_what_to_change(tiny_dir):
 
 def test_the_engine_refuses_before_loading_a_weight(tiny_dir, monkeypatch):
     """The directory holds no weights at all: an engine that tried to load them would fail otherwise."""
-    from engine.runner import sharding
-    from engine.runner.model_runner import ModelRunner
+    from engine.generate.runner import sharding
+    from engine.generate.runner.model_runner import ModelRunner
 
     monkeypatch.setattr(sharding, "free_device_memory", lambda devices: 200_000)
     with pytest.raises(ValueError, match="the model does not fit: the weights take 0.00 GiB per device at "
@@ -110,7 +110,7 @@ def test_the_engine_refuses_before_loading_a_weight(tiny_dir, monkeypatch):
 def test_a_draft_models_weights_and_keys_and_values_are_counted(tiny_dir, tmp_path_factory):
     """Speculative decoding with a draft model: its weights beside the served model's, its keys and
     values in every page (the pool's pages hold both)."""
-    from engine.core.config import SpeculativeConfig
+    from engine.config import SpeculativeConfig
 
     draft_dir = tmp_path_factory.mktemp("draft")
     (draft_dir / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 1}))

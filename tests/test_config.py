@@ -10,7 +10,7 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from engine.core.config import EngineConfig
+from engine.config import EngineConfig
 from engine.formats.model_sources import ModelSource
 from serve_app.config import AppConfig, CorsConfig, ModelConfig, RequestLimits, default_model_id
 
@@ -83,7 +83,7 @@ def test_default_model_ids(spec, model_id):
         ({"model": "m", "kv_cache_dtype": "float16"}, "kv_cache_dtype\n  Input should be 'float32' or 'bfloat16'"),
         ({"model": "m", "engine": {"max_num_sequences": 8}}, "unknown engine fields ['max_num_sequences']"),
         ({"model": "m", "num_replica": 2}, "Extra inputs are not permitted"),
-        ({"model": "m", "engine_cls": "engine.llm_engine.LLMEngine"}, "engine_cls must look like 'module:Class'"),
+        ({"model": "m", "engine_cls": "engine.generate.engine.LLMEngine"}, "engine_cls must look like 'module:Class'"),
         ({"models": [{"model": "a"}, {"model": "/x/a"}]}, "model ids must be unique"),
         ({"models": [{"model": "a", "lora_modules": {"b": "/l"}}, {"model": "b"}]},
          "LoRA adapter names must be unique and differ from the model ids; ['b'] is used twice"),
@@ -100,7 +100,7 @@ def test_bad_args_say_what_to_change(args, message):
 def test_defaults_are_small_and_every_field_is_documented():
     model = ModelConfig(model="m")
     assert (model.num_cpus, model.max_ongoing_requests, model.max_queued_requests) == (0.5, 64, 256)
-    assert (model.task, model.engine_cls) == ("generate", "engine.llm_engine:LLMEngine")
+    assert (model.task, model.engine_cls) == ("generate", "engine.generate.engine:LLMEngine")
     fields = {**ModelConfig.model_fields, **AppConfig.model_fields, **RequestLimits.model_fields,
               **CorsConfig.model_fields}
     assert [name for name, field in fields.items() if not field.description] == []

@@ -107,7 +107,7 @@ def test_int8_matmul_equals_numpy_on_both_paths(m, k, n):
 
 
 def test_packed_int8_linears_equal_the_int8_linear_fused_or_not():
-    from engine.model.quantize import Int8Linear
+    from engine.layers.quantize import Int8Linear
 
     Pos, Embed = hax.Axis("position", 6), hax.Axis("embed", 40)
     Heads, KV, Dim = hax.Axis("heads", 3), hax.Axis("kv_head", 1), hax.Axis("head_size", 16)
@@ -147,7 +147,7 @@ def test_xla_path_reads_the_plain_matrix_and_keeps_only_it():
     does: multi-axis inputs and outputs, fused int8 parts, a tied LM head over the embedding table
     (its plain matrix is the table itself, no copy)."""
     from engine.backends.cpu.kernels import keep_read_layouts
-    from engine.model.quantize import Int8Linear
+    from engine.layers.quantize import Int8Linear
 
     def on_xla(module, rows):
         xla = keep_read_layouts(module, frozenset({rows}), [rows])
@@ -350,7 +350,7 @@ def test_the_kernel_and_the_xla_backend_attend_a_packed_step_alike():
     its own sequence; both backends match the reference."""
     from engine.backends.base import visible_tokens
     from engine.backends.xla import SplitKVCache, _paged_attention
-    from engine.core.step_plan import StepInputs
+    from engine.generate.step_plan import StepInputs
 
     rng = np.random.default_rng(7)
     layers, num_pages, heads, group, dim, page_size, table_len, tokens = 2, 30, 2, 3, 16, 4, 40, 10

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from engine.core.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.config import EngineConfig
+from engine.generate.engine import LLMEngine
 from engine.formats.model_sources import resolve_model
-from engine.core.request import FinishReason, SamplingParams
+from engine.generate.request import FinishReason, SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -31,8 +31,8 @@ def test_with_use_torch_off_no_serving_process_loads_torch():
     """What the configs' runtime_env buys: the modules every replica, the ingress and the app
     builder import (transformers and levanter's included) leave torch unloaded, so none of them
     spends its start-up importing it; torch is only the tests' reference."""
-    modules = ("serve_app.app", "serve_app.server", "serve_app.embedding_server", "serve_app.transcription_server",
-               "engine.llm_engine", "engine.model.loading", "levanter.models.llama", "levanter.compat.hf_checkpoints")
+    modules = ("serve_app.app", "serve_app.replicas.generate", "serve_app.replicas.embed", "serve_app.replicas.transcribe",
+               "engine.generate.engine", "engine.models.loading", "levanter.models.llama", "levanter.compat.hf_checkpoints")
     code = f"import sys; import {', '.join(modules)}; print(sorted(m for m in sys.modules if m.startswith('torch')))"
     run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "USE_TORCH": "0"}, capture_output=True,
                          text=True, cwd=DEPLOY.parent, timeout=300)

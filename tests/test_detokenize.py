@@ -1,4 +1,4 @@
-"""serve_app.detokenize: incremental text that never splits a character, stop strings across token
+"""serve_app.text.detokenize: incremental text that never splits a character, stop strings across token
 boundaries with the minimal hold-back, per-token offsets and token bytes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from tiny_models import make_tokenizer
 from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
-from serve_app.detokenize import IncrementalDetokenizer, StopMatcher, TextStream, TokenStrings
+from serve_app.text.detokenize import IncrementalDetokenizer, StopMatcher, TextStream, TokenStrings
 
 
 @pytest.fixture(scope="module")

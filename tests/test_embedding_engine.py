@@ -1,5 +1,5 @@
-"""The embedding engine (engine.embedding_engine, engine.model.encoder), its async wrapper
-(engine.async_embedder) and the builtin encoder alias (engine.formats.model_sources).
+"""The embedding engine (engine.embed.engine, engine.models.encoder), its async wrapper
+(engine.embed.driver) and the builtin encoder alias (engine.formats.model_sources).
 
 Parity: tiny random BertModels in the sentence-transformers layout against transformers' BertModel,
 each input run alone and unpadded, pooled and normalised as sentence-transformers does. The alias
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 import tiny_models
-from engine.async_embedder import AsyncEmbedder
-from engine.core.config import EngineConfig
-from engine.core.request import EngineDeadError, InvalidRequestError
-from engine.embedding_engine import EmbedBuckets, EmbeddingEngine
+from engine.embed.driver import AsyncEmbedder
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.embed.engine import EmbedBuckets, EmbeddingEngine
 from engine.formats import model_sources
 from engine.formats.model_sources import COMPLETE_MARKER, WheelCheckpoint, resolve_model
 
@@ -145,7 +145,7 @@ def test_validate_messages(bert_factory):
 
 
 def test_checkpoint_layouts_and_errors(bert_factory, tmp_path):
-    from engine.model.encoder import read_checkpoint
+    from engine.models.encoder import read_checkpoint
 
     plain = Path(shutil.copytree(bert_factory(), tmp_path / "plain"))
     (plain / "modules.json").unlink()  # a plain HF checkpoint: pooled by the mean, unnormalised

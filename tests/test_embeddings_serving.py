@@ -15,9 +15,9 @@ from serving_helpers import held_in_tokenizing
 from transformers import BertTokenizerFast
 
 from serve_app.config import AppConfig
-from serve_app.embedding_server import EmbeddingServer
-from serve_app.ingress import LocalBackend, create_app
-from serve_app.server import ModelServer
+from serve_app.replicas.embed import EmbeddingServer
+from serve_app.http.ingress import LocalBackend, create_app
+from serve_app.replicas.generate import ModelServer
 
 EMBED, TEXT = "tiny-bert", "tiny-llama"
 WORDS = ["paris", "is", "the", "capital", "of", "france", "bananas", "are", "yellow", "a", "long", "sentence",
@@ -50,7 +50,7 @@ def app(bert_dir, llama_dir):
         {"model": str(llama_dir), "model_id": TEXT, "engine_cls": "fake_engine:FakeEngine", "max_model_len": 128},
     ]})
     embed, text = config.models
-    assert (embed.task, embed.engine_cls) == ("embed", "engine.embedding_engine:EmbeddingEngine")
+    assert (embed.task, embed.engine_cls) == ("embed", "engine.embed.engine:EmbeddingEngine")
     servers = {EMBED: EmbeddingServer(embed), TEXT: ModelServer(text)}
     with TestClient(create_app({m: LocalBackend(s) for m, s in servers.items()})) as http:
         yield http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http), servers

@@ -20,9 +20,10 @@ from parity import (TIGHT, assert_all_pages_free, assert_greedy_parity, hf_greed
 from engine.backends.cpu import kernels as cpu_kernels
 from engine.backends.cpu.backend import PackedSwiGLU
 from engine.backends.cpu.kernels import FusedLinear
-from engine.core.config import EngineConfig
-from engine.core.request import FinishReason, InvalidRequestError, SamplingParams
-from engine.llm_engine import LLMEngine
+from engine.config import EngineConfig
+from engine.generate.request import FinishReason, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.generate.engine import LLMEngine
 
 
 @pytest.mark.parametrize("family,scan_layers,backend", [
@@ -300,7 +301,7 @@ def test_dtype_auto_serves_a_checkpoint_in_its_own_dtype(checkpoint_factory, lla
 @pytest.mark.parametrize("declared,served", [("bfloat16", "bfloat16"), ("float16", "bfloat16"),
                                              ("float32", "float32"), (None, "float32")])
 def test_thedeclared_dtype_decides_auto(declared, served):
-    from engine.model.loading import declared_dtype
+    from engine.models.loading import declared_dtype
 
     assert declared_dtype({} if declared is None else {"torch_dtype": declared}) == served
     assert declared_dtype({"dtype": declared} if declared else {}) == served  # transformers 5's key
@@ -311,16 +312,17 @@ def test_the_kv_pool_takes_its_share_of_the_memory_the_weights_leave(llama_dir, 
     memory: a page of the tiny model is 2 layers x 4 slots x 2 KV heads x 16 x (K, V) x 4 bytes."""
     import logging
 
-    from engine.runner import capacity, sharding
+    from engine.tools import capacity
+    from engine.generate.runner import sharding
 
     monkeypatch.setattr(sharding, "free_device_memory", lambda devices: 2**20)
     config = {**TIGHT, "num_pages": 0, "kv_cache_memory_fraction": 0.5}
-    with caplog.at_level(logging.INFO, logger="engine.runner.model_runner"):
+    with caplog.at_level(logging.INFO, logger="engine.generate.runner.model_runner"):
         engine = LLMEngine(EngineConfig(model=str(llama_dir), **config))
     assert engine.executor.runner.num_pages == 2**19 // 2048 == 256
     assert engine.stats().num_pages == 255  # the scratch page is not for requests
     assert "KV pool: 256 pages of 4 tokens (1024 tokens, 0.00 GiB per device) from 50% of 0.00 GiB free" in caplog.text
-    # room for the weights and 16 pages: refused before loading (engine.runner.capacity), saying why
+    # room for the weights and 16 pages: refused before loading (engine.tools.capacity), saying why
     weights = capacity.plan(EngineConfig(model=str(llama_dir), **config), 1, 2**20).weight_bytes
     monkeypatch.setattr(sharding, "free_device_memory", lambda devices: weights + 32 * 2048)
     with pytest.raises(ValueError, match=r"the KV pool holds 16 pages of 4 tokens, fewer than one sequence of "
@@ -435,11 +437,11 @@ def test_requests_sent_while_programs_compile_are_answered_from_the_ready_ones(l
     a later request's prompt is read in one step of the 24-token program, its logits computed for one row."""
     import threading
 
-    from engine.core.buckets import Bucket
-    from engine.runner import programs
+    from engine.generate.buckets import Bucket
+    from engine import compiler
 
-    release, compile_rest = threading.Event(), programs.StepCompiler._compile_rest
-    monkeypatch.setattr(programs.StepCompiler, "_compile_rest",
+    release, compile_rest = threading.Event(), compiler.StepCompiler._compile_rest
+    monkeypatch.setattr(compiler.StepCompiler, "_compile_rest",
                         lambda self, lower_priority=True: release.wait(600) and compile_rest(self, lower_priority))
     engine = LLMEngine(EngineConfig(model=str(llama_dir), compilation_cache_dir=None, **{**TIGHT, "warmup": True}))
     assert (engine.stats().compiled_programs, engine.stats().step_programs) == (1, 4)
@@ -506,17 +508,17 @@ def test_a_process_exiting_mid_compile_finishes_that_program_and_compiles_no_mor
     code = f"""
 import atexit, logging, sys, threading
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from engine.core.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.runner import programs
+from engine.config import EngineConfig
+from engine.generate.engine import LLMEngine
+from engine import compiler
 
-inside, exiting, compile_bucket = threading.Event(), threading.Event(), programs.StepCompiler._compile
+inside, exiting, compile_bucket = threading.Event(), threading.Event(), compiler.StepCompiler._compile
 def held(self, bucket):
     if threading.current_thread().name == "step-compiler" and not inside.is_set():
         inside.set()
         exiting.wait()
     compile_bucket(self, bucket)
-programs.StepCompiler._compile = held
+compiler.StepCompiler._compile = held
 engine = LLMEngine(EngineConfig(model={str(llama_dir)!r}, **{config!r}))
 inside.wait()
 atexit.register(exiting.set)  # registered last, so run first at exit
@@ -533,17 +535,17 @@ def test_a_url_compilation_cache_goes_to_jax_as_it_is(tmp_path, monkeypatch):
     open, and no local directory named after it appears."""
     import jax
 
-    from engine.runner import compilation_cache
+    from engine import compiler
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path))
     before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
     try:
-        compilation_cache.enable_compilation_cache("gs://bucket/xla")
+        compiler.enable_compilation_cache("gs://bucket/xla")
         assert jax.config.jax_compilation_cache_dir == "gs://bucket/xla"
         assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.5  # a read is a round trip
         assert list(tmp_path.iterdir()) == []
-        compilation_cache.enable_compilation_cache("~/xla")
+        compiler.enable_compilation_cache("~/xla")
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla") and (tmp_path / "xla").is_dir()
         assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
     finally:
@@ -557,7 +559,7 @@ def test_a_local_compilation_cache_keeps_the_smallest_programs_too(tmp_path):
     import subprocess
     import sys
 
-    code = ("import jax, jax.numpy as jnp; from engine.runner.compilation_cache import enable_compilation_cache; "
+    code = ("import jax, jax.numpy as jnp; from engine.compiler import enable_compilation_cache; "
             f"enable_compilation_cache({str(tmp_path)!r}); jax.jit(lambda x: x + 1)(jnp.ones(3)).block_until_ready()")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})

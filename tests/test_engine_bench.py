@@ -6,9 +6,9 @@ from __future__ import annotations
 from parity import assert_all_pages_free, make_prompts, run_to_completion, tokens_of
 
 from benchmarks.engine_bench import replay_step_ms, run_once
-from engine.core.config import EngineConfig
-from engine.core.request import SamplingParams
-from engine.llm_engine import LLMEngine
+from engine.config import EngineConfig
+from engine.generate.request import SamplingParams
+from engine.generate.engine import LLMEngine
 
 
 def test_closed_loop_replaces_finished_requests_until_all_ran(llama_dir):

@@ -15,8 +15,8 @@ import pytest
 import yaml
 from parity import hf_greedy, hf_model, make_prompts, run_to_completion, tokens_of
 
-from engine.core.config import EngineConfig
-from engine.core.request import SamplingParams
+from engine.config import EngineConfig
+from engine.generate.request import SamplingParams
 from engine.formats.model_sources import ModelSource, resolve_model
 
 MODEL_SECTION = {"type": "llama", "seq_len": 256, "hidden_dim": 64, "intermediate_dim": 128, "num_layers": 2,
@@ -80,7 +80,7 @@ def test_the_newest_step_converts_to_a_checkpoint_that_computes_what_levanter_co
 
 
 def test_the_engine_serves_the_converted_checkpoint_as_transformers_does(converted):
-    from engine.llm_engine import LLMEngine
+    from engine.generate.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(converted), max_num_seqs=4, max_model_len=128, warmup=False))
     try:
@@ -97,7 +97,7 @@ def test_a_vocabulary_padded_for_the_training_mesh_is_read_from_the_checkpoint(l
     """levanter's training rounds the tokenizer's vocabulary up to split over its mesh: the stored
     embedding's size wins, and the engine serves the padded model as transformers does."""
     from engine.formats.transformers_files import load_tokenizer
-    from engine.llm_engine import LLMEngine
+    from engine.generate.engine import LLMEngine
 
     _, _, tokenizer = levanter_run
     padded = 128 * (len(load_tokenizer(str(tokenizer))) // 128 + 1)

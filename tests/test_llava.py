@@ -12,13 +12,14 @@ import torch
 from parity import TIGHT, llava_greedy, make_prompts, png_data_uri, run_to_completion, tokens_of
 from tiny_models import make_llava_checkpoint
 
-from engine.core.config import EngineConfig
-from engine.core.images import ImageInput
-from engine.core.request import FinishReason, InvalidRequestError, SamplingParams
+from engine.config import EngineConfig
+from engine.generate.images import ImageInput
+from engine.generate.request import FinishReason, SamplingParams
+from engine.errors import InvalidRequestError
 from engine.formats import llava
 from engine.formats.model_sources import resolve_model
-from engine.llm_engine import LLMEngine
-from serve_app.images import content_hash
+from engine.generate.engine import LLMEngine
+from serve_app.media.images import content_hash
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +198,8 @@ def test_chat_with_images_through_the_openai_client(checkpoint, tmp_path):
 
 def test_a_text_model_refuses_images(llama_dir):
     from serve_app.errors import BadRequest
-    from serve_app.protocol import ChatMessage
-    from serve_app.tokenizer import PromptTokenizer
+    from serve_app.protocol.chat import ChatMessage
+    from serve_app.text.tokenizer import PromptTokenizer
 
     message = ChatMessage.model_validate({"role": "user", "content": [
         {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]})

@@ -1,6 +1,6 @@
 """LoRA adapters in the engine: parity with transformers + peft, rows of different adapters and of
 the base model in one step, slots given in turn, the prefix cache kept apart per adapter, and what
-the engine refuses (engine.formats.peft, engine.core.adapters, engine.model.lora)."""
+the engine refuses (engine.formats.peft, engine.generate.adapters, engine.layers.lora)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ import pytest
 from parity import assert_all_pages_free, hf_greedy, make_prompts, tokens_of
 from tiny_models import make_lora_adapter
 
-from engine.core.adapters import Adapter, AdapterSlots
-from engine.core.config import EngineConfig
-from engine.core.request import InvalidRequestError, SamplingParams
+from engine.generate.adapters import Adapter, AdapterSlots
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.generate.request import SamplingParams
 from engine.formats.peft import read_adapter
-from engine.llm_engine import LLMEngine
-from engine.model.loading import model_info
+from engine.generate.engine import LLMEngine
+from engine.models.loading import model_info
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)

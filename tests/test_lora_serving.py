@@ -122,7 +122,8 @@ def test_an_adapter_evicted_while_a_request_holds_it_leaves_when_that_request_en
     until it ends; reading a again afterwards brings it back."""
     import asyncio
 
-    from serve_app.lora import LoraRef, ReplicaAdapters
+    from serve_app.protocol.context import LoraRef
+    from serve_app.replicas.adapters import ReplicaAdapters
 
     engine: list[str] = []
     adapters = ReplicaAdapters(lambda key, path: engine.append(key), engine.remove, max_loaded=1)

@@ -1,4 +1,4 @@
-"""serve_app.model_states: each model's state from what Serve says of its deployment, the replica's
+"""serve_app.http.model_states: each model's state from what Serve says of its deployment, the replica's
 own error in one line, and a failure logged once. (Through Ray Serve: tests/test_serving.py.)"""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from serve_app.model_states import DeploymentView, ModelState, ModelStates, replica_error, state_of
+from serve_app.http.model_states import DeploymentView, ModelState, ModelStates, replica_error, state_of
 
 SERVE_MESSAGE = (
     "The deployment failed to start 3 times in a row. This may be due to a problem with its constructor or "
@@ -60,7 +60,7 @@ def test_each_failure_is_logged_once_and_a_ready_model_never_waits_for_serve(cap
     async def refreshed() -> dict[str, ModelState]:
         return await states.refresh()  # what the watcher does every interval
 
-    with caplog.at_level(logging.ERROR, logger="serve_app.model_states"):
+    with caplog.at_level(logging.ERROR, logger="serve_app.http.model_states"):
         assert asyncio.run(refreshed())["bad"] == ModelState("starting")
         views["ModelServer-bad"] = DeploymentView("DEPLOY_FAILED", SERVE_MESSAGE, 0)
         for _ in range(3):

@@ -11,8 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from serve_app.config import AppConfig
-from serve_app.ingress import LocalBackend, create_app
-from serve_app.server import ModelServer
+from serve_app.http.ingress import LocalBackend, create_app
+from serve_app.replicas.generate import ModelServer
 
 jsonschema = pytest.importorskip("jsonschema")  # installed with ray; openapi-spec-validator is not
 

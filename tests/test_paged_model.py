@@ -1,4 +1,4 @@
-"""RoPE (engine.model.rope) against transformers' own: the inverse frequencies and attention factor
+"""RoPE (engine.layers.rope) against transformers' own: the inverse frequencies and attention factor
 of each type from config.json, and the rotation with cos and sin computed once per step."""
 
 import haliax as hax
@@ -10,7 +10,7 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.model.rope import Rope, rotate
+from engine.layers.rope import Rope, rotate
 
 BASE = dict(hidden_size=128, num_attention_heads=8, max_position_embeddings=4096)
 

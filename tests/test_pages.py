@@ -1,4 +1,4 @@
-"""engine.core.pages: the page allocator's free list, reference counts and prefix cache (chained hashes
+"""engine.generate.pages: the page allocator's free list, reference counts and prefix cache (chained hashes
 of full pages, first writer wins, unheld cached pages evicted least-recently-freed first).
 Pure Python: exact page ids."""
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine.core.pages import SCRATCH_PAGE, PageAllocator, prefix_hashes
+from engine.generate.pages import SCRATCH_PAGE, PageAllocator, prefix_hashes
 
 
 def all_free(alloc: PageAllocator) -> bool:

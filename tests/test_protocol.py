@@ -10,9 +10,12 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from engine.core.request import EngineDeadError, Grammar, InvalidRequestError, SamplingParams
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.generate.request import Grammar, SamplingParams
 from serve_app.errors import APIError, BadRequest, NotFound, Overloaded, Unauthorized, to_api_error
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from serve_app.protocol.chat import ChatCompletionRequest
+from serve_app.protocol.completions import CompletionRequest
+from serve_app.protocol.base import parse_request
 
 
 def parse(cls, **body):

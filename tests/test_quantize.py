@@ -1,4 +1,4 @@
-"""Weight-only int8 (engine/model/quantize.py): the quantizer's error bound, the modules against
+"""Weight-only int8 (engine/layers/quantize.py): the quantizer's error bound, the modules against
 their float originals, weight memory, and the real default model's greedy tokens against its
 bfloat16 self on the cpu and xla backends."""
 
@@ -17,11 +17,11 @@ import pytest
 from parity import TIGHT, assert_greedy_parity
 from transformers import AutoTokenizer
 
-from engine.core.config import EngineConfig
-from engine.core.request import SamplingParams
+from engine.config import EngineConfig
+from engine.generate.request import SamplingParams
 from engine.formats.model_sources import resolve_model
-from engine.llm_engine import LLMEngine
-from engine.model.quantize import Int8Embedding, Int8Linear, Int8MoELinear, quantize, quantize_model
+from engine.generate.engine import LLMEngine
+from engine.layers.quantize import Int8Embedding, Int8Linear, Int8MoELinear, quantize, quantize_model
 
 
 def test_quantize_rounds_each_output_channel_to_its_own_scale():

@@ -1,4 +1,4 @@
-"""serve_app.reasoning: thinking split from the answer, streamed and not, for any split of the
+"""serve_app.text.reasoning: thinking split from the answer, streamed and not, for any split of the
 text; where the prompt opened the block; the default parser of a chat template."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from serve_app.reasoning import (
+from serve_app.text.reasoning import (
     ReasoningStream,
     Thought,
     after_thinking,
@@ -92,7 +92,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
 
 @pytest.fixture(scope="module")
 def compiler(llama_dir):
-    from engine.core.grammar import GrammarCompiler
+    from engine.generate.grammar import GrammarCompiler
     from engine.formats.transformers_files import load_tokenizer
 
     tokenizer = load_tokenizer(str(llama_dir))
@@ -116,7 +116,7 @@ def accepts(compiler, grammar, text: str) -> tuple[bool, bool]:
     ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False, '<think>', (False, False)),  # thinking disabled
 ])
 def test_a_json_schema_constrains_the_answer_after_the_thinking(compiler, prompt, inside, text, verdict):
-    from engine.core.request import Grammar
+    from engine.generate.request import Grammar
 
     grammar, starts_inside = after_thinking(Grammar("json_schema", json.dumps(SCHEMA)), prompt)
     assert starts_inside is inside
@@ -124,7 +124,7 @@ def test_a_json_schema_constrains_the_answer_after_the_thinking(compiler, prompt
 
 
 def test_a_regex_follows_thinking_and_a_lark_grammar_applies_from_the_first_token(compiler):
-    from engine.core.request import Grammar
+    from engine.generate.request import Grammar
 
     regex, _ = after_thinking(Grammar("regex", r"(yes|no)/maybe"), "<think>\n")
     assert accepts(compiler, regex, "a/b</think>no/maybe") == (True, True)

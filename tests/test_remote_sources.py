@@ -227,9 +227,9 @@ def test_an_s3_prefix_without_a_checkpoint_is_named(s3, tmp_path):
 
 
 def test_a_host_without_the_leaders_directory_fetches_the_source(s3, llama_dir, tmp_path):
-    """What each EngineWorker of a multi-host replica does before it loads (engine.executor.multihost)."""
-    from engine.core.config import EngineConfig
-    from engine.executor.multihost import local_model
+    """What each EngineWorker of a multi-host replica does before it loads (engine.generate.executor.multihost)."""
+    from engine.config import EngineConfig
+    from engine.generate.executor.multihost import local_model
 
     s3.upload(llama_dir, "s3://models/team/tiny-llama")
     source = ModelSource("s3://models/team/tiny-llama", cache_dir=str(tmp_path / "host-cache"))

@@ -1,11 +1,12 @@
-"""Cache-aware routing's pure parts (serve_app.routing): the text a request is keyed by, chained
+"""Cache-aware routing's pure parts (serve_app.http.routing): the text a request is keyed by, chained
 chunk hashes, and the per-replica history that picks the replica holding the longest prefix. The
 router itself runs in the Ray Serve integration tests (tests/test_serving.py)."""
 
 from __future__ import annotations
 
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.routing import CHUNK, MAX_CHUNKS, PrefixHistory, prefix_hashes, prompt_text
+from serve_app.protocol.chat import ChatCompletionRequest
+from serve_app.protocol.completions import CompletionRequest
+from serve_app.http.routing import CHUNK, MAX_CHUNKS, PrefixHistory, prefix_hashes, prompt_text
 
 SYSTEM = "You are a careful assistant who answers questions about the engine in detail. " * 3
 

@@ -1,4 +1,4 @@
-"""engine.core.scheduler: exact plans (budgets, chunking, row groups, preemption, prefix reuse, counters)
+"""engine.generate.scheduler: exact plans (budgets, chunking, row groups, preemption, prefix reuse, counters)
 and seeded stress runs that drive the scheduler the way the engine does and check its invariants
 after every step. No model: a fake KV cache records which prefix each written slot encodes, so a
 row that would read a wrong or unwritten page is caught."""
@@ -11,9 +11,9 @@ from typing import Optional
 
 import pytest
 
-from engine.core.pages import SCRATCH_PAGE, PageAllocator, prefix_hashes
-from engine.core.request import SamplingParams
-from engine.core.scheduler import Plan, Row, Scheduler, SchedulerConfig, Sequence, Status
+from engine.generate.pages import SCRATCH_PAGE, PageAllocator, prefix_hashes
+from engine.generate.request import SamplingParams
+from engine.generate.scheduler import Plan, Row, Scheduler, SchedulerConfig, Sequence, Status
 
 
 def make(

@@ -19,10 +19,11 @@ from ray.serve.exceptions import BackPressureError
 from serving_helpers import held_in_tokenizing, sse_events, wait_for
 
 from serve_app.config import AppConfig
-from serve_app.ingress import LocalBackend, create_app
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.request_context import RequestContext
-from serve_app.server import ModelServer
+from serve_app.http.ingress import LocalBackend, create_app
+from serve_app.protocol.chat import ChatCompletionRequest
+from serve_app.protocol.completions import CompletionRequest
+from serve_app.protocol.context import RequestContext
+from serve_app.replicas.generate import ModelServer
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 128
@@ -540,12 +541,12 @@ def imported_after(statement: str, modules: tuple[str, ...]) -> list[str]:
 
 
 def test_the_serving_layer_never_imports_jax():
-    statement = "import serve_app.app, serve_app.server, serve_app.ingress; from serve_app import build_app"
+    statement = "import serve_app.app, serve_app.replicas.generate, serve_app.http.ingress; from serve_app import build_app"
     assert imported_after(statement, ("jax", "jaxlib")) == []
 
 
 def test_the_ingress_does_not_load_transformers():
-    assert imported_after("import serve_app.ingress", ("transformers", "torch", "jax")) == []
+    assert imported_after("import serve_app.http.ingress", ("transformers", "torch", "jax")) == []
 
 
 def test_building_the_app_does_not_load_transformers():
@@ -559,7 +560,7 @@ def test_engine_niceness_applies_to_threads_started_afterwards():
     import os
     import threading
 
-    from serve_app.replica import set_thread_niceness
+    from serve_app.replicas.base import set_thread_niceness
 
     seen = {}
 
@@ -605,7 +606,7 @@ def test_a_request_to_a_stopping_replica_is_a_503_with_retry_after(checkpoint):
 
 
 def test_health_reports_the_least_compiled_live_replica():
-    from serve_app.ingress import _model_health
+    from serve_app.http.ingress import _model_health
 
     statuses = [{"alive": True, "compiled_programs": 3, "step_programs": 8},
                 {"alive": True, "compiled_programs": 8, "step_programs": 8},

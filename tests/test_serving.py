@@ -410,7 +410,7 @@ def test_speech_to_text_through_ray_serve(client, serving, whisper_dir):
 
     import numpy as np
 
-    from serve_app.audio import log_mel
+    from serve_app.media.audio import log_mel
 
     samples = (np.random.RandomState(4).randn(16000 * 35) * 3000).astype("<i2")
     buffer = io.BytesIO()

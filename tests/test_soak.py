@@ -119,9 +119,10 @@ def test_stream_chunks_are_tallied_per_choice():
 
 
 def server_metrics_text(running=0, waiting=0, free_pages=10, rss=None) -> str:
-    """The exposition jax-serve's ingress renders (serve_app.metrics), two replicas of model m."""
-    from engine.core.request import EngineStats
-    from serve_app.metrics import ServerMetrics, render
+    """The exposition jax-serve's ingress renders (serve_app.replicas.metrics), two replicas of model m."""
+    from engine.stats import EngineStats
+    from serve_app.replicas.metrics import ServerMetrics
+    from serve_app.http.metrics import render
 
     families = []
     for replica in ("r1", "r2"):

@@ -11,12 +11,12 @@ import torch
 from parity import TIGHT, assert_all_pages_free, hf_greedy, hf_model, make_prompts, run_to_completion, tokens_of
 from scipy import stats
 
-from engine.core.config import EngineConfig, SpeculativeConfig
-from engine.core.request import FinishReason, SamplingParams
-from engine.core.pages import PageAllocator
-from engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
-from engine.core.speculation import NgramProposer, draft_limit, kept_tokens, share_slots
-from engine.llm_engine import LLMEngine
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.generate.request import FinishReason, SamplingParams
+from engine.generate.pages import PageAllocator
+from engine.generate.scheduler import Scheduler, SchedulerConfig, Sequence
+from engine.generate.speculation import NgramProposer, draft_limit, kept_tokens, share_slots
+from engine.generate.engine import LLMEngine
 
 VOCAB = 32
 """A vocabulary this small makes the random model's greedy output repeat itself (runs and

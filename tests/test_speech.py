@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.async_transcriber import AsyncTranscriber, Done, Language, Segments
-from engine.core import transcription as rules
-from engine.core.config import EngineConfig
-from engine.core.request import InvalidRequestError
-from engine.core.transcription import Fallback, TranscriptionOptions
+from engine.transcribe.driver import AsyncTranscriber, Done, Language, Segments
+from engine.transcribe import decoding as rules
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.transcribe.decoding import Fallback, TranscriptionOptions
 
 SLOTS = 4
 
@@ -29,7 +29,7 @@ def hf(whisper_dir):
 
 @pytest.fixture(scope="module")
 def transcriber(whisper_dir):
-    from engine.speech_engine import SpeechEngine
+    from engine.transcribe.engine import SpeechEngine
 
     engine = SpeechEngine(EngineConfig(model=str(whisper_dir), max_num_seqs=SLOTS, compilation_cache_dir=None))
     transcriber = AsyncTranscriber(engine)
@@ -257,7 +257,7 @@ def test_word_timestamps_need_alignment_heads(transcriber, whisper_dir):
 def test_dtw_and_median_filter_equal_transformers():
     from transformers.models.whisper.generation_whisper import _dynamic_time_warping, _median_filter
 
-    from engine.core import alignment
+    from engine.transcribe import alignment
 
     rng = np.random.default_rng(0)
     for shape in [(1, 1), (1, 9), (7, 3), (12, 40), (30, 200)]:

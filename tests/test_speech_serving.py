@@ -15,9 +15,9 @@ import openai
 import pytest
 import torch
 
-from serve_app import audio
+from serve_app.media import audio
 from serve_app.config import AppConfig
-from serve_app.transcription_server import TranscriptionServer
+from serve_app.replicas.transcribe import TranscriptionServer
 
 MODEL = "tiny-whisper"
 
@@ -41,7 +41,7 @@ def noise(seconds: float, seed: int) -> np.ndarray:
 def app(whisper_dir):
     from fastapi.testclient import TestClient
 
-    from serve_app.ingress import LocalBackend, create_app
+    from serve_app.http.ingress import LocalBackend, create_app
 
     config = AppConfig.from_args({"model": str(whisper_dir), "model_id": MODEL, "warmup": False, "max_num_seqs": 4,
                                   "max_audio_seconds": 400, "transcription_fallback": None})
@@ -143,12 +143,12 @@ def hf_words(reference) -> list[dict]:
     (" A", "en"),
 ])
 def test_words_group_as_transformers_groups_them(text, language):
-    """serve_app.words against the tokenizer's `_combine_tokens_into_words` (byte-level tokens: a
+    """serve_app.media.words against the tokenizer's `_combine_tokens_into_words` (byte-level tokens: a
     character may take several), each word timed from its first token's start to its last's end."""
     import tiny_models
     from transformers.models.whisper.tokenization_whisper import LANGUAGES, _combine_tokens_into_words
 
-    from serve_app.words import group_words
+    from serve_app.media.words import group_words
 
     tokenizer = tiny_models.make_whisper_tokenizer()
     tokens = tokenizer.encode(text, add_special_tokens=False)
@@ -296,7 +296,7 @@ def test_default_fallback_decodes_unlikely_windows_again(whisper_dir):
     which temperature); with a seed the answer repeats."""
     from fastapi.testclient import TestClient
 
-    from serve_app.ingress import LocalBackend, create_app
+    from serve_app.http.ingress import LocalBackend, create_app
 
     config = AppConfig.from_args({"model": str(whisper_dir), "model_id": MODEL, "warmup": False, "max_num_seqs": 2})
     server = TranscriptionServer(config.models[0])

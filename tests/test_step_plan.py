@@ -1,4 +1,4 @@
-"""engine.core.step_plan: step plans built from real scheduler runs, without a model: the exact
+"""engine.generate.step_plan: step plans built from real scheduler runs, without a model: the exact
 arrays of the packed token layout, pending tokens read from the step in flight, sampling inputs,
 prompt logprobs, and plans that pickle into plain data."""
 
@@ -10,11 +10,11 @@ import pickle
 import numpy as np
 import pytest
 
-from engine.core.buckets import Bucket, ShapeBuckets
-from engine.core.pages import PageAllocator
-from engine.core.request import SamplingParams
-from engine.core.scheduler import PENDING_TOKEN, Plan, Scheduler, SchedulerConfig, Sequence
-from engine.core.step_plan import RowSlots, StepPlan, StepPlanner
+from engine.generate.buckets import Bucket, ShapeBuckets
+from engine.generate.pages import PageAllocator
+from engine.generate.request import SamplingParams
+from engine.generate.scheduler import PENDING_TOKEN, Plan, Scheduler, SchedulerConfig, Sequence
+from engine.generate.step_plan import RowSlots, StepPlan, StepPlanner
 
 PAGE = 4
 VOCAB = 64
@@ -168,7 +168,7 @@ class OnlyToken:
 
 
 class OnlyTokenMasks:
-    """The planner's view of engine.core.grammar.GrammarCompiler, for OnlyToken states."""
+    """The planner's view of engine.generate.grammar.GrammarCompiler, for OnlyToken states."""
 
     def fill_masks(self, rows, out: np.ndarray) -> None:
         for state, i in rows:

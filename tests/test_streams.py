@@ -1,4 +1,4 @@
-"""serve_app.streams.merge_batches: interleaving, batching by window, failures, and closing.
+"""serve_app.text.streams.merge_batches: interleaving, batching by window, failures, and closing.
 
 The timing tests run on virtual time (tests/virtual_clock.py): sleeps take no real time, and each
 batch's contents and timestamp are exact on every machine."""
@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 import virtual_clock
-from serve_app.streams import merge_batches
+from serve_app.text.streams import merge_batches
 
 
 async def items(values, gate: asyncio.Event | None = None, closed: list | None = None):
@@ -103,7 +103,7 @@ def test_the_interval_may_be_a_function_read_after_each_batch():
 
 
 def test_with_keepalive_sends_an_empty_batch_for_each_silent_period():
-    from serve_app.streams import with_keepalive
+    from serve_app.text.streams import with_keepalive
 
     async def slow():
         await asyncio.sleep(0.1)
@@ -119,7 +119,7 @@ def test_with_keepalive_sends_an_empty_batch_for_each_silent_period():
 
 
 def test_closing_the_keepalive_stream_closes_its_source():
-    from serve_app.streams import with_keepalive
+    from serve_app.text.streams import with_keepalive
 
     async def run():
         closed = []

@@ -15,11 +15,12 @@ import pytest
 from parity import TIGHT, assert_all_pages_free, make_prompts, run_to_completion, tokens_of
 from transformers import AutoTokenizer
 
-from engine.core.config import EngineConfig
-from engine.core.grammar import JSON_DEFAULTS, GrammarCompiler, mask_words
-from engine.core.request import FinishReason, Grammar, InvalidRequestError, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.runner import sampler
+from engine.config import EngineConfig
+from engine.generate.grammar import JSON_DEFAULTS, GrammarCompiler, mask_words
+from engine.generate.request import FinishReason, Grammar, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.generate.engine import LLMEngine
+from engine.generate.runner import sampler
 
 PERSON = {
     "type": "object",

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.config import EngineConfig
+from engine.generate.engine import LLMEngine
 
 HERE = Path(__file__).parent
 

@@ -1,4 +1,4 @@
-"""serve_app.tool_calls: the auto parsers (hermes, llama3_json), streamed and not, the grammars and
+"""serve_app.text.tool_calls: the auto parsers (hermes, llama3_json), streamed and not, the grammars and
 streams of tool_choice `required` / a named function, and the default parser of a chat template."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 import jsonschema
 import pytest
 
-from serve_app.tool_calls import (
+from serve_app.text.tool_calls import (
     NamedCallStream,
     RequiredCallStream,
     ToolCall,
@@ -415,7 +415,7 @@ def test_default_parser(template, parser):
 
 
 def test_a_chunk_carries_each_call_once():
-    from serve_app.responses import ChatFormatter, ChoiceUpdate
+    from serve_app.text.responses import ChatFormatter, ChoiceUpdate
 
     class NoStrings:
         pass

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.config import EngineConfig
-from engine.runner import capacity
+from engine.config import EngineConfig
+from engine.tools import capacity
 
 TPU_PYTHON = Path(__file__).parents[1] / ".venv-tpu" / "bin" / "python"
 
@@ -28,7 +28,7 @@ SAMPLERS = ("greedy", "random", "random+logprobs", "constrain", "random+constrai
 def aot(model_dir: Path, topology: str, tp: int, out: Path, *extra: str) -> dict:
     if not TPU_PYTHON.is_file():
         pytest.fail(f"{TPU_PYTHON} is missing: run scripts/setup.sh (it installs libtpu there)")
-    command = [str(TPU_PYTHON), "-m", "engine.runner.aot", "--model", str(model_dir), "--topology", topology,
+    command = [str(TPU_PYTHON), "-m", "engine.tools.aot", "--model", str(model_dir), "--topology", topology,
                "--tensor-parallel-size", str(tp), "--json", str(out), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
                "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
                "--max-model-len", str(ENGINE["max_model_len"]), *extra]
@@ -195,7 +195,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 def test_collectives_are_counted_per_run_of_the_program():
     """A loop's body once per iteration (the bound its condition compares with: 12; or the known
     trip count: 3), the conditional's costliest branch, the entry's own; -done halves not again."""
-    from engine.runner.aot import count_collectives
+    from engine.tools.aot import count_collectives
 
     assert count_collectives(HLO) == {"all-reduce": 12 + 3 + 2 + 1, "all-gather": 12 + 3}
 

@@ -14,8 +14,8 @@ from pallas_interpret import SIMULATED_TPU, interpreted_kernel, interpreter_fixe
 from parity import TIGHT, assert_ragged_parity
 
 from engine.backends import tpu_kernel
-from engine.core.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.config import EngineConfig
+from engine.generate.engine import LLMEngine
 
 
 @pytest.mark.parametrize("dtype, window, cap", [("float32", None, None), ("bfloat16", None, None),

@@ -14,11 +14,11 @@ import pytest
 from parity import run_to_completion, tokens_of
 from tiny_models import CHATML_TEMPLATE, make_tokenizer
 
-from engine.core.config import EngineConfig
-from engine.core.request import SamplingParams
+from engine.config import EngineConfig
+from engine.generate.request import SamplingParams
 from engine.formats.transformers_files import hf_config, load_tokenizer
-from engine.llm_engine import LLMEngine
-from engine.model.loading import model_info, read_hf_config
+from engine.generate.engine import LLMEngine
+from engine.models.loading import model_info, read_hf_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "transformers5"
 

@@ -1,4 +1,4 @@
-"""engine.model.vision (LLaVA's vision tower + projector) and serve_app.images (decoding, preprocessing).
+"""engine.models.vision (LLaVA's vision tower + projector) and serve_app.media.images (decoding, preprocessing).
 
 Reference: transformers 4.57's `LlavaForConditionalGeneration.get_image_features` and its slow image
 processors, on tiny random checkpoints made here (biases and norms perturbed, so a misplaced one
@@ -21,15 +21,9 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.model.vision import (
-    image_features,
-    image_tokens,
-    language_model_files,
-    load_vision,
-    read_vision_config,
-)
+from engine.models.vision import image_features, image_tokens, language_model_files, load_vision, read_vision_config
 from serve_app.errors import BadRequest
-from serve_app.images import ImageProcessor, content_hash, decode_image, parse_data_uri
+from serve_app.media.images import ImageProcessor, content_hash, decode_image, parse_data_uri
 
 IMAGE_TOKEN = 100
 features = eqx.filter_jit(image_features)
@@ -413,7 +407,7 @@ def test_serving_side_imports_no_jax_torch_or_transformers():
     import subprocess
     import sys
 
-    code = "import sys, serve_app.images; print([m for m in ('jax', 'torch', 'transformers') if m in sys.modules])"
+    code = "import sys, serve_app.media.images; print([m for m in ('jax', 'torch', 'transformers') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parent.parent)
     assert out.stdout.strip() == "[]"

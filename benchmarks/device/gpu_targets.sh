@@ -28,7 +28,7 @@ if not hasattr(jax.core, "is_constant_dim"):
 PY
   export PYTHONPATH=/tmp/site
 fi
-python3 -c "import jax, levanter.models.llama, engine.llm_engine; print(jax.__version__, jax.devices())" || exit 1
+python3 -c "import jax, levanter.models.llama, engine.generate.engine; print(jax.__version__, jax.devices())" || exit 1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv 2>/dev/null | tee "$OUT/gpu.txt"
 
 PARTS=${1:-engine compile}

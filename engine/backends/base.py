@@ -3,7 +3,7 @@
 A backend owns these, and nothing outside it asks which backend runs:
 - the KV cache: its layout, its storage dtype, its initialisation and its sharding by KV head;
 - the cache write and attention over one step's tokens (`attend`, once per layer), in the one
-  token layout every backend reads (rows packed, see engine.core.buckets), and any per-step tables
+  token layout every backend reads (rows packed, see engine.generate.buckets), and any per-step tables
   it precomputes (`begin_step`);
 - weight preparation (`prepare`), the q/k/v projection (`project_qkv`), the activation dtype and
   greedy argmax, for backends with their own kernels;
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from jax.sharding import PartitionSpec
 
-from engine.core.buckets import ShapeBuckets
-from engine.core.step_plan import StepInputs
+from engine.generate.buckets import ShapeBuckets
+from engine.generate.step_plan import StepInputs
 
 Q_AXES = ("position", "kv_head", "q_heads_per_group", "head_size")
 KV_AXES = ("position", "kv_head", "head_size")
@@ -73,10 +73,10 @@ class AttentionBackend:
     """Whether it runs with tensor parallelism (its ops partition over a mesh)."""
     scan_layers: bool = True
     """The layer loop it runs unless `scan_layers` is configured: scanned (compile time independent
-    of depth) where that costs no speed (engine.model.paged_model)."""
+    of depth) where that costs no speed (engine.models.paged_model)."""
 
     def prepare(self, model, buckets: ShapeBuckets, measure: bool):
-        """The serving model with weights laid out for this backend (engine.model.paged_model),
+        """The serving model with weights laid out for this backend (engine.models.paged_model),
         for steps of `buckets`' shapes; `measure`: time what depends on the machine (at warm-up)."""
         return model
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from jax.sharding import Mesh
 
 from engine.backends.base import AttentionBackend
-from engine.core.config import EngineConfig
+from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

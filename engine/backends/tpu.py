@@ -3,13 +3,13 @@
 On a mesh of TPUs (v4 and later) it runs JAX's Pallas ragged paged attention kernel under
 `shard_map`, each device over its own KV heads, for the generation of the mesh's devices
 (engine.backends.tpu_kernel): a replica on a TPU and an ahead-of-time compile for a TPU topology on
-a CPU host (engine.runner.aot) build the same program. A kernel that cannot compile fails the
+a CPU host (engine.tools.aot) build the same program. A kernel that cannot compile fails the
 compile; it never falls back silently. On other devices it runs levanter's reference implementation
 (loops over sequences, query tokens and page blocks: slow, but exact), which is how CI tests this
 backend's numbers on CPUs; the kernel itself runs on CPUs in Pallas' TPU interpret mode
 (`interpret_as`, for tests).
 
-The packed token layout (engine.core.buckets) is the kernel's own: rows one after another,
+The packed token layout (engine.generate.buckets) is the kernel's own: rows one after another,
 `cu_q_lens` their boundaries, `kv_lens` each row's tokens in the cache after the step,
 `page_indices` every row's page table over `max_model_len` (the kernel reads only the pages
 `kv_lens` covers); only the step's end is padded to its token bucket.
@@ -39,7 +39,14 @@ from jax.sharding import Mesh, PartitionSpec
 from levanter.layers.attention import default_ragged_paged_attention
 
 from engine.backends import tpu_kernel
-from engine.backends.base import KV_AXES, Q_AXES, AttentionBackend, AttentionStep, CacheShape, LayerAttention
+from engine.backends.base import (
+    KV_AXES,
+    Q_AXES,
+    AttentionBackend,
+    AttentionStep,
+    CacheShape,
+    LayerAttention,
+)
 
 
 class RaggedKVCache(eqx.Module):

@@ -2,7 +2,7 @@
 
 The kernel (jax.experimental.pallas.ops.tpu.ragged_paged_attention) picks its block sizes from a
 table keyed by the TPU generation, which it reads from the local default device: on a host that
-compiles for a TPU it does not have (engine.runner.aot) that device is a CPU and the kernel
+compiles for a TPU it does not have (engine.tools.aot) that device is a CPU and the kernel
 refuses. Here the generation comes from the mesh the step runs on (`device_kind`), and the block
 sizes from the same table, so a replica on a TPU and an ahead-of-time compile on a CPU host build
 the same program.
@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
-from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tuned
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+    tuned_block_sizes as tuned,
+)
 from jax.sharding import Mesh, PartitionSpec
 
 LANES = 128

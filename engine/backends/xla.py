@@ -1,7 +1,7 @@
 """The `xla` backend: masked attention in plain JAX, the portable path (any device, any mesh).
 
 Each token is a query against its own sequence (its row's page table), causal by position, in the
-packed token layout every backend reads (engine.core.buckets). Keys and values are read in blocks
+packed token layout every backend reads (engine.generate.buckets). Keys and values are read in blocks
 of `BLOCK_TOKENS` cached tokens with a running softmax (flash attention's recurrence), in a loop
 whose trip count is the step's longest visible length: a step costs what its rows' lengths need,
 and the page table's width (max_model_len) is no dimension of the program.
@@ -24,7 +24,14 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from jax.sharding import PartitionSpec
 
-from engine.backends.base import Q_AXES, AttentionBackend, AttentionStep, CacheShape, LayerAttention, visible_tokens
+from engine.backends.base import (
+    Q_AXES,
+    AttentionBackend,
+    AttentionStep,
+    CacheShape,
+    LayerAttention,
+    visible_tokens,
+)
 
 NEG_INF = -1e30
 

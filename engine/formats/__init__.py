@@ -1,1 +1,2 @@
-"""Model sources: builtin aliases, GGUF conversion, resolving a name or path to a checkpoint."""
+"""Pure I/O of model files: model sources (builtin aliases, the Hub, object stores), GGUF conversion,
+levanter checkpoints, PEFT adapters, LLaVA layouts. Nothing here imports a model."""

@@ -23,7 +23,15 @@ from typing import Any
 import gguf
 import numpy as np
 from safetensors.numpy import save_file
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,8 @@ def fetch(repo_id: str, revision: Optional[str] = None, tokenizer_only: bool = F
     the checkpoint, or only its tokenizer files."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub import errors as hub_errors
-    from requests.exceptions import ConnectionError as Unreachable, Timeout
+    from requests.exceptions import ConnectionError as Unreachable
+    from requests.exceptions import Timeout
 
     where = f"{repo_id}@{revision or 'main'}"
     try:

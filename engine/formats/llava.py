@@ -4,7 +4,7 @@ A `LlavaForConditionalGeneration` directory (config.json model_type "llava") kee
 weights under a prefix (`language_model.` or `model.language_model.`) and its config under
 `text_config`. `build(source, out)` writes, once, into a cache entry (engine.formats.model_sources):
   * config.json and model.safetensors of the decoder alone, under plain causal-LM names
-    (engine.model.vision.language_model_files), which the engine loads as any Llama / Qwen2 /
+    (engine.models.vision.language_model_files), which the engine loads as any Llama / Qwen2 /
     Mistral checkpoint;
   * the tokenizer, chat template and generation config files, copied;
   * `vision`: a link to the LLaVA directory itself (its tower, projector and preprocessor), for the
@@ -48,7 +48,7 @@ def build(source: Path, out: Path) -> None:
     """Write `source`'s decoder as a text checkpoint into `out` (see the module doc)."""
     from safetensors.numpy import save_file
 
-    from engine.model.vision import language_model_files
+    from engine.models.vision import language_model_files
 
     config, state = language_model_files(source)
     (out / "config.json").write_text(json.dumps(config, indent=2))

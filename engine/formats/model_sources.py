@@ -278,7 +278,9 @@ def _locked(lock_path: Path) -> Iterator[None]:
 
 
 def _convert(gguf_file: Path, out: Path) -> None:
-    from engine.formats.gguf import convert_gguf_to_hf  # numpy/gguf/tokenizers: only needed when converting
+    from engine.formats.gguf import (
+        convert_gguf_to_hf,  # numpy/gguf/tokenizers: only needed when converting
+    )
 
     convert_gguf_to_hf(gguf_file, out)
 

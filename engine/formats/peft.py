@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.model.loading import ModelInfo
+from engine.models.loading import ModelInfo
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections an adapter may adapt (each layer's attention and MLP)."""

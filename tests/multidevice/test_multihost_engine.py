@@ -14,10 +14,10 @@ from serving_helpers import engine_worker_processes
 from tiny_models import make_lora_adapter
 from transformers import AutoTokenizer
 
-from engine.core.config import EngineConfig
-from engine.core.request import Grammar, SamplingParams
-from engine.core.step_plan import empty_step_plan
-from engine.llm_engine import LLMEngine
+from engine.config import EngineConfig
+from engine.generate.request import Grammar, SamplingParams
+from engine.generate.step_plan import empty_step_plan
+from engine.generate.engine import LLMEngine
 
 WORKER_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1",
               "USE_TORCH": "0"}  # as deploy/config.yaml: the workers run no torch model
@@ -112,9 +112,9 @@ def test_images_reach_every_host_and_answer_as_transformers_llava(two_hosts, tmp
     import transformers
     from tiny_models import make_llava_checkpoint
 
-    from engine.core.images import ImageInput
+    from engine.generate.images import ImageInput
     from engine.formats.model_sources import resolve_model
-    from serve_app.images import content_hash
+    from serve_app.media.images import content_hash
 
     checkpoint = make_llava_checkpoint(tmp_path / "llava")
     engine = LLMEngine(EngineConfig(model=str(resolve_model(str(checkpoint), cache_dir=tmp_path / "cache")),

@@ -7,9 +7,9 @@ import pytest
 from parity import hf_greedy, make_prompts, peft_greedy
 from tiny_models import make_lora_adapter
 
-from engine.core.config import EngineConfig
-from engine.core.request import SamplingParams
-from engine.llm_engine import LLMEngine
+from engine.config import EngineConfig
+from engine.generate.request import SamplingParams
+from engine.generate.engine import LLMEngine
 
 EIGHT_HEADS = dict(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
 

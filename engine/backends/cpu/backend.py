@@ -37,11 +37,17 @@ from levanter.layers.attention import Attention
 
 from engine.backends.base import Q_AXES, AttentionStep, LayerAttention, visible_tokens
 from engine.backends.cpu import kernels, matmul_choice
-from engine.backends.cpu.kernels import PANEL, FusedLinear, PackedLinear, silu_mul, unflatten_rows
+from engine.backends.cpu.kernels import (
+    PANEL,
+    FusedLinear,
+    PackedLinear,
+    silu_mul,
+    unflatten_rows,
+)
 from engine.backends.cpu.matmul_choice import XLA_F32, XLA_PATHS, MatmulChooser, Product
 from engine.backends.xla import SplitKVCache, XlaBackend
-from engine.core.buckets import ShapeBuckets
-from engine.model.quantize import Int8Embedding, Int8Linear
+from engine.generate.buckets import ShapeBuckets
+from engine.layers.quantize import Int8Embedding, Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +170,7 @@ class PackedSwiGLU(eqx.Module):
         return self.down_proj(unflatten_rows(silu_mul(gate_up), batch, self.gate_up.Outs[0]))
 
     def adapted(self, x: NamedArray, lora) -> NamedArray:
-        """The MLP with each projection's LoRA update (engine.model.lora.LayerLora): the updates
+        """The MLP with each projection's LoRA update (engine.layers.lora.LayerLora): the updates
         join the fused gate/up product's output, so the product and the gating kernel still run."""
         batch, gate_up = self.gate_up.concatenated(x)
         names = [ax.name for ax in batch]

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
-from engine.model.quantize import Int8Linear
+from engine.layers.quantize import Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class PackedLinear(eqx.Module):
     reads the embedding table)."""
     bias: NamedArray | None
     scale: NamedArray | None
-    """With int8 weights: f32[..., out = N], each output column's scale (engine.model.quantize)."""
+    """With int8 weights: f32[..., out = N], each output column's scale (engine.layers.quantize)."""
     In: tuple[hax.Axis, ...] = eqx.field(static=True)
     Out: tuple[hax.Axis, ...] = eqx.field(static=True)
     xla_rows: frozenset[int] = eqx.field(static=True, default=frozenset())

@@ -1,0 +1,1 @@
+"""Embeddings: the embedding engine (engine.py) and its async driver (driver.py)."""

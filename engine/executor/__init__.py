@@ -1,2 +1,0 @@
-"""Executors run step plans (engine.executor.base): `LocalExecutor` in this process (one host), or
-`MultiHostExecutor` over one `EngineWorker` per host of a replica."""

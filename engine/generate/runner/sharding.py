@@ -1,0 +1,191 @@
+"""Tensor parallelism: a replica's device mesh, and how the model's named axes split over it.
+
+The devices of a replica form a ("data", "model") mesh of 1 x `tensor_parallel_size`. Through
+haliax's axis mapping, attention heads (`heads`, and `kv_head` of q/k/v), the MLP (`mlp`) and the
+vocabulary (`vocab`: the embedding and the LM head) are split on "model"; norms and the residual
+stream are replicated. Every device then attends with its own heads over its own share of the KV
+cache (split by KV head), and XLA adds the collectives: an all-reduce after o_proj and down_proj,
+a gather of the logits before sampling, so sampled tokens and logprobs come back replicated.
+
+With fewer KV heads than devices, each KV head is repeated until there is one per device (as
+tpu-inference and sglang-jax do): head h of the original serves the query heads h * G .. (h+1) * G
+- 1; after repeating it r times, copy j serves the j-th 1/r of them, which is exactly the split of
+the query heads over devices. The math is unchanged; the cache holds r copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from levanter.layers.attention import Attention
+
+from engine.models.loading import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+MODEL_AXIS = "model"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelLayout:
+    """How one model splits over `size` devices."""
+
+    size: int
+    kv_repeats: int
+    """Each KV head is repeated this many times (1: KV heads split as they are)."""
+    shard_vocab: bool
+    """Whether the vocabulary splits evenly (else the embedding and LM head are replicated)."""
+
+    @property
+    def axis_mapping(self) -> dict[str, str]:
+        if self.size == 1:
+            return {}
+        mapping = {"heads": MODEL_AXIS, "kv_head": MODEL_AXIS, "mlp": MODEL_AXIS}
+        if self.shard_vocab:
+            mapping["vocab"] = MODEL_AXIS
+        return mapping
+
+
+def plan_layout(info: ModelInfo, size: int) -> TensorParallelLayout:
+    """The layout of `info`'s model over `size` devices; ValueError if it cannot split evenly."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if info.num_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's {info.num_heads} attention "
+                         f"heads; pick a divisor of {info.num_heads}")
+    if info.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's MLP size "
+                         f"{info.intermediate_size}; pick a divisor of it")
+    kv = info.num_kv_heads
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size={size} and the model's {kv} KV heads: one must divide the other")
+    shard_vocab = info.vocab_size % size == 0
+    if size > 1 and not shard_vocab:
+        logger.warning("vocabulary of %d tokens does not split over %d devices: embedding and LM head replicated",
+                       info.vocab_size, size)
+    return TensorParallelLayout(size, max(1, size // kv), shard_vocab)
+
+
+def make_mesh(size: int) -> Mesh:
+    devices = jax.devices()
+    if size > len(devices):
+        raise ValueError(f"tensor_parallel_size={size} needs {size} devices; this process sees {len(devices)} "
+                         f"({devices[0].platform}). On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={size} "
+                         "makes that many host devices")
+    return Mesh(np.array(devices[:size]).reshape(1, size), ("data", MODEL_AXIS))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def place(tree, layout: TensorParallelLayout, mesh: Mesh):
+    """Every named array of `tree` split over the mesh as the layout's axis mapping says."""
+    return tree if layout.size == 1 else hax.shard(tree, layout.axis_mapping, mesh)
+
+
+def host_device() -> Optional[jax.Device]:
+    """This process's first CPU device, or None where JAX runs without its CPU platform."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
+
+
+def to_mesh(tree, layout: TensorParallelLayout, mesh: Mesh):
+    """`tree` made of global arrays on `mesh`, split as the layout says, wherever its arrays are now
+    (the host's CPU, say). Every process passes its own whole copy and each device takes its shard
+    from its own process's copy, so nothing crosses hosts; arrays already placed so stay as they are."""
+    def put(x):
+        named = isinstance(x, hax.NamedArray)
+        array = x.array if named else x
+        if not isinstance(array, jax.Array):
+            return x
+        spec = hax.partitioning.pspec_for_axis(x.axes, layout.axis_mapping) if named else PartitionSpec()
+        target = NamedSharding(mesh, spec)
+        if array.sharding == target:
+            return x
+        host = np.asarray(array)
+        placed = jax.make_array_from_callback(host.shape, target, lambda index: host[index])
+        return hax.named(placed, x.axes) if named else placed
+
+    return jax.tree_util.tree_map(put, tree, is_leaf=lambda x: isinstance(x, hax.NamedArray))
+
+
+def repeat_kv_heads(model, repeats: int):
+    """Every levanter `Attention` of `model` with each KV head repeated `repeats` times; query
+    heads regroup so that each still meets its own KV head (see the module docstring)."""
+    return jax.tree_util.tree_map(lambda m: _repeat_in_attention(m, repeats) if isinstance(m, Attention) else m,
+                                  model, is_leaf=lambda m: isinstance(m, Attention))
+
+
+def _repeat_in_attention(attn: Attention, r: int) -> Attention:
+    kv = attn.config.num_kv_heads
+    config = dataclasses.replace(attn.config, num_kv_heads=kv * r)
+    group = hax.Axis("q_heads_per_group", config.q_heads_per_group)
+    kv_head = hax.Axis("kv_head", kv * r)
+    queries, keys = (lambda x: _regroup_queries(x, kv_head, group)), (lambda x: _repeat_axis(x, kv_head))
+    return dataclasses.replace(
+        attn,
+        config=config,
+        q_proj=_relinear(attn.q_proj, queries),
+        k_proj=_relinear(attn.k_proj, keys),
+        v_proj=_relinear(attn.v_proj, keys),
+        q_norm=_renorm(attn.q_norm, queries),
+        k_norm=_renorm(attn.k_norm, keys),
+    )
+
+
+def _renorm(norm, reshape):
+    """A q / k norm over whole projections (OLMo 2's: its weight has a `kv_head` axis) with its
+    weight passed through `reshape`; a per-head norm (Qwen 3's) or none as it is. The mean square
+    over repeated heads is the original's."""
+    if norm is None or norm.weight is None or not norm.weight.has_axis("kv_head"):
+        return norm
+    weight = reshape(norm.weight)
+    bias = None if norm.bias is None else reshape(norm.bias)
+    axis = tuple(weight.resolve_axis(ax.name) for ax in hax.axis_spec_to_tuple(norm.axis))
+    return dataclasses.replace(norm, weight=weight, bias=bias, axis=axis)
+
+
+def _relinear(linear: hnn.Linear, reshape) -> hnn.Linear:
+    """`linear` with its weight, bias and output axes passed through `reshape` (a NamedArray map)."""
+    weight = reshape(linear.weight)
+    bias = None if linear.bias is None else reshape(linear.bias)
+    out_names = [ax.name for ax in hax.axis_spec_to_tuple(linear.Out)]
+    Out = tuple(weight.resolve_axis(name) for name in out_names)
+    return dataclasses.replace(linear, weight=weight, bias=bias, Out=Out)
+
+
+def _repeat_axis(x: hax.NamedArray, kv_head: hax.Axis) -> hax.NamedArray:
+    """Repeat each entry of `kv_head` consecutively: (h0, h0, h1, h1, ...)."""
+    index = x.axes.index(x.resolve_axis("kv_head"))
+    repeats = kv_head.size // x.axes[index].size
+    axes = x.axes[:index] + (kv_head,) + x.axes[index + 1:]
+    return hax.named(jnp.repeat(x.array, repeats, axis=index), axes)
+
+
+def _regroup_queries(x: hax.NamedArray, kv_head: hax.Axis, group: hax.Axis) -> hax.NamedArray:
+    """(kv_head K, q_heads_per_group G) -> (K * r, G / r): the same query heads in the same order."""
+    flat = x.flatten_axes(("kv_head", "q_heads_per_group"), "q_heads")  # kv_head major
+    return flat.unflatten_axis("q_heads", (kv_head, group))
+
+
+def free_device_memory(devices) -> Optional[int]:
+    """Bytes each of this process's `devices` can still allocate (the least of them), or None where
+    the platform does not say (CPUs)."""
+    free = []
+    for device in [d for d in devices if d.process_index == jax.process_index()]:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return min(free)

@@ -1,0 +1,1 @@
+"""Model layers that several models use: quantized linears, LoRA, rotary embeddings."""

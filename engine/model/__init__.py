@@ -1,1 +1,0 @@
-"""The model: one forward pass over levanter modules (paged_model) and checkpoint loading."""
