@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import serve_bench
 
-from benchmarks import serve_bench  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 logger = logging.getLogger("compare")
 
@@ -84,9 +84,8 @@ def prepare_checkpoint(path: Path) -> Path:
     """The benchmark checkpoint: engine_bench's BENCH_MODEL with a tokenizer padded to 32000 ids."""
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
         return path
-    sys.path.insert(0, str(ROOT / "tests"))
-    import tiny_models
     from benchmarks.engine_bench import SHAPES
+    from tests.support import tiny_models
 
     logger.info("making the benchmark checkpoint in %s", path)
     shape = SHAPES["bench-110m"]

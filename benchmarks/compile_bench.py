@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from engine.config import EngineConfig  # noqa: E402
-from engine.generate.engine import LLMEngine  # noqa: E402
+from engine.config import EngineConfig
+from engine.generate.engine import LLMEngine
 
 WIDTH = dict(hidden_size=768, num_heads=12, num_kv_heads=4, intermediate_size=2048, vocab_size=32000)
 
@@ -28,7 +25,7 @@ WIDTH = dict(hidden_size=768, num_heads=12, num_kv_heads=4, intermediate_size=20
 def checkpoint(layers: int) -> Path:
     path = Path.home() / ".cache/jax-serve" / f"bench-llama-{layers}-layers"
     if not (path / "config.json").is_file():
-        import tiny_models
+        from tests.support import tiny_models
 
         tiny_models.make_checkpoint(path, "llama", **WIDTH, num_layers=layers, max_position_embeddings=2048,
                                     initializer_range=0.02, dtype="bfloat16")

@@ -7,7 +7,7 @@ Work: a random Llama made once under ~/.cache/jax-serve (`--shape bench-110m`: h
 12 heads / 4 KV heads, intermediate 2048, vocab 32000; `--shape llama-3.2-1b`: Llama-3.2-1B's shape,
 1.24B parameters, tied embeddings), `--prompt-len`
 random prompt tokens and `--new-tokens` new tokens per request with EOS ignored, `batch` requests
-submitted at once; with `--requests N`, a closed loop like `jax-serve-bench --max-concurrency batch`:
+submitted at once; with `--requests N`, a closed loop like `python -m benchmarks.serve_bench --max-concurrency batch`:
 each finished request is replaced by a new one until N have run (the engine's ceiling under the
 serving comparison, without HTTP, Ray or detokenizing). Compile time is excluded (the engine warms up
 first). Prints one row per batch size; each figure is the median of `--repeats` runs. "of batch /
@@ -33,17 +33,14 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from engine.config import EngineConfig  # noqa: E402
-from engine.generate.request import Grammar, SamplingParams  # noqa: E402
-from engine.generate.engine import LLMEngine  # noqa: E402
+from engine.config import EngineConfig
+from engine.generate.engine import LLMEngine
+from engine.generate.request import Grammar, SamplingParams
 
 SHAPES = {
     "bench-110m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048,
@@ -57,7 +54,7 @@ DEFAULT_PATHS = {"bench-110m": "bench-llama", "llama-3.2-1b": "bench-llama-3.2-1
 def bench_checkpoint(path: Path, shape: str) -> Path:
     """A random Llama of `shape` (bf16 safetensors), made on first use."""
     if not (path / "config.json").is_file():
-        import tiny_models
+        from tests.support import tiny_models
 
         tiny_models.make_checkpoint(path, "llama", **SHAPES[shape], max_position_embeddings=2048,
                                     initializer_range=0.02, dtype="bfloat16")
@@ -68,8 +65,7 @@ def bench_adapter(model: Path, rank: int) -> Path:
     """A random PEFT adapter of `rank` on every projection of the benchmark model (made once beside it)."""
     path = model.parent / f"{model.name}-lora-r{rank}"
     if not (path / "adapter_model.safetensors").is_file():
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        import tiny_models
+        from tests.support import tiny_models
 
         tiny_models.make_lora_adapter(model, path, rank=rank, scale=0.01)
     return path

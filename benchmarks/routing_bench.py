@@ -23,18 +23,17 @@ import asyncio
 import json
 import logging
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import serve_bench
+from benchmarks.compare import DEFAULT_CACHE, MODEL_NAME, prepare_checkpoint
 
-from benchmarks import serve_bench  # noqa: E402
-from benchmarks.compare import DEFAULT_CACHE, MODEL_NAME, prepare_checkpoint  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 logger = logging.getLogger("routing_bench")
 ROUTERS = ("power_of_two", "prefix_affinity")

@@ -1,8 +1,8 @@
 """Serving benchmark for any OpenAI-compatible endpoint (in the spirit of `vllm bench serve`).
 
-    jax-serve-bench --base-url http://127.0.0.1:8000 --model bench-llama --vocab-size 32000
-    jax-serve-bench --base-url http://127.0.0.1:8080 --model m --tokenizer /ckpt --prompt-type text
-    jax-serve-bench --base-url ... --model m --dataset-path prompts.jsonl --request-rate 2 --max-concurrency 0
+    python -m benchmarks.serve_bench --base-url http://127.0.0.1:8000 --model bench-llama --vocab-size 32000
+    python -m benchmarks.serve_bench --base-url http://127.0.0.1:8080 --model m --tokenizer /ckpt --prompt-type text
+    python -m benchmarks.serve_bench --base-url ... --model m --dataset-path prompts.jsonl --request-rate 2 --max-concurrency 0
 
 Each level of the sweep (every `--max-concurrency` x `--request-rate` pair) sends `--num-prompts`
 streamed requests (temperature 0, `ignore_eos` + `max_tokens` so each produces exactly
@@ -670,7 +670,7 @@ def _rates(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jax-serve-bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
     p.add_argument("--model", required=True, help="the model name the server expects")
@@ -740,7 +740,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         check_config(cfg)
     except ValueError as exc:
-        raise SystemExit(f"jax-serve-bench: {exc}")
+        raise SystemExit(f"serve_bench: {exc}")
     report = asyncio.run(run_sweep(cfg))
     print(format_table(report), flush=True)
     write_outputs(report, args.output_json, args.plot, args.model)

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.generate.request import SamplingParams
 from engine.generate.engine import LLMEngine
+from engine.generate.request import SamplingParams
 
 CODE = '''def moving_average(values, window):
     result = []

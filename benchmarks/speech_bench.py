@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,8 +31,7 @@ import numpy as np
 
 def random_checkpoint(out: Path) -> Path:
     """A random model of whisper-tiny's shape and vocabulary (tests/tiny_models.py)."""
-    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-    from tiny_models import make_whisper_checkpoint
+    from tests.support.tiny_models import make_whisper_checkpoint
 
     return make_whisper_checkpoint(out, d_model=384, num_layers=4, num_heads=6, ffn_dim=1536,
                                    max_target_positions=448, initializer_range=0.02, text_tokens=50257)
@@ -54,8 +52,8 @@ def pipeline_run(pipe, audio: list[np.ndarray], concurrency: int, words: bool) -
 
 def ours(transcriber, mels: list[np.ndarray], concurrency: int, words: bool) -> tuple[float, list[list[int]], int]:
     """(seconds, each clip's segment tokens, tokens sampled) to transcribe every clip, `concurrency` at a time."""
-    from engine.transcribe.driver import Done, Segments
     from engine.transcribe.decoding import TranscriptionOptions
+    from engine.transcribe.driver import Done, Segments
 
     options = TranscriptionOptions(language="en", timestamps=True, word_timestamps=words)
 
@@ -109,8 +107,8 @@ def main(argv=None) -> None:
     import torch
     import transformers
 
-    from engine.transcribe.driver import AsyncTranscriber
     from engine.config import EngineConfig
+    from engine.transcribe.driver import AsyncTranscriber
     from engine.transcribe.engine import SpeechEngine
 
     scratch = tempfile.TemporaryDirectory()  # the random checkpoint's, removed at the end

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).parent))
 
-import tiny_models  # noqa: E402
+from tests.support import tiny_models  # noqa: E402 (after the environment transformers reads at import)
 
-# tests/multidevice needs 4 host devices, set before jax starts: test_tensor_parallel.py runs it in
-# its own process (with JAX_SERVE_MULTIDEVICE=1), so this one keeps a single device.
+# tests/multidevice needs 4 host devices, set before jax starts: integration/test_tensor_parallel.py runs
+# it in its own process (with JAX_SERVE_MULTIDEVICE=1), so this one keeps a single device.
 collect_ignore = [] if os.environ.get("JAX_SERVE_MULTIDEVICE") else ["multidevice"]
 
 
@@ -48,3 +46,11 @@ def llava_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def llama_dir(checkpoint_factory) -> Path:
     return checkpoint_factory("llama")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test's tier is its folder: unit, integration or multidevice (`-m "not integration"`)."""
+    for item in items:
+        tier = Path(str(item.fspath)).relative_to(Path(__file__).parent).parts[0]
+        if tier in ("unit", "integration", "multidevice"):
+            item.add_marker(tier)

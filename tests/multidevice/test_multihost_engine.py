@@ -9,15 +9,22 @@ import json
 
 import pytest
 import ray
-from parity import TIGHT, assert_greedy_parity, make_prompts, peft_greedy, run_to_completion, tokens_of
-from serving_helpers import engine_worker_processes
-from tiny_models import make_lora_adapter
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
+from engine.generate.engine import LLMEngine
 from engine.generate.request import Grammar, SamplingParams
 from engine.generate.step_plan import empty_step_plan
-from engine.generate.engine import LLMEngine
+from tests.support.parity import (
+    TIGHT,
+    assert_greedy_parity,
+    make_prompts,
+    peft_greedy,
+    run_to_completion,
+    tokens_of,
+)
+from tests.support.serving_helpers import engine_worker_processes
+from tests.support.tiny_models import make_lora_adapter
 
 WORKER_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1",
               "USE_TORCH": "0"}  # as deploy/config.yaml: the workers run no torch model
@@ -110,11 +117,11 @@ def test_images_reach_every_host_and_answer_as_transformers_llava(two_hosts, tmp
     import numpy as np
     import torch
     import transformers
-    from tiny_models import make_llava_checkpoint
 
-    from engine.generate.images import ImageInput
     from engine.formats.model_sources import resolve_model
+    from engine.generate.images import ImageInput
     from serve_app.media.images import content_hash
+    from tests.support.tiny_models import make_llava_checkpoint
 
     checkpoint = make_llava_checkpoint(tmp_path / "llava")
     engine = LLMEngine(EngineConfig(model=str(resolve_model(str(checkpoint), cache_dir=tmp_path / "cache")),

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import jax
 import pytest
-from pallas_interpret import interpreted_kernel, interpreter_fixes  # noqa: F401
-from parity import TIGHT, assert_greedy_parity, assert_ragged_parity
 
 from engine.config import EngineConfig
 from engine.generate.engine import LLMEngine
+from tests.support.pallas_interpret import interpreted_kernel, interpreter_fixes  # noqa: F401
+from tests.support.parity import TIGHT, assert_greedy_parity, assert_ragged_parity
 
 EIGHT_HEADS = dict(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
 """8 query heads over 2 KV heads: at TP=4 each KV head is repeated on two devices."""
@@ -85,9 +85,9 @@ def test_int8_weights_split_like_their_float_originals_and_answer_as_on_one_devi
     import dataclasses
 
     import jax.numpy as jnp
-    from parity import make_prompts, run_to_completion, tokens_of
 
     from engine.generate.request import SamplingParams
+    from tests.support.parity import make_prompts, run_to_completion, tokens_of
 
     config = EngineConfig(model=str(checkpoint_factory("qwen3", **EIGHT_HEADS)), quantization="int8",
                           attention_backend="xla", **TIGHT)
@@ -114,10 +114,10 @@ def test_int8_weights_made_on_the_host_reach_the_devices_as_served(checkpoint_fa
     import dataclasses
 
     import jax.numpy as jnp
-    from parity import make_prompts, run_to_completion, tokens_of
 
     from engine.generate.request import SamplingParams
     from engine.generate.runner import sharding
+    from tests.support.parity import make_prompts, run_to_completion, tokens_of
 
     config = EngineConfig(model=str(checkpoint_factory("qwen3", **EIGHT_HEADS)), quantization="int8",
                           attention_backend="xla", tensor_parallel_size=2, **TIGHT)
@@ -163,13 +163,13 @@ def test_a_llava_decoder_split_over_two_devices_places_images_as_on_one(tmp_path
     import numpy as np
     import torch
     import transformers
-    from parity import make_prompts, tokens_of
-    from tiny_models import make_llava_checkpoint
 
+    from engine.formats.model_sources import resolve_model
     from engine.generate.images import ImageInput
     from engine.generate.request import SamplingParams
-    from engine.formats.model_sources import resolve_model
     from serve_app.media.images import content_hash
+    from tests.support.parity import make_prompts, tokens_of
+    from tests.support.tiny_models import make_llava_checkpoint
 
     checkpoint = make_llava_checkpoint(tmp_path / "llava")
     engine = LLMEngine(EngineConfig(model=str(resolve_model(str(checkpoint), cache_dir=tmp_path / "cache")),

@@ -4,12 +4,12 @@ they adapt, and the adapted rows answer as transformers + peft does (KV heads re
 from __future__ import annotations
 
 import pytest
-from parity import hf_greedy, make_prompts, peft_greedy
-from tiny_models import make_lora_adapter
 
 from engine.config import EngineConfig
-from engine.generate.request import SamplingParams
 from engine.generate.engine import LLMEngine
+from engine.generate.request import SamplingParams
+from tests.support.parity import hf_greedy, make_prompts, peft_greedy
+from tests.support.tiny_models import make_lora_adapter
 
 EIGHT_HEADS = dict(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
 

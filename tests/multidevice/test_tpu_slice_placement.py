@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import ray
-from parity import make_prompts, run_to_completion, tokens_of
 from ray.cluster_utils import Cluster
 
 from engine.config import EngineConfig
-from engine.generate.request import SamplingParams
 from engine.generate.engine import LLMEngine
+from engine.generate.request import SamplingParams
+from tests.support.parity import make_prompts, run_to_completion, tokens_of
 
 POD, TOPOLOGY = "v4-16", "2x2x2"
 WORKER_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1",
