@@ -1,30 +1,61 @@
-"""The spine of every engine's background worker: one thread driving an engine, a watchdog over
-each engine call, and failure that is final.
+"""The spine of every engine driver: one background thread driving an engine for callers on asyncio
+event loops, a watchdog over each engine call, and failure that is final.
 
-`WatchedWorker`: the liveness rule. A worker can no longer serve once one call into its engine has
-run past the watchdog, or once its thread is gone.
-`JobWorker` (the embedding and speech workers): callers' jobs on a queue. A subclass puts jobs on
-`_queue` (None wakes the thread to stop), runs its loop in `_work` and fails a job with
-`_fail(job, error)`. A job registers under the same lock the failure takes, so it is either failed
-with the others or sees the failure itself: none waits forever. Failure reaches every caller: the
-loop raising (a failed device), an engine call past `watchdog_s` (found by `check()`, which the
-replica's health probe calls), or `shutdown()`.
+`Worker` is extended by the three drivers (engine.generate.driver's AsyncEngine, engine.embed.driver's
+AsyncEmbedder, engine.transcribe.driver's AsyncTranscriber). A driver's callers put work on `_queue`
+through `_submit` (None wakes the thread to stop), each with an `Inbox` on its own event loop; the
+thread runs the driver's `_work` until it stops or fails, and hands each caller its results through
+its inbox.
+
+Failure reaches every caller waiting: the loop raising (a failed device, a lost host), an engine
+call past `watchdog_s` (found by `check()`, which the replica's health probe calls; the stuck call
+cannot be interrupted, so its callers are failed without it), or `shutdown()`. A caller registers
+under the same lock the failure takes, so it either is failed with the others or sees the failure
+itself: none waits forever. A caller whose event loop has closed is unreachable (`Inbox.put` says
+so); the thread lives on.
 
 Pure Python: importing this module does not import jax.
 """
 
-
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Generic, Hashable, Iterable, Optional, TypeVar
 
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Inbox(Generic[T]):
+    """What the worker thread hands one caller, queued on the caller's event loop (the one running
+    when the inbox is made): items in order, or an exception, which the caller raises."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._items: asyncio.Queue[T | BaseException] = asyncio.Queue()
+
+    def put(self, item: T | BaseException) -> bool:
+        """Queue `item` for the caller (from any thread); False if the caller's event loop has
+        closed, so nobody will ever read this inbox (the caller's `finally` may never run)."""
+        try:
+            self.loop.call_soon_threadsafe(self._items.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the only error call_soon_threadsafe raises here
+            return False
+        return True
+
+    async def get(self) -> T:
+        """The next item (on the caller's loop); an exception put in it is raised here."""
+        item = await self._items.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
 
 def liveness_failure(call_started: Optional[float], watchdog_s: float, thread: threading.Thread, call: str,
@@ -43,21 +74,34 @@ def liveness_failure(call_started: Optional[float], watchdog_s: float, thread: t
     return None
 
 
-class WatchedWorker:
-    """A worker thread whose engine calls the watchdog times: why it died (`error`), whether it can
-    serve (`is_alive`) and `check()`, the health probe's test. A subclass runs its loop in `_run`,
-    makes each engine call through `_call`, and says in `_die` whom a failure reaches and in
-    `_raise_if_dead` what a caller is told."""
+class Worker:
+    """One thread driving an engine, its registered callers and its liveness.
 
-    def __init__(self, thread_name: str, watchdog_s: float, call: str, calls: str, worker: str):
+    `name` says what died in a caller's error ("engine loop": "engine loop died: ..."); `thread`
+    names the thread; `call` and `calls` name one engine call and the calls in a watchdog error;
+    `stopped` is the cause a shutdown gives. A subclass runs one turn of its loop in `_work`, makes
+    each engine call through `_call`, and calls `_start()` at the end of its constructor."""
+
+    def __init__(self, name: str, *, thread: str, call: str, calls: str, stopped: str, watchdog_s: float):
+        self._name = name
+        self._stopped = stopped
         self._watchdog_s = watchdog_s
-        self._names = (call, calls, worker)
+        self._names = (call, calls, f"the {name} thread")
         """How `check`'s errors name one call, the calls and the thread (see `liveness_failure`)."""
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        """Arriving work, in order; None wakes the thread to stop."""
+        self._callers: dict[Hashable, Inbox] = {}
+        """Each caller not yet settled, by its key (guarded by `_lock`)."""
+        self._lock = threading.Lock()
+        """Guards `_callers`, and `_error` as `_die` sets it."""
         self._error: Optional[BaseException] = None
         """Why the worker can no longer serve (set once, by `_die`)."""
         self._call_started: Optional[float] = None
         """time.monotonic() when the running engine call began; None between calls."""
-        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=thread, daemon=True)
+
+    # ---- the surface ----
 
     @property
     def error(self) -> Optional[BaseException]:
@@ -74,6 +118,59 @@ class WatchedWorker:
             self._die(failure)
         self._raise_if_dead()
 
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread (after its running call, if it ends within `timeout_s`, and the
+        subclass's `_wind_down`); every caller still waiting, and any that arrives later, fails
+        with EngineDeadError."""
+        self._stopping.set()
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        self._die(RuntimeError(self._stopped))
+
+    def num_callers(self) -> int:
+        """Callers registered and not yet settled (an open stream, a job not yet answered)."""
+        with self._lock:
+            return len(self._callers)
+
+    # ---- for subclasses ----
+
+    def _work(self) -> None:
+        """One turn of the thread's loop (called until it stops or fails)."""
+        raise NotImplementedError
+
+    def _wind_down(self) -> None:
+        """After the loop stopped on `shutdown` (not on a failure), on the thread: let the engine
+        release what it holds. Nothing by default."""
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    def _submit(self, key: Hashable, inbox: Inbox, work: Any) -> None:
+        """Register the caller `key` (a request id, or its job) with its inbox and queue `work`.
+        EngineDeadError if the worker is dead; InvalidRequestError if `key` is already registered."""
+        with self._lock:
+            self._raise_if_dead()  # a failure after any earlier check has not seen this caller
+            if key in self._callers:
+                raise InvalidRequestError(f"request id {key!r} is already running", "request_id")
+            self._callers[key] = inbox
+        self._queue.put(work)
+
+    def _settled(self, key: Hashable, inbox: Inbox) -> None:
+        """Forget the caller `key` if `inbox` is still its own (from any thread; failure no longer reaches it)."""
+        with self._lock:
+            if self._callers.get(key) is inbox:
+                del self._callers[key]
+
+    def _inboxes(self, keys: Iterable[Hashable]) -> list[Optional[Inbox]]:
+        """The inbox of each caller of `keys` (None: not registered)."""
+        with self._lock:
+            return [self._callers.get(key) for key in keys]
+
+    def _keys(self) -> list[Hashable]:
+        """Every registered caller's key."""
+        with self._lock:
+            return list(self._callers)
+
     def _call(self, method: Callable, *args: Any) -> Any:
         """`method(*args)`, timed for the watchdog."""
         self._call_started = time.monotonic()
@@ -82,82 +179,28 @@ class WatchedWorker:
         finally:
             self._call_started = None
 
-    def _run(self) -> None:
-        raise NotImplementedError
-
-    def _die(self, cause: BaseException) -> None:
-        """Mark the worker dead (the first cause wins) and fail everyone waiting on it."""
-        raise NotImplementedError
-
-    def _raise_if_dead(self) -> None:
-        raise NotImplementedError
-
-
-class JobWorker(WatchedWorker):
-    """A worker thread named `kind` ("embedding", "speech") and its callers' jobs."""
-
-    def __init__(self, kind: str, watchdog_s: float):
-        super().__init__(f"{kind}-loop", watchdog_s, f"a {kind} engine call", "calls", f"the {kind} worker thread")
-        self._kind = kind
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        """Arriving jobs, in order; None wakes the worker to stop."""
-        self._pending: set[Any] = set()
-        """Jobs not yet settled: queued or running (guarded by `_lock`)."""
-        self._lock = threading.Lock()
-        """Guards `_pending`, and `_error` as `_die` sets it."""
-        self._stopping = threading.Event()
-
-    # ---- for subclasses ----
-
-    def _work(self) -> None:
-        """One turn of the worker's loop (called until it stops or fails)."""
-        raise NotImplementedError
-
-    def _fail(self, job: Any, error: BaseException) -> None:
-        """Hand `error` to the caller waiting on `job` (from any thread)."""
-        raise NotImplementedError
-
-    def _submit(self, job: Any) -> None:
-        """Register `job` and queue it; EngineDeadError if the worker is dead."""
-        with self._lock:
-            self._raise_if_dead()  # a failure after any earlier check has not seen this job
-            self._pending.add(job)
-        self._queue.put(job)
-
-    def _settled(self, job: Any) -> None:
-        with self._lock:
-            self._pending.discard(job)
-
-    # ---- the surface (and WatchedWorker's error, is_alive, check) ----
-
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the worker (after its running call, if it ends within `timeout_s`); every caller
-        still waiting, and any that arrives later, fails with EngineDeadError."""
-        self._stopping.set()
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-        self._die(RuntimeError(f"the {self._kind} worker was shut down"))
-
     # ---- internals ----
 
     def _run(self) -> None:
         try:
             while not self._stopping.is_set() and self._error is None:
                 self._work()
+            if self._error is None:
+                self._wind_down()
         except BaseException as exc:  # the engine is unusable: fail every caller, mark dead
-            logger.exception("%s worker died", self._kind)
+            logger.exception("%s died", self._name)
             self._die(exc)
 
     def _die(self, cause: BaseException) -> None:
-        """Mark the worker dead (the first cause wins) and fail every pending caller."""
+        """Mark the worker dead (the first cause wins) and fail every registered caller."""
         with self._lock:
             if self._error is not None:
                 return
             self._error = cause
-            jobs = list(self._pending)
-        for job in jobs:
-            self._fail(job, EngineDeadError(f"{self._kind} worker died: {cause!r}"))
+            inboxes = list(self._callers.values())
+        for inbox in inboxes:
+            inbox.put(EngineDeadError(f"{self._name} died: {cause!r}"))
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:
-            raise EngineDeadError(f"{self._kind} worker died: {self._error!r}; restart the replica")
+            raise EngineDeadError(f"{self._name} died: {self._error!r}; restart the replica")

@@ -1,10 +1,10 @@
 """Runs an embedding engine on a background thread and merges concurrent callers into batches.
 
-Any object with the `EmbeddingCore` surface works (the real `EmbeddingEngine`, or a fake in
+Any object that follows `EmbeddingEngineProtocol` works (the real `EmbeddingEngine`, or a fake in
 serving tests). Only the worker thread calls the engine's `embed`. Each caller's inputs become a
 job on a queue; the worker takes every job that is waiting (up to `max_batch` inputs in all, a
 larger job alone), embeds them in one call and hands each caller its rows on the caller's own
-event loop through `call_soon_threadsafe`. Requests that arrive while a batch runs form the next
+event loop (engine.worker's `Inbox`). Requests that arrive while a batch runs form the next
 one, so batches grow with the load without any waiting window.
 
 Failure is final and reaches every caller (engine.worker: `embed` raising, a call past
@@ -16,17 +16,16 @@ Pure Python: importing this module does not import jax.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import queue
-from typing import Any, Optional, Protocol
+from typing import Optional, Protocol
 
 import numpy as np
 
-from engine.worker import JobWorker
+from engine.worker import Inbox, Worker
 
 
-class EmbeddingCore(Protocol):
+class EmbeddingEngineProtocol(Protocol):
     max_model_len: int
     vocab_size: int
     dimensions: int
@@ -47,36 +46,20 @@ class EmbeddingCore(Protocol):
 
 @dataclasses.dataclass(eq=False)
 class _Job:
-    """One caller's inputs and the future (on the caller's loop) its rows go to."""
+    """One caller's inputs and the inbox (on the caller's loop) its rows go to."""
 
     inputs: list[list[int]]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+    inbox: Inbox[np.ndarray]
     cancelled: bool = False
     """Set by the caller when it stops waiting (read by the worker, which then skips the job)."""
 
-    def settle(self, result: Any = None, error: Optional[BaseException] = None) -> None:
-        """Resolve the future from any thread; a no-op once it is done or its loop has closed."""
-        try:
-            self.loop.call_soon_threadsafe(_settle, self.future, result, error)
-        except RuntimeError:  # the caller's loop is closed: nobody is waiting
-            pass
 
+class AsyncEmbedder(Worker):
+    """Owns the worker thread over `engine`. `embed()` is the whole request-facing API."""
 
-def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-class AsyncEmbedder(JobWorker):
-    """Owns the worker thread. `embed()` is the whole request-facing API."""
-
-    def __init__(self, engine: EmbeddingCore, *, max_batch: Optional[int] = None, watchdog_s: float = 600.0):
-        super().__init__("embedding", watchdog_s)
+    def __init__(self, engine: EmbeddingEngineProtocol, *, max_batch: Optional[int] = None, watchdog_s: float = 600.0):
+        super().__init__("embedding worker", thread="embedding-loop", call="an embedding engine call", calls="calls",
+                         stopped="the embedding worker was shut down", watchdog_s=watchdog_s)
         self.engine = engine
         self.max_batch = max_batch or engine.max_batch_size
         """Inputs merged into one `embed` call at most (a single larger job runs alone)."""
@@ -85,7 +68,7 @@ class AsyncEmbedder(JobWorker):
         self._held: Optional[_Job] = None
         """A job taken off the queue that did not fit the last batch; it leads the next one."""
         self._description = engine.describe()
-        self._thread.start()
+        self._start()
 
     # ---- request-facing API (any thread with an event loop) ----
 
@@ -94,14 +77,13 @@ class AsyncEmbedder(JobWorker):
         is queued if an input can never be embedded, EngineDeadError if the worker died."""
         self._raise_if_dead()
         self.engine.validate(inputs)
-        loop = asyncio.get_running_loop()
-        job = _Job([list(ids) for ids in inputs], loop, loop.create_future())
-        self._submit(job)
+        job = _Job([list(ids) for ids in inputs], Inbox())
+        self._submit(job, job.inbox, job)
         try:
-            return await job.future
+            return await job.inbox.get()
         finally:
             job.cancelled = True  # done or given up: the worker skips it if it has not run yet
-            self._settled(job)
+            self._settled(job, job.inbox)
 
     def validate(self, inputs: list[list[int]]) -> None:
         """Raise InvalidRequestError if the engine could never embed these inputs (any thread)."""
@@ -116,9 +98,6 @@ class AsyncEmbedder(JobWorker):
         batch = self._next_batch()
         if batch:
             self._run_batch(batch)
-
-    def _fail(self, job: _Job, error: BaseException) -> None:
-        job.settle(error=error)
 
     def _next_batch(self) -> list[_Job]:
         """Block for a job, then take every waiting job that fits `max_batch` inputs in all (the
@@ -147,5 +126,5 @@ class AsyncEmbedder(JobWorker):
             return
         start = 0
         for job in batch:
-            job.settle(out[start: start + len(job.inputs)])
+            job.inbox.put(out[start: start + len(job.inputs)])
             start += len(job.inputs)

@@ -20,25 +20,23 @@ except `validate`; engine.embed.driver runs it on one thread.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Iterable, Optional
 
 import jax
 import numpy as np
 
-from engine.compiler import StepCompiler, enable_compilation_cache
+from engine.compiler import StepCompiler
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.ladder import ladder
 from engine.models import encoder
-
-logger = logging.getLogger(__name__)
+from engine.one_device import OneDeviceEngine
 
 MIN_LENGTH_BUCKET = 16
 """The shortest padded length compiled: shorter ones would save little and add programs."""
 CALL_OVERHEAD_TOKENS = 32
 """What one more program costs beyond its tokens, in padded tokens' worth of work: a batch is split
-where that saves more padding than this (all-MiniLM-L6-v2 on a 2-core CPU: ~4 ms a call, ~20
-tokens' work)."""
+where that saves more padding than this."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +53,14 @@ class EmbedBuckets:
     max_tokens: int
 
     def lengths(self) -> list[int]:
-        return _powers_of_two_then(min(MIN_LENGTH_BUCKET, self.max_len), self.max_len)
+        return ladder(min(MIN_LENGTH_BUCKET, self.max_len), self.max_len)
 
     def row_cap(self, length: int) -> int:
         return max(1, min(self.max_rows, self.max_tokens // length))
 
     def all(self) -> list[tuple[int, int]]:
         """Every (rows, length) bucket."""
-        return [(rows, length) for length in self.lengths() for rows in _powers_of_two_then(1, self.row_cap(length))]
+        return [(rows, length) for length in self.lengths() for rows in ladder(1, self.row_cap(length))]
 
     def compile_order(self) -> list[tuple[int, int]]:
         """Every bucket in the order a replica compiles them: first one row of the longest length
@@ -74,7 +72,8 @@ class EmbedBuckets:
         """The shortest length bucket (of `lengths`, default all) that holds n tokens."""
         return next(length for length in sorted(lengths or self.lengths()) if length >= n)
 
-    def plan(self, lengths: list[int], ready: Optional[Iterable[tuple[int, int]]] = None) -> list[tuple[int, int, list[int]]]:
+    def plan(self, lengths: list[int],
+             ready: Optional[Iterable[tuple[int, int]]] = None) -> list[tuple[int, int, list[int]]]:
         """Groups of input indices with their bucket (rows, length) of `ready` (default: all), the
         cheapest cover of the inputs: sorted by length and cut into runs so that the padded tokens
         computed, plus CALL_OVERHEAD_TOKENS per program, are fewest (dynamic programming over the
@@ -111,23 +110,14 @@ class EmbedBuckets:
         return fits[length][len(group)], length, group
 
 
-def _powers_of_two_then(start: int, last: int) -> list[int]:
-    """start, 2*start, 4*start, ... below `last`, then `last`."""
-    values = []
-    while start < last:
-        values.append(start)
-        start *= 2
-    return values + [last]
-
-
-class EmbeddingEngine:
+class EmbeddingEngine(OneDeviceEngine):
     """A sentence encoder and its compiled buckets. `embed` and `validate` are the whole API."""
 
+    task = "embedding"
+    programs_key = "buckets"
+
     def __init__(self, config: EngineConfig):
-        if config.tensor_parallel_size != 1 or config.num_hosts != 1:
-            raise ValueError("the embedding engine runs on one device; set tensor_parallel_size: 1 and num_hosts: 1")
-        if config.compilation_cache_dir:
-            enable_compilation_cache(config.compilation_cache_dir)
+        super().__init__(config)
         self.config = config
         checkpoint = encoder.read_checkpoint(config.model)
         model_config = checkpoint.config
@@ -152,9 +142,7 @@ class EmbeddingEngine:
 
         self._program = program
         self.compiler = StepCompiler(self.buckets.compile_order(), self._compile, lambda b: f"({b[0]} rows x {b[1]})")
-        self.warmup_seconds: Optional[float] = self.warmup() if config.warmup else None
-        """Seconds until the first program was ready (the rest compile in the background)."""
-        logger.info("embedding engine: %s", self.describe())
+        self._ready(config.warmup)
 
     def validate(self, token_ids_batch: list[list[int]]) -> None:
         """Raise InvalidRequestError (param "input") unless every list can be embedded. Thread-safe."""
@@ -189,29 +177,16 @@ class EmbeddingEngine:
             out[group] = np.asarray(result)[: len(group)]
         return out
 
-    def warmup(self) -> float:
-        """Compile the first bucket now and the rest in the background (engine.compiler);
-        returns the seconds until the first was ready."""
-        return self.compiler.start()
-
-    def compile_progress(self) -> tuple[int, int]:
-        """(programs compiled, programs in all); (0, 0) without warm-up (each compiles on first use)."""
-        return self.compiler.progress()
-
     def _compile(self, bucket: tuple[int, int]) -> None:
         """Compile one bucket's program without running it (fills jit's cache for `embed`)."""
         rows, length = bucket
         self._program.lower(self._weights, np.zeros((rows, length), np.int32), np.ones((rows, length), bool)).compile()
 
-    def describe(self) -> dict[str, str]:
-        """How the engine runs its model (fixed at start; logged, and an info metric's labels)."""
+    def _facts(self) -> dict[str, str]:
         return {
-            "dtype": self.dtype,
             "pooling": "+".join(self.pooling.modes),
             "normalize": str(self.pooling.normalize).lower(),
             "dimensions": str(self.dimensions),
             "max_model_len": str(self.max_model_len),
             "max_batch_size": str(self.max_batch_size),
-            "devices": f"1 x {jax.devices()[0].device_kind}",
-            "buckets": str(len(self.buckets.all())),
         }

@@ -24,7 +24,6 @@ Pure Python + numpy: importing this module does not import jax.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import queue
 from typing import AsyncIterator, Optional, Protocol, Union
@@ -41,10 +40,10 @@ from engine.transcribe.decoding import (
     TranscriptionOptions,
     WhisperTokens,
 )
-from engine.worker import JobWorker
+from engine.worker import Inbox, Worker
 
 
-class SpeechCore(Protocol):
+class SpeechEngineProtocol(Protocol):
     tokens: WhisperTokens
     num_slots: int
     num_mel_bins: int
@@ -110,8 +109,8 @@ class _Job:
     mel: np.ndarray
     frames: int
     options: TranscriptionOptions
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
+    inbox: Inbox[Event]
+    """Where the caller reads its events."""
     cancelled: bool = False
     slot: Optional[int] = None
     seek: int = 0
@@ -124,18 +123,13 @@ class _Job:
     """The logits rules of its windows (fixed by its options)."""
     temperatures: tuple[float, ...] = (0.0,)
 
-    def send(self, event: Union[Event, BaseException]) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the caller's loop is closed: nobody is waiting
-            pass
 
+class AsyncTranscriber(Worker):
+    """Owns the worker thread over `engine`. `transcribe()` is the whole request-facing API."""
 
-class AsyncTranscriber(JobWorker):
-    """Owns the worker thread. `transcribe()` is the whole request-facing API."""
-
-    def __init__(self, engine: SpeechCore, *, watchdog_s: float = 600.0):
-        super().__init__("speech", watchdog_s)
+    def __init__(self, engine: SpeechEngineProtocol, *, watchdog_s: float = 600.0):
+        super().__init__("speech worker", thread="speech-loop", call="a speech engine call", calls="calls",
+                         stopped="the speech worker was shut down", watchdog_s=watchdog_s)
         self.engine = engine
         self.tokens = engine.tokens
         self._waiting: list[_Job] = []
@@ -143,7 +137,7 @@ class AsyncTranscriber(JobWorker):
         self._description = engine.describe()
         self.num_steps = 0
         """Decode calls made so far."""
-        self._thread.start()
+        self._start()
 
     # ---- request-facing API ----
 
@@ -163,23 +157,20 @@ class AsyncTranscriber(JobWorker):
                                       f"frame; got {list(mel.shape)}", "file")
         if frames > FRAMES_PER_WINDOW and not options.timestamps:
             options = dataclasses.replace(options, timestamps=True)
-        loop = asyncio.get_running_loop()
         known = options.language or (None if self.tokens.multilingual else "en")
-        job = _Job(mel, frames, options, loop, asyncio.Queue(), language=known,
+        job = _Job(mel, frames, options, Inbox(), language=known,
                    rng=np.random.default_rng(options.seed), rules=rules.WindowRules(self.tokens, options.timestamps),
                    temperatures=options.temperatures())
-        self._submit(job)
+        self._submit(job, job.inbox, job)
         try:
             while True:
-                event = await job.events.get()
-                if isinstance(event, BaseException):
-                    raise event
+                event = await job.inbox.get()
                 yield event
                 if isinstance(event, Done):
                     return
         finally:
             job.cancelled = True
-            self._settled(job)
+            self._settled(job, job.inbox)
 
     def describe(self) -> dict[str, str]:
         return self._description
@@ -193,9 +184,6 @@ class AsyncTranscriber(JobWorker):
         self._admit()
         if any(self._slots):
             self._step()
-
-    def _fail(self, job: _Job, error: BaseException) -> None:
-        job.send(error)
 
     def _admit(self) -> None:
         """Take arrivals (blocking while there is nothing to do), free the slots of cancelled
@@ -235,7 +223,7 @@ class AsyncTranscriber(JobWorker):
 
     def _new_window(self, job: _Job) -> _Window:
         if job.windows == 0 and job.language is not None:
-            job.send(Language(job.language, detected=False))
+            job.inbox.put(Language(job.language, detected=False))
         prefix = rules.prefix(self.tokens, job.options, job.language)
         probe = prefix.index(self.tokens.sot)
         frames = min(FRAMES_PER_WINDOW, job.frames - job.seek)
@@ -249,7 +237,7 @@ class AsyncTranscriber(JobWorker):
             window.probe = -1
         if job.language is None:  # the prefix stopped at <|startoftranscript|>: pick the language
             job.language = rules.detect_language(self.tokens, logits)
-            job.send(Language(job.language, detected=True))
+            job.inbox.put(Language(job.language, detected=True))
             rest = rules.prefix(self.tokens, job.options, job.language)[len(window.prefix):]
             window.prefix += rest
             window.pending = rest
@@ -277,9 +265,9 @@ class AsyncTranscriber(JobWorker):
         job.window = None
         job.seek += window.frames if verdict == "skip" else self._keep(job, window, avg_logprob)
         if job.seek >= job.frames:
-            job.send(Done(job.windows, job.sampled))
+            job.inbox.put(Done(job.windows, job.sampled))
             self._slots[job.slot] = None
-            self._settled(job)
+            self._settled(job, job.inbox)
 
     def _token_times(self, job: _Job, window: _Window) -> list[tuple[float, float]]:
         """(start, end) in seconds from the audio's start of each token the window sampled."""
@@ -302,5 +290,5 @@ class AsyncTranscriber(JobWorker):
                 job.temperatures[window.attempt], avg_logprob, window.no_speech_prob,
                 tuple(times[first: first + len(tokens)]) if times is not None else ()))
             first += len(tokens)
-        job.send(Segments(tuple(segments)))
+        job.inbox.put(Segments(tuple(segments)))
         return consumed if consumed > 0 else window.frames  # a window always moves on

@@ -26,20 +26,17 @@ and `step_timeout_s` (read by the caller). Not thread-safe; one worker thread dr
 
 from __future__ import annotations
 
-import logging
-from typing import Optional
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.compiler import StepCompiler, enable_compilation_cache
+from engine.compiler import StepCompiler
 from engine.config import EngineConfig
+from engine.ladder import ladder
 from engine.models import whisper
+from engine.one_device import OneDeviceEngine
 from engine.transcribe.decoding import FRAMES_PER_WINDOW, Feed, WhisperTokens
-
-logger = logging.getLogger(__name__)
 
 ROW_BASE = 4
 """Decoding rows (slots 0..rows-1) and encoded windows come in buckets growing by this factor."""
@@ -48,14 +45,14 @@ LENGTH_BASE = 8
 prompt) fits the second; longer feeds than the largest ready bucket are cut into pieces."""
 
 
-class SpeechEngine:
+class SpeechEngine(OneDeviceEngine):
     """Whisper's encoder and cached decoder over `num_slots` slots, and their compiled programs."""
 
+    task = "speech"
+    programs_key = "programs"
+
     def __init__(self, config: EngineConfig):
-        if config.tensor_parallel_size != 1 or config.num_hosts != 1:
-            raise ValueError("the speech engine runs on one device; set tensor_parallel_size: 1 and num_hosts: 1")
-        if config.compilation_cache_dir:
-            enable_compilation_cache(config.compilation_cache_dir)
+        super().__init__(config)
         checkpoint = whisper.read_checkpoint(config.model)
         self.tokens = WhisperTokens.from_generation_config(checkpoint.generation_config(),
                                                            checkpoint.max_target_positions, checkpoint.vocab_size)
@@ -71,8 +68,8 @@ class SpeechEngine:
         self._decode = jax.jit(self._decode_fn, donate_argnums=(5,))
         self._align = jax.jit(self._align_fn)
         self.median_filter_width = checkpoint.median_filter_width
-        self.rows = _ladder(self.num_slots, ROW_BASE)
-        self.lengths = _ladder(self.max_positions, LENGTH_BASE)
+        self.rows = ladder(1, self.num_slots, ROW_BASE)
+        self.lengths = ladder(1, self.max_positions, LENGTH_BASE)
         # serving needs a one-token step over every slot and a one-window encode; the rest follow,
         # word timing's passes last (a request asking words before they are ready compiles its own)
         first = [("decode", self.num_slots, 1), ("encode", 1, 0)]
@@ -81,8 +78,7 @@ class SpeechEngine:
         aligns = [("align", 1, t) for t in self.lengths[1:]] if self.tokens.alignment_heads else []
         self.compiler = StepCompiler(first + sorted(rest, key=lambda b: (b[1] * max(b[2], 1), b)) + aligns,
                                      self._compile, _describe, first=len(first))
-        self.warmup_seconds: Optional[float] = self.compiler.start() if config.warmup else None
-        logger.info("speech engine: %s", self.describe())
+        self._ready(config.warmup)
 
     # ---- the API ----
 
@@ -141,19 +137,12 @@ class SpeechEngine:
         weights = self._align(self._params, padded, np.int32(slot), self._cross)
         return np.asarray(weights)[:, : len(tokens)]
 
-    def compile_progress(self) -> tuple[int, int]:
-        return self.compiler.progress()
-
-    def describe(self) -> dict[str, str]:
-        """How the engine runs its model (fixed at start; logged, and an info metric's labels)."""
+    def _facts(self) -> dict[str, str]:
         return {
-            "dtype": self.dtype,
             "slots": str(self.num_slots),
             "max_target_positions": str(self.max_positions),
             "num_mel_bins": str(self.num_mel_bins),
             "multilingual": str(self.tokens.multilingual).lower(),
-            "devices": f"1 x {jax.devices()[0].device_kind}",
-            "programs": str(len(self.compiler.order)),
         }
 
     # ---- programs ----
@@ -198,12 +187,3 @@ def _bucket(ready: list[tuple[int, int]], rows: int, length: int) -> tuple[int, 
 def _describe(bucket: tuple[str, int, int]) -> str:
     kind, rows, length = bucket
     return f"encode({rows})" if kind == "encode" else f"{kind}({rows} x {length})"
-
-
-def _ladder(top: int, base: int) -> list[int]:
-    """1, base, base^2, ... below `top`, then `top`."""
-    sizes, size = [], 1
-    while size < top:
-        sizes.append(size)
-        size *= base
-    return sizes + [top]

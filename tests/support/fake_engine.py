@@ -1,4 +1,4 @@
-"""A pure-Python engine core (the `EngineCore` surface of engine.generate.driver) for serving tests.
+"""A pure-Python LLM engine (following engine.generate.driver's `LLMEngineProtocol`) for serving tests.
 
 Deterministic and easy to predict: a request's i-th output token is its prompt's token at position
 (i + shift) mod len(prompt), so the output repeats the prompt. `shift` is 0 for greedy requests
@@ -68,7 +68,7 @@ class FakeEngine:
         self._steps = self._last_batch = self._max_batch = self._queries = 0
         self._adapters: dict[str, str] = {}
 
-    # ---- EngineCore ----
+    # ---- LLMEngineProtocol ----
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, adapter: Optional[str] = None) -> None:
         """The real engine's checks, so that serving tests see its messages."""
@@ -120,8 +120,9 @@ class FakeEngine:
         return bool(self._waiting or self._running or self._aborted)
 
     def describe(self) -> dict[str, str]:
-        return {"attention_backend": "fake", "dtype": self.dtype, "tensor_parallel_size": str(self.tensor_parallel_size),
-                "num_devices": "0", "page_size": str(self.page_size), "num_pages": str(self.num_pages)}
+        return {"attention_backend": "fake", "dtype": self.dtype,
+                "tensor_parallel_size": str(self.tensor_parallel_size), "num_devices": "0",
+                "page_size": str(self.page_size), "num_pages": str(self.num_pages)}
 
     def stats(self) -> EngineStats:
         return EngineStats(

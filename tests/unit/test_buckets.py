@@ -1,5 +1,5 @@
-"""engine.generate.buckets: the ladder of step shapes, which bucket a step takes, and that a step only
-takes a bucket that is ready."""
+"""engine.step.buckets: the ladder of step shapes (and engine.ladder, which it climbs), which
+bucket a step takes, and that a step only takes a bucket that is ready."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 
-from engine.generate.buckets import Bucket, ShapeBuckets, pow2
+from engine.ladder import ladder
+from engine.step.buckets import Bucket, ShapeBuckets, pow2
 
 DEFAULT = ShapeBuckets(max_num_seqs=32, max_num_batched_tokens=512, max_pages_per_seq=128, page_size=16)
 
@@ -33,7 +34,17 @@ def test_the_first_program_compiled_holds_a_full_batch_of_decodes():
 def test_the_ladder_ends_at_the_budget_itself():
     assert ShapeBuckets(4, 24, 32, 4).token_ladder == [1, 8, 16, 24]
     assert ShapeBuckets(4, 4, 32, 4).token_ladder == [1, 4]
+    assert ShapeBuckets(4, 1, 32, 4).token_ladder == [1]
     assert ShapeBuckets(64, 2048, 128, 16).token_ladder == [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+
+
+def test_the_shared_ladder_climbs_by_its_factor_and_ends_at_the_top():
+    """engine.ladder, which the three engines' ladders climb."""
+    assert ladder(1, 100, 4) == [1, 4, 16, 64, 100]
+    assert ladder(16, 100) == [16, 32, 64, 100]
+    assert ladder(16, 64) == [16, 32, 64]
+    assert ladder(16, 10) == [10]
+    assert ladder(1, 1) == [1]
 
 
 def test_a_step_takes_the_smallest_bucket_that_holds_it():

@@ -15,6 +15,7 @@ import threading
 import zipfile
 from pathlib import Path
 
+import jax.monitoring
 import numpy as np
 import pytest
 
@@ -23,7 +24,9 @@ from engine.embed.driver import AsyncEmbedder
 from engine.embed.engine import EmbedBuckets, EmbeddingEngine
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.formats import model_sources
-from engine.formats.model_sources import COMPLETE_MARKER, WheelCheckpoint, resolve_model
+from engine.formats.builtin_models import WheelCheckpoint
+from engine.formats.model_sources import COMPLETE_MARKER, resolve_model
+from engine.models.encoder import read_checkpoint
 from tests.support import tiny_models
 
 INPUTS = [[5, 9, 2], list(range(1, 31)), [7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]]
@@ -52,7 +55,7 @@ def make_engine(model_dir: Path, **overrides) -> EmbeddingEngine:
 
 def reference_embeddings(model_dir: Path, inputs: list[list[int]], modes: tuple[str, ...], normalize: bool):
     """transformers' BertModel on each input alone, pooled as sentence-transformers pools."""
-    import torch
+    import torch  # heavy: only the parity references need torch and transformers
     import transformers
 
     model = transformers.BertModel.from_pretrained(model_dir, add_pooling_layer=False).eval()
@@ -145,8 +148,6 @@ def test_validate_messages(bert_factory):
 
 
 def test_checkpoint_layouts_and_errors(bert_factory, tmp_path):
-    from engine.models.encoder import read_checkpoint
-
     plain = Path(shutil.copytree(bert_factory(), tmp_path / "plain"))
     (plain / "modules.json").unlink()  # a plain HF checkpoint: pooled by the mean, unnormalised
     checkpoint = read_checkpoint(plain)
@@ -188,8 +189,6 @@ def test_while_buckets_compile_a_batch_takes_the_ready_ones():
 def test_warmup_compiles_every_bucket_and_describe(bert_factory):
     """The first program before the engine returns, the rest in the background, in order; then an
     embedding compiles nothing."""
-    import jax.monitoring
-
     engine = make_engine(bert_factory(pooling="cls", normalize=False), max_num_seqs=2, max_model_len=32,
                          warmup=True, compilation_cache_dir=EngineConfig.compilation_cache_dir)
     assert engine.warmup_seconds > 0
@@ -298,7 +297,7 @@ def test_cancelled_callers_leak_nothing():
 
     np.testing.assert_array_equal(asyncio.run(run()), expected([[3]]))
     assert fake.calls == [[[1]], [[3]]]  # the queued cancelled job was never computed
-    assert not embedder._pending and embedder.is_alive()
+    assert embedder.num_callers() == 0 and embedder.is_alive()
     embedder.shutdown()
 
 
@@ -385,7 +384,7 @@ def minilm_dir(tmp_path_factory) -> Path:
 
 
 def test_all_minilm_alias_embeds_meaning(minilm_dir):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: this test alone tokenizes
 
     assert (minilm_dir / "modules.json").is_file() and (minilm_dir / "1_Pooling" / "config.json").is_file()
     engine = make_engine(minilm_dir, max_num_seqs=4, max_num_batched_tokens=64)
@@ -396,7 +395,7 @@ def test_all_minilm_alias_embeds_meaning(minilm_dir):
     got = engine.embed(ids)
     assert got[0] @ got[1] > got[0] @ got[2] + 0.3
     try:
-        from sentence_transformers import SentenceTransformer
+        from sentence_transformers import SentenceTransformer  # optional: the reference when installed
     except ImportError:
         want = reference_embeddings(minilm_dir, ids, ("mean",), True)
     else:

@@ -9,28 +9,32 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+import transformers
+from transformers.models.whisper.generation_whisper import (
+    WhisperGenerationMixin,
+    _dynamic_time_warping,
+    _median_filter,
+)
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.transcribe import alignment
 from engine.transcribe import decoding as rules
 from engine.transcribe.decoding import Fallback, TranscriptionOptions
 from engine.transcribe.driver import AsyncTranscriber, Done, Language, Segments
+from engine.transcribe.engine import SpeechEngine
 
 SLOTS = 4
 
 
 @pytest.fixture(scope="module")
 def hf(whisper_dir):
-    import transformers
-
     model = transformers.WhisperForConditionalGeneration.from_pretrained(whisper_dir).eval()
     return model, transformers.WhisperFeatureExtractor(feature_size=80)
 
 
 @pytest.fixture(scope="module")
 def transcriber(whisper_dir):
-    from engine.transcribe.engine import SpeechEngine
-
     engine = SpeechEngine(EngineConfig(model=str(whisper_dir), max_num_seqs=SLOTS, compilation_cache_dir=None))
     transcriber = AsyncTranscriber(engine)
     yield transcriber
@@ -112,8 +116,6 @@ def test_long_audio_always_decodes_with_timestamps(transcriber, hf):
 
 
 def test_prompt_equals_transformers(transcriber, hf, whisper_dir):
-    import transformers
-
     tokenizer = transformers.AutoTokenizer.from_pretrained(whisper_dir)
     prompt = tokenizer.encode(" The quick brown fox", add_special_tokens=False)
     mel = short_features(hf, 5, seed=4)
@@ -201,8 +203,6 @@ def test_failing_window_is_decoded_again_hotter(transcriber, hf):
 
 
 def test_fallback_temperatures_and_verdicts():
-    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
-
     assert Fallback().temperatures(0.0) == (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
     assert Fallback().temperatures(0.5) == (0.5, 0.7, 0.9)
     assert Fallback(temperature_increment=None).temperatures(0.3) == (0.3,)
@@ -255,13 +255,6 @@ def test_word_timestamps_need_alignment_heads(transcriber, whisper_dir):
 
 
 def test_dtw_and_median_filter_equal_transformers():
-    from transformers.models.whisper.generation_whisper import (
-        _dynamic_time_warping,
-        _median_filter,
-    )
-
-    from engine.transcribe import alignment
-
     rng = np.random.default_rng(0)
     for shape in [(1, 1), (1, 9), (7, 3), (12, 40), (30, 200)]:
         for matrix in (rng.standard_normal(shape), rng.integers(0, 3, shape).astype(np.float64)):  # ties too
@@ -320,8 +313,6 @@ def test_english_only_model_refuses_translation_and_other_languages():
 
 def test_split_window_equals_transformers():
     """Every way a window's tokens can end, split as transformers' `_retrieve_segment` splits them."""
-    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
-
     begin = 100
     tokens = rules.WhisperTokens(eot=50, sot=51, prev=52, no_timestamps=begin - 1, languages={}, tasks={},
                                  suppress=(), begin_suppress=(), max_initial_timestamp_index=50, max_length=448,
