@@ -7,6 +7,9 @@ slot; a sequence whose adapter is not in a slot is admitted only when a slot is 
 given to it (an unpinned slot, the least recently used first), and the engine loads the adapter's
 weights into that slot before the step that first reads it.
 
+`AdapterRegistry` is the engine's manager of them: the adapters served by name (added and removed
+from any thread, one assignment at a time) and the slots the scheduler gives them.
+
 Invariants: a slot holds at most one adapter and an adapter sits in at most one slot; a pinned
 slot is never given away; pins are released once per acquire.
 """
@@ -15,8 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable, Optional
+
+from engine.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 _uids = itertools.count(1)
 
@@ -70,3 +78,48 @@ class AdapterSlots:
     def _evict(self) -> int:
         uid = next(uid for uid, slot in self._slot_of.items() if self._pins[slot] == 0)
         return self._slot_of.pop(uid)
+
+
+class AdapterRegistry:
+    """The adapters served by name, and the devices' `max_loras` slots for them (`slots`, None
+    when `max_loras` is 0: the engine serves no adapters)."""
+
+    def __init__(self, max_loras: int, read: Callable[[str], Any]):
+        """`read(path)`: an adapter's host-side factors (engine.formats.peft.LoraAdapter), or
+        ValueError saying why the engine cannot serve it."""
+        self.slots = AdapterSlots(max_loras) if max_loras else None
+        self._read = read
+        self._by_name: dict[str, Adapter] = {}
+
+    def add(self, name: str, path: str) -> None:
+        """Read the adapter at `path` and serve it as `name` (replacing an adapter of that name;
+        sequences already holding the old one keep it). ValueError if it cannot be served."""
+        if self.slots is None:
+            raise ValueError("this engine serves no LoRA adapters; set max_loras to the number to hold at once")
+        weights = self._read(path)
+        self._by_name[name] = Adapter(name, weights)
+        logger.info("LoRA adapter %s: rank %d on %s from %s", name, weights.rank, ", ".join(weights.targets), path)
+
+    def remove(self, name: str) -> bool:
+        """Stop serving `name` (sequences holding it keep it); False if unknown."""
+        return self._by_name.pop(name, None) is not None
+
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def check(self, name: Optional[str]) -> None:
+        """Raise InvalidRequestError unless `name` is None (the base model) or served."""
+        if name is not None and name not in self._by_name:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is not loaded; loaded: "
+                                      f"{', '.join(self.names()) or 'none'}", "model")
+
+    def get(self, name: Optional[str]) -> Optional[Adapter]:
+        """The adapter served as `name` (None: the base model)."""
+        return None if name is None else self._by_name[name]
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def slots_in_use(self) -> int:
+        """Slots pinned by running sequences."""
+        return 0 if self.slots is None else self.slots.pinned()

@@ -227,7 +227,9 @@ class Scheduler:
         configured one (the largest step the device side can run right now). `drafts`: guesses
         for decoding sequences, by request id (speculative decoding), taken as the budget allows."""
         plan = Plan(decode=[], prefill=[], preempted=[])
-        limit = self.config.max_num_batched_tokens if max_tokens is None else min(max_tokens, self.config.max_num_batched_tokens)
+        limit = self.config.max_num_batched_tokens
+        if max_tokens is not None:
+            limit = min(max_tokens, limit)
         budget = self._schedule_running(plan, limit, drafts or {})
         for row in plan.rows:  # final now: no row of this plan can be dropped any more
             self._register_full_pages(row.seq, row.start + row.length)

@@ -18,16 +18,25 @@ renormalized.
 Guesses come from `NgramProposer` (prompt lookup: the sequence's last n tokens are found earlier
 in the sequence and the tokens after their latest occurrence are the guesses), or from a draft
 model on the devices (engine.generate.runner.draft), which guesses greedily too.
+
+`Speculator` is the engine's manager of all this: which decoding rows carry guesses and how many
+(sharing the step's spare token slots), whether the next step likely carries any (the engine then
+waits for the step in flight first: guesses are made only from tokens the host has), and which
+guesses a step kept, counted for the stats.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable, Optional
 from typing import Sequence as Tokens
 
 import numpy as np
 
 from engine.config import SpeculativeConfig
-from engine.generate.scheduler import Sequence
+from engine.generate.planner import draft_inputs
+from engine.generate.scheduler import Row, Scheduler, Sequence
+from engine.step.buckets import Bucket, ShapeBuckets
+from engine.step.plan import DraftInputs
 
 
 class NgramProposer:
@@ -104,3 +113,84 @@ def kept_tokens(drafts: list[int], sampled: Tokens[int]) -> list[int]:
             break
         out.append(int(sampled[j + 1]))
     return out
+
+
+class Speculator:
+    """Guesses for the scheduler's decoding sequences, and what a step keeps of them. Without
+    speculative decoding (`config` None) it guesses nothing and keeps each row's sampled token."""
+
+    def __init__(self, config: Optional[SpeculativeConfig], scheduler: Scheduler, flat_step_tokens: int,
+                 buckets: ShapeBuckets, propose: Callable[[DraftInputs], Any]):
+        """`flat_step_tokens`: the step's token slots unless `config.max_step_tokens` says fewer;
+        `propose`: runs the draft model's propose program (its rows' guesses, [rows, steps])."""
+        self.enabled = config is not None
+        self.max_drafts = 0 if config is None else config.num_tokens
+        self.proposer = NgramProposer(config) if config is not None and config.method == "ngram" else None
+        """Prompt-lookup guesses for decoding rows (speculative decoding by n-gram), or None."""
+        self.max_step_tokens = (config.max_step_tokens if config is not None else None) or flat_step_tokens
+        """Token slots a step's decoding rows and their guesses take at most."""
+        self.scheduler = scheduler
+        self.max_model_len = scheduler.config.max_model_len
+        self._buckets, self._propose = buckets, propose
+        self.num_drafts = 0  # rows that carried guesses
+        self.num_draft_tokens = 0  # guesses checked
+        self.num_accepted_tokens = 0  # of those, kept
+
+    def guesses_likely(self) -> bool:
+        """Whether the next step would likely carry guesses, which needs the tokens in flight on
+        the host first: the step has room for them, and a decoding sequence's known tokens
+        already repeat (prompt lookup) or a draft model can guess for one."""
+        if not self.enabled:
+            return False
+        decoding = self._decoding()
+        if len(decoding) >= self.max_step_tokens:
+            return False
+        if self.proposer is None:  # a draft model guesses whatever the text
+            return any(draft_limit(seq, self.max_model_len) for seq in decoding)
+        return any(self.proposer.propose(seq.token_ids[: seq.num_known_tokens], 1)
+                   for seq in decoding if draft_limit(seq, self.max_model_len))
+
+    def drafts(self, ready: list[Bucket]) -> dict[str, list[int]]:
+        """Guesses for the decoding sequences whose every token is on the host, by request id,
+        sharing the token slots `max_step_tokens` leaves beside the decoding rows' own. `ready`:
+        the buckets compiled so far (a draft model's propose program takes a ready size)."""
+        if not self.enabled:
+            return {}
+        decoding = self._decoding()
+        spare = self.max_step_tokens - len(decoding)
+        limits = [(seq, 0 if seq.tokens_in_flight else min(self.max_drafts, draft_limit(seq, self.max_model_len)))
+                  for seq in decoding]
+        limits = [(seq, limit) for seq, limit in limits if limit] if spare > 0 else []
+        if self.proposer is None:  # a draft guesses every row: share the slots first, then draft that many
+            limits = [(seq, n) for (seq, _), n in zip(limits, share_slots([n for _, n in limits], spare)) if n]
+        proposed = self._guesses(limits, ready)
+        counts = share_slots([len(g) for g in proposed.values()], spare)
+        return {rid: guesses[:n] for (rid, guesses), n in zip(proposed.items(), counts) if n}
+
+    def keep(self, row: Row, sampled: list[int]) -> list[int]:
+        """The tokens a row emits: its sampled token, or for a row with guesses the guesses the
+        model agreed with and the token after them (`kept_tokens`)."""
+        if not row.drafts:
+            return sampled[:1]
+        tokens = kept_tokens(row.drafts, sampled)
+        self.num_drafts += 1
+        self.num_draft_tokens += len(row.drafts)
+        self.num_accepted_tokens += len(tokens) - 1
+        return tokens
+
+    def _decoding(self) -> list[Sequence]:
+        return [seq for seq in self.scheduler.running if seq.num_pending == 1]
+
+    def _guesses(self, sequences: list[tuple[Sequence, int]], ready: list[Bucket]) -> dict[str, list[int]]:
+        """Up to `limit` guesses for each (sequence, limit), by request id: prompt lookup's, or
+        the draft model's (one program for them all, as many decode steps as the largest limit)."""
+        if self.proposer is not None:
+            guesses = {seq.request_id: self.proposer.propose(seq.token_ids, limit) for seq, limit in sequences}
+            return {rid: tokens for rid, tokens in guesses.items() if tokens}
+        if not sequences:
+            return {}
+        for seq, limit in sequences:  # the draft writes keys and values where its guesses will stand
+            self.scheduler.reserve_ahead(seq, limit)
+        steps = max(limit for _, limit in sequences)
+        drafted = self._propose(draft_inputs(self._buckets, [seq for seq, _ in sequences], steps, ready))
+        return {seq.request_id: [int(t) for t in drafted[row, :limit]] for row, (seq, limit) in enumerate(sequences)}
