@@ -9,27 +9,24 @@ sampling until its grammars' masks are known.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from engine.config import EngineConfig
-from engine.generate.buckets import Bucket, ShapeBuckets
-from engine.generate.step_plan import DraftInputs, StepOutput, StepPlan
+from engine.generate.runner.facts import RunnerFacts
+from engine.step.buckets import Bucket
+from engine.step.plan import DraftInputs, StepOutput, StepPlan
+
+if TYPE_CHECKING:
+    from engine.generate.runner.model_runner import ModelRunner
 
 
 class Executor(Protocol):
-    buckets: ShapeBuckets
-    num_pages: int
-    """KV pages of the pool (page 0 is the scratch page)."""
-    max_model_len: int
-    vocab_size: int
-    info: Any
-    """engine.models.loading.ModelInfo of the checkpoint (EOS ids, sizes)."""
-    lora_targets: tuple[str, ...]
-    """The projections LoRA adapters may adapt (empty: the executor holds no adapter slots)."""
-    flat_step_tokens: int
-    """Tokens a step holds at about the cost of one (engine.generate.runner.model_runner.ModelRunner)."""
-    image_layout: Optional[tuple[int, int, int]]
-    """(placeholder token id, tokens per image, image slots) of a model that takes images, else None."""
+    facts: RunnerFacts
+    """What the engine plans with: the runner's (worker 0's over several hosts), unchanged."""
+    runner: Optional[ModelRunner]
+    """This process's runner, the seam through which tests and benchmarks inspect the device side
+    (its model, cache, backend, LoRA pool; see ModelRunner); None where the model lives in other
+    processes (several hosts). The engine itself never reads it."""
 
     def warmup(self, background: bool = True) -> float:
         """Compile the first step program (all with `background=False`); the rest compile in the
@@ -70,9 +67,6 @@ class Executor(Protocol):
     def check_alive(self) -> None:
         """Raise if a host of the replica is gone."""
 
-    def describe(self) -> dict[str, str]:
-        """How the model runs (backend, dtypes, devices, mesh, KV pool): fixed at start."""
-
     def shutdown(self) -> None:
         """Release what the executor started (worker processes); the engine is unusable after."""
 
@@ -80,9 +74,10 @@ class Executor(Protocol):
 def make_executor(config: EngineConfig) -> Executor:
     """The executor `config.num_hosts` asks for."""
     if config.num_hosts == 1:
+        # heavy: the runner stack (jax, levanter) loads when an engine is made, not with this module
         from engine.generate.executor.local import LocalExecutor
 
         return LocalExecutor(config)
-    from engine.generate.executor.multihost import MultiHostExecutor
+    from engine.generate.executor.multihost import MultiHostExecutor  # ray: a multi-host replica's alone
 
     return MultiHostExecutor(config)

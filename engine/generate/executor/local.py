@@ -6,7 +6,7 @@ from typing import Optional
 
 from engine.config import EngineConfig
 from engine.generate.runner.model_runner import ModelRunner, StepHandle
-from engine.generate.step_plan import StepOutput, StepPlan
+from engine.step.plan import StepOutput, StepPlan
 
 
 class LocalExecutor:
@@ -14,11 +14,7 @@ class LocalExecutor:
 
     def __init__(self, config: EngineConfig):
         self.runner = ModelRunner(config)
-        r = self.runner
-        self.buckets, self.num_pages, self.max_model_len = r.buckets, r.num_pages, r.max_model_len
-        self.vocab_size, self.info = r.vocab_size, r.info
-        self.lora_targets, self.flat_step_tokens = r.lora_targets, r.flat_step_tokens
-        self.image_layout = r.image_layout
+        self.facts = self.runner.facts
 
     def warmup(self, background: bool = True) -> float:
         return self.runner.warmup(background)
@@ -52,9 +48,6 @@ class LocalExecutor:
 
     def check_alive(self) -> None:
         """One process: alive as long as this process is."""
-
-    def describe(self) -> dict[str, str]:
-        return self.runner.describe()
 
     def shutdown(self) -> None:
         """Stop compiling; the model itself lives as long as this process."""

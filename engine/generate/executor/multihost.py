@@ -37,10 +37,19 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import jax
+import numpy as np
+import ray
+from jax.experimental.multihost_utils import process_allgather
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.tpu import SlicePlacementGroup
+
 from engine.config import EngineConfig
 from engine.formats.model_sources import resolve_model
-from engine.generate.buckets import Bucket
-from engine.generate.step_plan import StepOutput, StepPlan
+from engine.generate.runner.facts import RunnerFacts
+from engine.generate.runner.model_runner import ModelRunner
+from engine.step.buckets import Bucket
+from engine.step.plan import StepOutput, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +76,8 @@ class EngineWorker:
         return f"{_node_ip()}:{port}"
 
     def start(self, coordinator: str) -> dict:
-        """Join the distributed job and load the model; returns what the leader needs to plan."""
-        import jax
-
-        from engine.generate.runner.model_runner import ModelRunner
-
+        """Join the distributed job and load the model; returns what the leader needs (the runner's
+        facts) and how this host started."""
         phases = {}
         start = time.perf_counter()
         timeout = int(self.config.step_timeout_s)
@@ -84,11 +90,8 @@ class EngineWorker:
         phases["load_s"] = time.perf_counter() - start
         logger.info("engine worker %d: %d local of %d devices; %s", self.process_id, len(jax.local_devices()),
                     len(jax.devices()), ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
-        r = self.runner
-        return {"buckets": r.buckets, "num_pages": r.num_pages, "max_model_len": r.max_model_len,
-                "vocab_size": r.vocab_size, "info": r.info, "describe": r.describe(), "phases": phases,
-                "lora_targets": r.lora_targets, "flat_step_tokens": r.flat_step_tokens,
-                "image_layout": r.image_layout, "pid": os.getpid(), "labels": _node_labels()}
+        return {"facts": self.runner.facts, "phases": phases, "pid": os.getpid(),
+                "labels": dict(ray.get_runtime_context().get_node_labels())}
 
     def warmup(self, background: bool = True) -> float:
         return self.runner.warmup(background)
@@ -144,15 +147,10 @@ class EngineWorker:
         handle = self._handles.pop(step_id)
         if self.process_id == 0:
             return self.runner.fetch(handle)
-        import jax
-
         jax.block_until_ready(handle.out.tokens)
         return None
 
     def _agree(self, plan: StepPlan) -> None:
-        import numpy as np
-        from jax.experimental.multihost_utils import process_allgather
-
         mine = np.array([plan.step_id % 2**31, plan.fingerprint], np.int32)  # jax without x64: int32
         every = np.asarray(process_allgather(mine))
         disagree = [p for p, row in enumerate(every) if not np.array_equal(row, mine)]
@@ -166,10 +164,10 @@ class EngineWorker:
 class MultiHostExecutor:
     """The leader's view of its workers: an `Executor` (engine.generate.executor.base)."""
 
-    def __init__(self, config: EngineConfig):
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    runner = None
+    """The model lives in the workers' processes (see `Executor.runner`)."""
 
+    def __init__(self, config: EngineConfig):
         self.config = config
         self._timeout = config.step_timeout_s
         self._unfetched: Optional[int] = None  # the last step launched, while no call has fetched it
@@ -192,28 +190,18 @@ class MultiHostExecutor:
         ray.get([w.fetch_model.remote() for w in self.workers])
         address = ray.get(self.workers[0].coordinator_address.remote(), timeout=self._timeout)
         started = ray.get([w.start.remote(address) for w in self.workers], timeout=self._timeout)
-        info = started[0]
+        self.facts: RunnerFacts = started[0]["facts"]
         self.worker_pids = [s["pid"] for s in started]
         self.worker_labels = [s["labels"] for s in started]
         """Each worker's node labels (a TPU host's slice name and worker id)."""
-        self.buckets, self.num_pages = info["buckets"], info["num_pages"]
-        self.max_model_len, self.vocab_size, self.info = info["max_model_len"], info["vocab_size"], info["info"]
-        self.lora_targets: tuple[str, ...] = info["lora_targets"]
-        self.flat_step_tokens: int = info["flat_step_tokens"]
-        self.image_layout = info["image_layout"]
-        self._describe = info["describe"]
         logger.info("%d engine workers started in %.1f s (worker 0: %s)", config.num_hosts,
-                    time.perf_counter() - start, ", ".join(f"{k} {v:.1f}" for k, v in info["phases"].items()))
+                    time.perf_counter() - start, ", ".join(f"{k} {v:.1f}" for k, v in started[0]["phases"].items()))
 
     def _placement(self):
         """(placement group, index of the first worker's bundle); see the module docstring."""
-        import ray
-
         config = self.config
         self._slice = self._own_group = None
         if config.tpu_topology:
-            from ray.util.tpu import SlicePlacementGroup
-
             self._slice = SlicePlacementGroup(topology=config.tpu_topology, accelerator_version=config.tpu_version,
                                               head_reservation_timeout_s=self._timeout)
             if self._slice.num_hosts != config.num_hosts:
@@ -227,53 +215,40 @@ class MultiHostExecutor:
         self._own_group = ray.util.placement_group([{"CPU": 1}] * config.num_hosts, strategy="PACK")
         return self._own_group, 0
 
-    def describe(self) -> dict[str, str]:
-        return self._describe
-
     def check_alive(self) -> None:
         """Raise if a worker is gone, does not answer (its host lost, its process killed) or failed to
         compile a step program; an idle replica's compile progress moves on here."""
-        import ray
-
         self._note_compiled(ray.get([w.ping.remote() for w in self.workers], timeout=self._timeout))
 
     def warmup(self, background: bool = True) -> float:
         """Every worker compiles its first step program (the rest follow in the background, in the
         same order everywhere), then all start serving together behind a barrier."""
-        import ray
-
         seconds = max(ray.get([w.warmup.remote(background) for w in self.workers]))
-        self._compiled = len(self.buckets.all()) if not background else 1
+        self._compiled = len(self.facts.buckets.all()) if not background else 1
         logger.info("%d engine workers ready to serve in %.1f s", len(self.workers), seconds)
         return seconds
 
     def ready_buckets(self) -> list[Bucket]:
         if self._compiled == 0:  # no warm-up: every bucket compiles on first use
-            return self.buckets.all()
-        return sorted(self.buckets.compile_order()[: self._compiled])
+            return self.facts.buckets.all()
+        return sorted(self.facts.buckets.compile_order()[: self._compiled])
 
     def compile_progress(self) -> tuple[int, int]:
-        return (self._compiled, len(self.buckets.all())) if self._compiled else (0, 0)
+        return (self._compiled, len(self.facts.buckets.all())) if self._compiled else (0, 0)
 
     def wait_compiled(self, timeout: Optional[float] = None) -> bool:
-        import ray
-
         done = all(ray.get([w.wait_compiled.remote(timeout) for w in self.workers]))
         if done:
-            self._compiled = len(self.buckets.all())
+            self._compiled = len(self.facts.buckets.all())
         return done
 
     def compiled_programs(self) -> list[list[str]]:
         """Each worker's compiled step programs, in its order."""
-        import ray
-
         return ray.get([w.compiled.remote() for w in self.workers], timeout=self._timeout)
 
     def launch(self, plan: StepPlan, sample: bool = True) -> int:
         """Send the step to every worker; the step launched before it, not fetched yet, comes back
         with this call."""
-        import ray
-
         ref, previous = ray.put(plan), self._unfetched
         calls = [w.step.remote(ref, previous, sample) for w in self.workers]
         if previous is not None:
@@ -283,38 +258,28 @@ class MultiHostExecutor:
 
     def sample(self, step_id: int, allowed) -> None:
         """Send a deferred sampling to every worker (Ray runs a caller's calls to an actor in order)."""
-        import ray
-
         ref = ray.put(allowed)
         self._samplings[step_id] = [w.sample.remote(step_id, ref) for w in self.workers]
 
     def add_image(self, slot: int, pixels) -> None:
         """Send an image's pixels to every worker, each computing its features into slot `slot`
         between the steps launched so far and the next; a failure surfaces at the next fetch."""
-        import ray
-
         ref = ray.put(pixels)
         self._loads += [w.add_image.remote(slot, ref) for w in self.workers]
 
     def load_adapter(self, slot: int, adapter) -> None:
         """Send an adapter's factors to every worker, between the steps launched so far and the
         next (Ray runs a caller's calls to an actor in order); a failure surfaces at the next fetch."""
-        import ray
-
         ref = ray.put(adapter)
         self._loads += [w.load_adapter.remote(slot, ref) for w in self.workers]
 
     def propose(self, draft):
         """Every worker runs the draft's propose program (after the steps sent so far); worker 0's guesses."""
-        import ray
-
         ref = ray.put(draft)
         return ray.get([w.propose.remote(ref) for w in self.workers], timeout=self._timeout)[0]
 
     def fetch(self, step_id: int) -> StepOutput:
         """Worker 0's outputs; raises if any worker failed the step or it took over step_timeout_s."""
-        import ray
-
         calls = self._answers.pop(step_id, None)
         if calls is None:  # nothing was launched after it: ask for it alone
             calls = [w.step.remote(None, step_id) for w in self.workers]
@@ -330,20 +295,12 @@ class MultiHostExecutor:
             self._compiled = max(self._compiled, min(counts))
 
     def shutdown(self) -> None:
-        import ray
-
         for worker in self.workers:
             ray.kill(worker)
         if self._own_group is not None:
             ray.util.remove_placement_group(self._own_group)
         if self._slice is not None:
             self._slice.shutdown()
-
-
-def _node_labels() -> dict[str, str]:
-    import ray
-
-    return dict(ray.get_runtime_context().get_node_labels())
 
 
 def local_model(config: EngineConfig) -> EngineConfig:
@@ -357,6 +314,4 @@ def local_model(config: EngineConfig) -> EngineConfig:
 
 
 def _node_ip() -> str:
-    import ray
-
     return ray.util.get_node_ip_address()

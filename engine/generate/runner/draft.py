@@ -29,13 +29,13 @@ import jax.numpy as jnp
 
 from engine.backends.base import AttentionBackend
 from engine.generate.pages import SCRATCH_PAGE
-from engine.generate.step_plan import DraftInputs, StepInputs
 from engine.models.paged_model import (
     ServingModel,
     forward,
     unembed,
     with_previous_tokens,
 )
+from engine.step.plan import DraftInputs, StepInputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class DraftShape:
 
 
 class DraftSteps:
-    """The draft's jitted programs over its flat weights (as engine.generate.runner.model_runner._Steps)."""
+    """The draft's jitted programs over its flat weights (as engine.generate.runner.step_programs.StepPrograms)."""
 
     def __init__(self, model: ServingModel, backend: AttentionBackend, shape: DraftShape, gathered, cache_sharding):
         self.num_tokens = shape.num_tokens

@@ -1,5 +1,4 @@
-"""The device side of one engine: weights, the KV cache and the jitted step. The only module that
-dispatches to devices and reads results back.
+"""The device side of one engine: weights, the KV cache and the jitted step, in one process.
 
     StepPlan -> forward (donates the cache) -> sample -> StepOutput
 
@@ -12,7 +11,9 @@ refuses it.
 Devices: `tensor_parallel_size` devices form the mesh (engine.generate.runner.sharding); weights and the KV
 cache are split over it, and the step's outputs (logits, sampled tokens, logprobs) come back
 replicated. The attention backend (engine.backends) owns the cache and attention; the runner
-never asks which one runs.
+never asks which one runs. The models come from the loader (engine.generate.runner.loader), the
+pool's size from engine.generate.runner.kv_pool, the programs from engine.generate.runner.step_programs;
+what the engine plans with leaves as one `RunnerFacts` (engine.generate.runner.facts).
 
 Warm-up compiles the first step program, then the others in the background (engine.compiler),
 each with the common sampler variants; `ready_buckets` says which a step may take. The rarer
@@ -22,52 +23,30 @@ variants (penalties, top-k/p filtering) and prompt logprobs compile on first use
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import time
-from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.experimental.multihost_utils import sync_global_devices
+from jax.sharding import NamedSharding
 
-from engine.backends.base import AttentionBackend, CacheShape
 from engine.backends.select import select_backend
 from engine.compiler import StepCompiler, enable_compilation_cache
 from engine.config import EngineConfig
+from engine.formats.checkpoint_config import ModelInfo, model_info
 from engine.formats.peft import LoraAdapter
-from engine.generate.buckets import SMALLEST_BATCH, Bucket, ShapeBuckets
-from engine.generate.grammar import mask_words
-from engine.generate.runner import sharding
+from engine.generate.runner import kv_pool, memory_plan, sharding
 from engine.generate.runner.draft import DraftShape, DraftSteps
-from engine.generate.runner.sampler import SampleOutput, sample, token_logprobs
-from engine.generate.step_plan import (
-    FIRST_SAMPLER_SWITCHES,
-    WARM_SAMPLER_SWITCHES,
-    DraftInputs,
-    SamplerSwitches,
-    StepOutput,
-    StepPlan,
-    draft_inputs,
-    empty_step_plan,
-)
-from engine.layers.lora import LoraPool, LoraShape, load_slot, slot_arrays
-from engine.layers.quantize import quantize_model
-from engine.layers.rope import Rope
-from engine.models.loading import load_model, model_info, read_hf_config, resolve_dtype
-from engine.models.paged_model import (
-    ImageRows,
-    ServingModel,
-    forward,
-    logits_at,
-    unembed,
-    with_previous_tokens,
-)
-from engine.models.variant import Variant
-from engine.tools import capacity
+from engine.generate.runner.facts import ImageLayout, RunnerFacts
+from engine.generate.runner.loader import ModelLoader
+from engine.generate.runner.sampler import SampleOutput
+from engine.generate.runner.step_programs import ProgramWarmup, StepPrograms, StepTypes, vocab_gather
+from engine.layers.lora import slot_arrays
+from engine.models.loading import resolve_dtype
+from engine.step.buckets import Bucket, ShapeBuckets
+from engine.step.plan import DraftInputs, StepOutput, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -88,109 +67,12 @@ class StepHandle:
     sampling deferred."""
 
 
-@dataclasses.dataclass(frozen=True)
-class CompiledProgram:
-    """One compiled step program: its name, the executable and the seconds lowering and compiling took."""
-
-    name: str
-    executable: Any
-    seconds: float
-
-
-class _Steps:
-    """The jitted functions: the forward program (its size: the bucket's tokens) and the sampling
-    program (its size: the bucket's rows), which runs the LM head on the rows that sample, so a
-    long prompt's step computes one row of logits. The model travels as its flat list of weight
-    arrays (the treedef is closed over): flattening equinox modules in Python on every call costs
-    ~1 ms a step, a list of arrays is flattened in C++. Hidden states and sampled tokens leave
-    replicated; the cache keeps its split by KV head."""
-
-    def __init__(self, model: ServingModel, backend: AttentionBackend, mesh: Mesh, cache_sharding, max_samples: int,
-                 vocab_split: bool):
-        self.weights, treedef = jax.tree_util.tree_flatten(model)
-        unflatten = functools.partial(jax.tree_util.tree_unflatten, treedef)
-        self.head_weights, head_treedef = jax.tree_util.tree_flatten(dataclasses.replace(model, layers=()))
-        unflatten_head = functools.partial(jax.tree_util.tree_unflatten, head_treedef)
-        replicated = sharding.replicated(mesh)
-        constrain = jax.lax.with_sharding_constraint
-        gathered = vocab_gather(mesh, vocab_split)
-
-        @functools.partial(jax.jit, donate_argnums=(1,))
-        def forward_step(weights, cache, inputs, prev_tokens, lora, images):
-            """(hidden states f[max_samples, embed] of the tokens each sampling slot samples after,
-            all final hidden states f[position, embed], updated cache)."""
-            model = unflatten(weights)
-            hidden, cache = forward(model, backend, cache, with_previous_tokens(inputs, prev_tokens), lora, images)
-            # plain arrays leave: a NamedArray output is unflattened in Python per call
-            rows = hidden.array[inputs.sample_index]
-            return constrain(rows, replicated), constrain(hidden.array, replicated), constrain(cache, cache_sharding)
-
-        @functools.partial(jax.jit, static_argnames=("switches",))
-        def sample_step(head_weights, rows, sampling, switches: SamplerSwitches) -> SampleOutput:
-            """The logits of the first R slots (R: the sampling inputs' rows), sampled. Tokens are
-            padded to `max_samples`, so that the next step's forward takes them in one shape."""
-            head = unflatten_head(head_weights)
-            picked = hax.named(rows[: sampling.temperature.shape[0]], ("row", head.Embed))
-            logits = gathered(unembed(head, picked).array)
-            out = sample(logits, sampling, switches, backend.argmax)
-            return out._replace(tokens=jnp.pad(out.tokens, (0, max_samples - out.tokens.shape[0])))
-
-        @jax.jit
-        def prompt_logprobs_step(weights, hidden, index, targets):
-            model = unflatten(weights)
-            hidden = hax.named(hidden, ("position", model.Embed))
-            logits = gathered(logits_at(model, hidden, index).array)
-            return token_logprobs(logits, targets)
-
-        self._forward, self._sample, self._prompt_logprobs = forward_step, sample_step, prompt_logprobs_step
-
-    def forward(self, cache, inputs, prev_tokens, lora: Optional[LoraPool] = None, images: Optional[ImageRows] = None):
-        """(the sampling slots' hidden states f[max_samples, embed], final hidden states
-        f[position, embed], updated cache); donates `cache`. `lora`: the adapters' pool, if any;
-        `images`: the image features, if the model takes images."""
-        return self._forward(self.weights, cache, inputs, prev_tokens, lora, images)
-
-    def sample(self, rows, sampling, switches: SamplerSwitches) -> SampleOutput:
-        return self._sample(self.head_weights, rows, sampling, switches=switches)
-
-    def lower_sample(self, rows, sampling, switches: SamplerSwitches):
-        """`sample` lowered for these arguments' types (`rows` may be a ShapeDtypeStruct)."""
-        return self._sample.lower(self.head_weights, rows, sampling, switches=switches)
-
-    def lower_forward(self, cache, inputs, prev_tokens, lora: Optional[LoraPool] = None,
-                      images: Optional[ImageRows] = None):
-        """`forward` lowered for these arguments' types (`cache` may be ShapeDtypeStructs)."""
-        return self._forward.lower(self.weights, cache, inputs, prev_tokens, lora, images)
-
-    def prompt_logprobs(self, hidden, index, targets):
-        return self._prompt_logprobs(self.weights, hidden, index, targets)
-
-    def compile_bucket(self, bucket: Bucket, buckets: ShapeBuckets, cache, prev_tokens, vocab_size: int,
-                       place, samplers: Sequence[SamplerSwitches] = WARM_SAMPLER_SWITCHES,
-                       lora: Optional[LoraPool] = None, images: Optional[ImageRows] = None) -> list[CompiledProgram]:
-        """Lower and compile (never run) one bucket's forward program and the `samplers` variants
-        for its rows, with a padding step's arguments: `place` turns its host arrays into the step's
-        arguments (or their types); `cache`, `prev_tokens` and `lora` may be types. Call under the
-        mesh. A forward program compiled before comes from jit's in-memory cache."""
-        plan = empty_step_plan(bucket, buckets, step_id=-1)
-        every_token = np.full((bucket.rows, mask_words(vocab_size)), -1, np.int32)
-        inputs, sampling, masked = place((plan.inputs, plan.sampling, plan.sampling._replace(allowed=every_token)))
-        start = time.perf_counter()
-        lowered = self.lower_forward(cache, inputs, prev_tokens, lora, images)
-        forward = lowered.compile()
-        programs = [CompiledProgram(f"forward T={bucket.tokens}", forward, time.perf_counter() - start)]
-        if samplers:
-            info = lowered.out_info[0]  # the sampled rows' hidden states, as the forward program hands them over
-            rows = jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=forward.output_shardings[0])
-            for switches in samplers:
-                start = time.perf_counter()
-                compiled = self.lower_sample(rows, masked if switches.constrain else sampling, switches).compile()
-                programs.append(CompiledProgram(f"sample R={bucket.rows} {switches.name}", compiled,
-                                                time.perf_counter() - start))
-        return programs
-
-
 class ModelRunner:
+    """One process's share of a replica's device work. Besides its methods, what tests and
+    benchmarks may inspect (through the executor's `runner`): `facts`, `model` (the serving model
+    as the backend prepared it), `cache`, `backend`, `lora` (the adapters' pool, or None) and
+    `weights_host`."""
+
     def __init__(self, config: EngineConfig):
         self.config = config
         if config.compilation_cache_dir:
@@ -201,53 +83,24 @@ class ModelRunner:
         self.layout = sharding.plan_layout(info, config.tensor_parallel_size)
         self.mesh = sharding.make_mesh(config.tensor_parallel_size)
         self.backend = select_backend(config, self.dtype, self.mesh, sharding.MODEL_AXIS)
-        self.scan_layers = self.backend.scan_layers if config.scan_layers is None else config.scan_layers
-        self.max_model_len = capacity.max_model_len(config, info)
-        if self.max_model_len > info.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
-                             f"{info.max_position_embeddings}; lower max_model_len")
-        self.page_size = config.page_size
-        self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
+        max_model_len = _max_model_len(config, info)
         self.buckets = ShapeBuckets(max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
-                                    max_pages_per_seq=self.max_pages_per_seq, page_size=self.page_size,
-                                    max_drafts=config.max_drafts)
+                                    max_pages_per_seq=-(-max_model_len // config.page_size),
+                                    page_size=config.page_size, max_drafts=config.max_drafts)
         memory = sharding.free_device_memory(self.mesh.devices.flat)
         if memory is not None:  # accelerators: refuse a config that cannot fit before loading a weight
-            capacity.check_fits(config, memory, len(jax.devices()), self.backend.cache_bytes_per_page)
-        self.model, self.info = self._load(config)
-        self.vocab_size = self.info.vocab_size
-        self.draft_model, self.draft_info, self.draft_layout = self._load_draft(config)
-        """The draft model of speculative decoding (engine.generate.runner.draft), or None."""
-        self.lora = self._lora_pool()
-        """The LoRA adapters' pool on the devices (engine.layers.lora), or None without `max_loras`."""
-        self._lora_type = _types(self.lora)
-        self.vision_config, self.images, self._write_image = self._load_vision(config)
-        """The vision tower's config (engine.models.vision), the pool of image features
-        (paged_model.ImageRows) and the program computing one image's features into it (it holds
-        the tower and projector); all None for a text-only model."""
-        self._images_type = _types(self.images)
-        self._cache_sharding = NamedSharding(self.mesh, self.backend.cache_partition(sharding.MODEL_AXIS))
-        self.num_pages = self._pool_pages()
-        self.cache = self._init_cache()
-        self._cache_type = _types(self.cache)
-        """The cache's types, for compiling while steps donate and replace the cache itself."""
-        self.draft_cache = None if self.draft_model is None else self._init_cache(self.draft_info, self.draft_layout)
-        self._draft_cache_type = _types(self.draft_cache)
-        self.draft_steps = None if self.draft_model is None else DraftSteps(
-            self.draft_model, self.backend, DraftShape(config.max_drafts, self.page_size),
-            vocab_gather(self.mesh, self.draft_layout.size > 1 and self.draft_layout.shard_vocab),
-            self._cache_sharding)
-        self.steps = _Steps(self.model, self.backend, self.mesh, self._cache_sharding, self.buckets.max_samples,
-                            vocab_split=self.layout.size > 1 and self.layout.shard_vocab)
-        self._no_tokens = self._no_previous_tokens()
-        self._last_step: Optional[int] = None
-        self._last_tokens = self._no_tokens
-        self._sampler_rows: set[int] = set()
-        self._owed: Optional[Bucket] = None
-        """The first bucket, while its other sampler variants wait for the next compile."""
-        self.compiler = StepCompiler(self.buckets.compile_order(), self._compile_bucket,
-                                     lambda b: f"({b.tokens} tokens, {b.rows} rows)")
+            memory_plan.check_fits(config, memory, len(jax.devices()), self.backend.cache_bytes_per_page)
+        scan_layers = self.backend.scan_layers if config.scan_layers is None else config.scan_layers
+        info = self._load(ModelLoader(config, self.dtype, self.mesh, self.layout, self.backend, self.buckets,
+                                      scan_layers))
+        num_pages = self._make_pool(info, max_model_len)
+        self._make_programs(info.vocab_size)
+        self.facts = RunnerFacts(
+            self.buckets, num_pages, max_model_len, info, () if self.lora is None else tuple(self.lora.a),
+            self.backend.flat_step_tokens(config.max_num_batched_tokens), self._image_layout(),
+            self._describe(num_pages))
+        """What the engine plans with (the executors hand it up)."""
         logger.info("%s", self._startup_line())
 
     # ---- public ----
@@ -300,36 +153,15 @@ class ModelRunner:
             raise RuntimeError("this runner's model takes no images (engine bug)")
         index, pixels = self._global((np.asarray(slot, np.int32), np.asarray(pixels, np.float32)[None]))
         with self._device_context():
-            self.images = self._write_image(self.images, index, pixels)
-
-    @property
-    def image_layout(self) -> Optional[tuple[int, int, int]]:
-        """(image token id of the prompt's placeholders, tokens per image, slots), or None: no images."""
-        if self.images is None:
-            return None
-        return self.vision_config.image_token_id, self.images.tokens_per_image, self.images.slots
-
-    @property
-    def flat_step_tokens(self) -> int:
-        """Tokens a step holds at about the cost of one: on CPUs the smallest multi-token bucket
-        (a matmul's cost grows with its rows past a handful), elsewhere the whole step budget (a
-        step reads every weight once, whatever its rows, until far more tokens than a decode batch)."""
-        if self.mesh.devices.flat[0].platform == "cpu":
-            return min(SMALLEST_BATCH, self.config.max_num_batched_tokens)
-        return self.config.max_num_batched_tokens
-
-    @property
-    def lora_targets(self) -> tuple[str, ...]:
-        """The projections adapters may adapt (empty without a LoRA pool)."""
-        return () if self.lora is None else tuple(self.lora.a)
+            self.images = self.vision.write(self.images, index, pixels)
 
     def load_adapter(self, slot: int, adapter: LoraAdapter) -> None:
         """Put `adapter`'s factors into LoRA slot `slot` (after the steps launched so far, which
         read the slot's previous adapter)."""
-        arrays = slot_arrays(adapter, self._lora_shape, self.info.num_kv_heads)
+        arrays = slot_arrays(adapter, self._lora.shape, self.facts.info.num_kv_heads)
         index, arrays = self._global((np.asarray(slot, np.int32), arrays))
         with self._device_context():
-            self.lora = self._load_slot(self.lora, index, arrays)
+            self.lora = self._lora.load(self.lora, index, arrays)
 
     def fetch(self, handle: StepHandle) -> StepOutput:
         """Wait for a launched step and read its results."""
@@ -346,8 +178,6 @@ class ModelRunner:
         `background=False`); returns the seconds until the first was ready (engine.compiler)."""
         seconds = self.compiler.start(background)
         if jax.process_count() > 1:  # every host starts serving together
-            from jax.experimental.multihost_utils import sync_global_devices
-
             sync_global_devices("jax-serve warm-up")
         return seconds
 
@@ -355,34 +185,77 @@ class ModelRunner:
         """The buckets a step may take now (StepCompiler.ready)."""
         return self.compiler.ready()
 
-    def _compile_bucket(self, bucket: Bucket) -> None:
-        """Compile one bucket's forward program and its common sampler variants without running
-        them, with the arguments' types of a real step (so the step finds them in jit's cache).
-        The first bucket, which serving waits for, takes only FIRST_SAMPLER_SWITCHES when more
-        follow; the next call compiles its other variants first."""
-        first = not self._sampler_rows
-        with self._device_context():
-            if self._owed is not None:
-                owed, self._owed = self._owed, None
-                self._compile_programs(owed, [s for s in WARM_SAMPLER_SWITCHES if s not in FIRST_SAMPLER_SWITCHES])
-            if first and len(self.compiler.order) > 1:
-                self._compile_programs(bucket, FIRST_SAMPLER_SWITCHES)
-                self._owed = bucket
-            else:
-                self._compile_programs(bucket, () if bucket.rows in self._sampler_rows else WARM_SAMPLER_SWITCHES)
-            if self.draft_steps is not None:
-                inputs = self._global(empty_step_plan(bucket, self.buckets, step_id=-1).inputs)
-                self.draft_steps.lower_forward(self._draft_cache_type, inputs, self._no_tokens).compile()
-                if bucket.tokens <= self.buckets.decode_bucket().tokens:  # a propose program of as many rows
-                    draft = self._global(draft_inputs(self.buckets, [], ready=[bucket]))
-                    self.draft_steps.lower_propose(self._draft_cache_type, draft).compile()
-        self._sampler_rows.add(bucket.rows)
+    def _global(self, tree):
+        """Host arrays as the step's replicated inputs. In one process jit takes numpy as it is; over
+        several, each process builds the global array from its own copy (a `device_put` onto a global
+        sharding would compare the processes' values every step)."""
+        if jax.process_count() == 1:
+            return tree
+        replicated = sharding.replicated(self.mesh)
+        return jax.tree_util.tree_map(lambda a: jax.make_array_from_process_local_data(replicated, a), tree)
 
-    def _compile_programs(self, bucket: Bucket, samplers: Sequence[SamplerSwitches]) -> None:
-        self.steps.compile_bucket(bucket, self.buckets, self._cache_type, self._no_tokens, self.vocab_size,
-                                  self._global, samplers=samplers, lora=self._lora_type, images=self._images_type)
+    def _device_context(self):
+        return sharding.mesh_context(self.mesh, self.layout.axis_mapping)
 
-    def describe(self) -> dict[str, str]:
+    # ---- start-up ----
+
+    def _load(self, loader: ModelLoader) -> ModelInfo:
+        """Load the served model, the draft model, the LoRA pool and the vision tower, in that order;
+        returns the served model's ModelInfo."""
+        served = loader.load()
+        self.model = served.model
+        self.weights_host: Optional[jax.Device] = loader.weights_host
+        """The host CPU device the weights were made on before they were placed (quantized weights
+        on a host whose CPU is not one of the devices), or None: made on the devices."""
+        self.draft = loader.load_draft(served.info)
+        """The draft model of speculative decoding (engine.generate.runner.draft), or None."""
+        self._lora = loader.lora_slots(served.lora_shape)
+        self.lora = None if self._lora is None else self._lora.pool
+        """The LoRA adapters' pool on the devices (engine.layers.lora), or None without `max_loras`."""
+        self.vision = loader.load_vision(served.info)
+        """The vision tower, its pool of image features and the program writing into it
+        (loader.VisionTower); None for a text-only model."""
+        self.images = None if self.vision is None else self.vision.images
+        return served.info
+
+    def _make_pool(self, info: ModelInfo, max_model_len: int) -> int:
+        """Make the KV pool (and the draft's, of the same pages) from the memory the models left;
+        returns its pages."""
+        self._cache_sharding = NamedSharding(self.mesh, self.backend.cache_partition(sharding.MODEL_AXIS))
+        models = [(info, self.layout)] + ([] if self.draft is None else [(self.draft.info, self.draft.layout)])
+        page_bytes = kv_pool.page_bytes_per_device(self.backend, models, self.config.page_size, self.kv_cache_dtype)
+        num_pages = kv_pool.pool_pages(self.config, self.mesh.devices.flat, page_bytes,
+                                       self.buckets.max_pages_per_seq, max_model_len)
+        shapes = [kv_pool.cache_shape(i, layout, self.config.page_size, num_pages, self.kv_cache_dtype)
+                  for i, layout in models]
+        self.cache = kv_pool.init_cache(self.backend, shapes[0], self._cache_sharding)
+        self.draft_cache = None if self.draft is None else kv_pool.init_cache(self.backend, shapes[1],
+                                                                              self._cache_sharding)
+        return num_pages
+
+    def _make_programs(self, vocab_size: int) -> None:
+        draft = self.draft
+        self.draft_steps = None if draft is None else DraftSteps(
+            draft.model, self.backend, DraftShape(self.config.max_drafts, self.config.page_size),
+            vocab_gather(self.mesh, draft.layout.size > 1 and draft.layout.shard_vocab), self._cache_sharding)
+        self.steps = StepPrograms(self.model, self.backend, self.mesh, self._cache_sharding, self.buckets.max_samples,
+                                  vocab_split=self.layout.size > 1 and self.layout.shard_vocab)
+        self._no_tokens = self._no_previous_tokens()
+        self._last_step: Optional[int] = None
+        self._last_tokens = self._no_tokens
+        types = StepTypes(_types(self.cache), self._no_tokens, _types(self.lora), _types(self.images),
+                          _types(self.draft_cache))
+        warmup = ProgramWarmup(self.steps, self.draft_steps, self.buckets, vocab_size, types, self._global,
+                               self._device_context)
+        self.compiler = StepCompiler(self.buckets.compile_order(), warmup.compile_bucket,
+                                     lambda b: f"({b.tokens} tokens, {b.rows} rows)")
+
+    def _image_layout(self) -> Optional[ImageLayout]:
+        if self.vision is None:
+            return None
+        return ImageLayout(self.vision.config.image_token_id, self.images.tokens_per_image, self.images.slots)
+
+    def _describe(self, num_pages: int) -> dict[str, str]:
         """How this replica runs its model (logged at start; an info metric's labels)."""
         devices = list(self.mesh.devices.flat)
         return {
@@ -395,174 +268,15 @@ class ModelRunner:
             "num_devices": str(len(devices)),
             "device_kind": devices[0].device_kind,
             "mesh": ",".join(f"{name}={size}" for name, size in self.mesh.shape.items()),
-            "page_size": str(self.page_size),
-            "num_pages": str(self.num_pages),
+            "page_size": str(self.config.page_size),
+            "num_pages": str(num_pages),
             "speculative": "none" if self.config.speculative is None else self.config.speculative.method,
             "num_speculative_tokens": str(self.config.max_drafts),
             "draft_model": self.config.draft_model or "none",
         }
 
-    def _global(self, tree):
-        """Host arrays as the step's replicated inputs. In one process jit takes numpy as it is; over
-        several, each process builds the global array from its own copy (a `device_put` onto a global
-        sharding would compare the processes' values every step)."""
-        if jax.process_count() == 1:
-            return tree
-        replicated = sharding.replicated(self.mesh)
-        return jax.tree_util.tree_map(lambda a: jax.make_array_from_process_local_data(replicated, a), tree)
-
-    # ---- start-up ----
-
-    def _load(self, config: EngineConfig):
-        """(the serving model, ModelInfo). Nothing of the model as loaded outlives this call: the
-        KV pool is sized from the memory the serving model leaves. The serving model is made on the
-        devices, each layer placed as it is made, or (`_weights_host`) on the host's CPU and then
-        placed: the devices never hold the checkpoint's float weights beside quantized ones."""
-        host = self._weights_host(config)
-        if host is None:
-            context = self._device_context(self._load_mapping(self.layout))
-            place = functools.partial(sharding.place, layout=self.layout, mesh=self.mesh)
-        else:
-            context = _MeshContext(Mesh(np.array([host]).reshape(1, 1), self.mesh.axis_names), {})
-            place = functools.partial(sharding.to_mesh, layout=self.layout, mesh=self.mesh)
-        with context, jax.default_device(host):  # None: JAX's default device
-            model, info = load_model(config.model, self.dtype)
-            serving = serving_model(model, config.model, info, self.layout, self.scan_layers, place,
-                                    config.quantization)
-        self._lora_shape = LoraShape.of(serving.first_layer, info.num_layers, config.max_loras,
-                                        config.max_lora_rank) if config.max_loras else None
-        if host is not None:
-            logger.info("weights made %s on %s, then placed on the devices", config.quantization, host)
-        with self._device_context():
-            return self.backend.prepare(serving, self.buckets, measure=config.warmup), info
-
-    def _load_vision(self, config: EngineConfig):
-        """(VisionConfig, empty ImageRows, write program) of a LLaVA checkpoint's text entry (its
-        `vision` link, engine.formats.llava); (None, None, None) for any other model."""
-        from engine.formats.llava import VISION_LINK
-
-        source = Path(config.model) / VISION_LINK
-        if not source.is_dir():
-            return None, None, None
-        import equinox as eqx
-
-        from engine.models.vision import (
-            image_features,
-            image_tokens,
-            load_vision,
-            read_vision_config,
-        )
-
-        vision_config = read_vision_config(source)
-        tokens = image_tokens(vision_config)
-        replicated = sharding.replicated(self.mesh)
-        with self._device_context():
-            tower = jax.device_put(load_vision(source, self.dtype), replicated)
-            rows = jax.device_put(jnp.zeros((config.image_slots * tokens, self.info.hidden_size), self.dtype),
-                                  replicated)
-        params, static = eqx.partition(tower, eqx.is_array)
-
-        @functools.partial(jax.jit, donate_argnums=(0,))
-        def write(images: ImageRows, slot, pixels) -> ImageRows:
-            features = image_features(eqx.combine(params, static), pixels)[0].astype(images.rows.dtype)
-            return dataclasses.replace(images, rows=jax.lax.dynamic_update_slice(
-                images.rows, features, (slot * images.tokens_per_image, 0)))
-
-        logger.info("vision tower %s: %d tokens per image, %d image slots", vision_config.tower, tokens,
-                    config.image_slots)
-        return vision_config, ImageRows(rows, self.vocab_size, tokens, config.image_slots), write
-
-    def _load_draft(self, config: EngineConfig):
-        """(the draft model, its ModelInfo, its layout) for `speculative: {method: draft_model}`,
-        made on the devices and prepared by the backend as the served model is; else Nones."""
-        if config.draft_model is None:
-            return None, None, None
-        from engine.formats.model_sources import resolve_model
-
-        path = str(resolve_model(config.draft_model))
-        info = model_info(path)
-        if info.vocab_size != self.info.vocab_size:
-            raise ValueError(f"the draft model {config.draft_model} has a vocabulary of {info.vocab_size} "
-                             f"tokens, the served model {self.info.vocab_size}: a draft must share its tokenizer")
-        layout = sharding.plan_layout(info, config.tensor_parallel_size)
-        place = functools.partial(sharding.place, layout=layout, mesh=self.mesh)
-        with self._device_context(self._load_mapping(layout)):
-            model, info = load_model(path, self.dtype)
-            serving = serving_model(model, path, info, layout, self.scan_layers, place, config.quantization)
-        with self._device_context(layout.axis_mapping):
-            draft = self.backend.prepare(serving, self.buckets, measure=config.warmup)
-        logger.info("draft model %s: %d layers, %d guesses per row", path, info.num_layers, config.max_drafts)
-        return draft, info, layout
-
-    def _weights_host(self, config: EngineConfig) -> Optional[jax.Device]:
-        """The host CPU device that quantized weights are made on before they go to the devices
-        (so loading never holds the checkpoint's float weights on them); None: the weights are made
-        on the devices themselves (no quantization, or the devices are the host's)."""
-        host = sharding.host_device() if config.quantization else None
-        return None if host is None or host in self.mesh.devices.flat else host
-
-    @staticmethod
-    def _load_mapping(layout: sharding.TensorParallelLayout) -> dict[str, str]:
-        """The axis mapping to load weights under: the layout's, but KV heads that are to be
-        repeated load whole (they split only after repeating)."""
-        mapping = dict(layout.axis_mapping)
-        if layout.kv_repeats > 1:
-            mapping.pop("kv_head", None)
-        return mapping
-
-    def _cache_shape(self, num_pages: int, info=None, layout=None) -> CacheShape:
-        """The KV cache of `num_pages` pages of the served model (or of `info` split as `layout`)."""
-        return capacity.cache_shape(info or self.info, layout or self.layout, self.page_size, num_pages,
-                                    self.kv_cache_dtype)
-
-    def _pool_pages(self) -> int:
-        """KV pages: as configured; else from the memory the weights left (accelerators) or enough
-        for every sequence slot at max_model_len (CPUs, where memory is not reported)."""
-        if self.config.num_pages:
-            return self.config.num_pages
-        free = sharding.free_device_memory(self.mesh.devices.flat)
-        if free is None:
-            return 1 + self.config.max_num_seqs * self.max_pages_per_seq
-        if jax.process_count() > 1:  # every host must make the same pool: the least any host has room for
-            from jax.experimental.multihost_utils import process_allgather
-
-            free = 2**20 * int(np.min(process_allgather(np.array([free // 2**20], np.int32))))  # MiB: int32
-        per_device = self.backend.cache_bytes_per_page(self._cache_shape(1)) // self.layout.size
-        if self.draft_model is not None:  # a page holds the draft's keys and values too
-            per_device += (self.backend.cache_bytes_per_page(self._cache_shape(1, self.draft_info, self.draft_layout))
-                           // self.draft_layout.size)
-        pages = capacity.pages_for_memory(free, self.config.kv_cache_memory_fraction, per_device)
-        if pages < self.max_pages_per_seq + 1:
-            raise ValueError(f"{free / 2**30:.2f} GiB left per device after the weights hold {pages} KV pages, "
-                             f"fewer than one sequence of max_model_len={self.max_model_len} needs "
-                             f"({self.max_pages_per_seq + 1}); lower max_model_len, raise kv_cache_memory_fraction "
-                             "or tensor_parallel_size")
-        logger.info("KV pool: %d pages of %d tokens (%d tokens, %.2f GiB per device) from %.0f%% of %.2f GiB free",
-                    pages, self.page_size, pages * self.page_size, pages * per_device / 2**30,
-                    100 * self.config.kv_cache_memory_fraction, free / 2**30)
-        return pages
-
-    def _lora_pool(self) -> Optional[LoraPool]:
-        """The empty pool of `max_loras` slots, split over the mesh as the weights it adapts."""
-        if self._lora_shape is None:
-            return None
-        with self._device_context():
-            pool = sharding.place(LoraPool.zeros(self._lora_shape, jnp.dtype(self.dtype)), self.layout, self.mesh)
-        shardings = jax.tree_util.tree_map(lambda a: a.sharding, pool)
-        self._load_slot = jax.jit(load_slot, donate_argnums=(0,), out_shardings=shardings)
-        logger.info("LoRA: %d slots of rank %d for %s (%.1f MiB)", self._lora_shape.slots, self._lora_shape.rank,
-                    ", ".join(self._lora_shape.projections),
-                    sum(a.nbytes for a in jax.tree_util.tree_leaves(pool)) / 2**20)
-        return pool
-
-    def _init_cache(self, info=None, layout=None):
-        """The served model's KV pool (or that of `info` split as `layout`: the draft's)."""
-        init = jax.jit(lambda: self.backend.init_cache(self._cache_shape(self.num_pages, info, layout)),
-                       out_shardings=self._cache_sharding)
-        return init()
-
     def _startup_line(self) -> str:
-        d = self.describe()
+        d = self.facts.description
         devices = ", ".join(str(device) for device in self.mesh.devices.flat)
         return (f"model on {d['num_devices']} device(s) [{devices}], mesh ({d['mesh']}), attention backend "
                 f"{d['attention_backend']}, {d['dtype']} weights, {d['kv_cache_dtype']} KV cache of "
@@ -576,31 +290,14 @@ class ModelRunner:
             return jax.jit(lambda: jnp.zeros(self.buckets.max_samples, jnp.int32),
                            out_shardings=sharding.replicated(self.mesh))()
 
-    def _device_context(self, mapping: Optional[dict[str, str]] = None):
-        return _MeshContext(self.mesh, self.layout.axis_mapping if mapping is None else mapping)
 
-
-def vocab_gather(mesh: Mesh, vocab_split: bool):
-    """f(logits) -> logits computed where their slice of the vocabulary lives, then gathered: left
-    to itself, XLA gathered a tied embedding's whole weight every step (500 MiB for Llama-3.2-1B)."""
-    replicated = sharding.replicated(mesh)
-    by_vocab = NamedSharding(mesh, PartitionSpec(None, sharding.MODEL_AXIS)) if vocab_split else replicated
-    constrain = jax.lax.with_sharding_constraint
-    return lambda logits: constrain(constrain(logits, by_vocab), replicated)
-
-
-def serving_model(model, model_dir: str, info, layout: sharding.TensorParallelLayout, scan_layers: bool,
-                  place=lambda tree: tree, quantization: Optional[str] = None) -> ServingModel:
-    """The serving model a replica makes of a loaded levanter model (or its shapes): KV heads
-    repeated as the layout needs, weights quantized as `quantization` says, the checkpoint's
-    RoPE, the layers unrolled or stacked; `place` puts it (each unstacked layer as it is made) on
-    its devices."""
-    if layout.kv_repeats > 1:
-        model = sharding.repeat_kv_heads(model, layout.kv_repeats)
-    model = quantize_model(model, quantization)
-    hf = read_hf_config(model_dir)
-    rope, variant = Rope.from_hf_config(hf, info.head_dim), Variant.from_hf_config(hf, info.head_dim)
-    return place(ServingModel.from_levanter(model, rope, scan_layers, place, variant))
+def _max_model_len(config: EngineConfig, info: ModelInfo) -> int:
+    """Tokens per sequence the replica serves (kv_pool.max_model_len); ValueError past the model's positions."""
+    max_model_len = kv_pool.max_model_len(config, info)
+    if max_model_len > info.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                         f"{info.max_position_embeddings}; lower max_model_len")
+    return max_model_len
 
 
 def _types(tree: Any) -> Any:
@@ -616,21 +313,3 @@ def _to_host(tree: Any) -> Any:
     if all(leaf.is_fully_addressable for leaf in leaves):
         return jax.device_get(tree)
     return jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), tree)
-
-
-class _MeshContext:
-    """Enter the device mesh and an axis mapping (empty: every array replicated)."""
-
-    def __init__(self, mesh: Mesh, mapping: dict[str, str]):
-        self.mesh = mesh
-        self.mapping = mapping
-
-    def __enter__(self):
-        self._mesh_cm = hax.partitioning.set_mesh(self.mesh)
-        self._axes_cm = hax.axis_mapping(self.mapping)
-        self._mesh_cm.__enter__()
-        self._axes_cm.__enter__()
-
-    def __exit__(self, *exc):
-        self._axes_cm.__exit__(*exc)
-        self._mesh_cm.__exit__(*exc)

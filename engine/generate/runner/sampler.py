@@ -10,7 +10,7 @@ penalties, bias and temperature, as vLLM reports them.
 Sampling draws one uniform number per row and inverts the cumulative distribution, which on CPU
 costs far less than a Gumbel draw over the whole vocabulary.
 
-Five switches are static (engine.generate.step_plan.SamplerSwitches), each compiled variant built on
+Five switches are static (engine.generate.planner.SamplerSwitches), each compiled variant built on
 first use (warm-up builds the common ones): `random` (any row samples; otherwise argmax only),
 `logprobs` (any row wants logprobs), `penalize` (dense per-row arrays for presence/frequency/
 repetition penalties, logit bias and min_tokens) and `filter` (a sort over the vocabulary for
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from engine.generate.request import MAX_TOP_LOGPROBS
-from engine.generate.step_plan import SamplerSwitches, SamplingInputs
+from engine.step.plan import SamplerSwitches, SamplingInputs
 
 
 class SampleOutput(NamedTuple):

@@ -15,9 +15,10 @@ the query heads over devices. The math is unchanged; the cache holds r copies.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import Optional
+from typing import Iterator, Optional
 
 import haliax as hax
 import haliax.nn as hnn
@@ -27,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from levanter.layers.attention import Attention
 
-from engine.models.loading import ModelInfo
+from engine.formats.checkpoint_config import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,13 @@ def make_mesh(size: int) -> Mesh:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh, mapping: dict[str, str]) -> Iterator[None]:
+    """Enter the device mesh and an axis mapping (empty: every array replicated)."""
+    with hax.partitioning.set_mesh(mesh), hax.axis_mapping(mapping):
+        yield
 
 
 def place(tree, layout: TensorParallelLayout, mesh: Mesh):
