@@ -1,14 +1,64 @@
-"""Engine configuration: one frozen, documented dataclass. Pure Python (no jax import)."""
+"""Engine configuration: frozen, documented dataclasses. Pure Python (no jax import, no I/O)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
-
-from engine.formats.model_sources import ModelSource
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, get_args
 
 DType = Literal["float32", "bfloat16"]
 AttentionBackendName = Literal["auto", "cpu", "xla", "tpu"]
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackendName)
+"""The attention backends (engine/backends) by name; `auto` lets engine.backends.select pick."""
+CpuMatmul = Literal["auto", "kernel", "xla", "xla_f32"]
+CPU_MATMULS: tuple[str, ...] = get_args(CpuMatmul)
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def is_repo_id(spec: str) -> bool:
+    """Whether `spec` has the shape of a Hub repo id (`org/name`, not a .gguf file's path); the caller
+    checks local paths first."""
+    return bool(_REPO_ID.match(spec)) and ".." not in spec and "--" not in spec and not spec.lower().endswith(".gguf")
+
+
+def names_repo(spec: str) -> bool:
+    """Whether `spec` means a Hub repo here: a repo id's shape, and no local path of that name."""
+    return is_repo_id(spec) and not Path(spec).expanduser().exists()
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from, as configured (serve_app.config.ModelConfig's fields of these names);
+    engine.formats.model_sources turns it into a local checkpoint directory."""
+
+    model: str
+    """A local checkpoint directory, a .gguf file, a builtin alias, an `s3://` / `gs://` prefix, a
+    levanter checkpoint (with `levanter_model`), or a Hub repo id `org/name` (see
+    engine.formats.model_sources)."""
+    revision: Optional[str] = None
+    """For a Hub repo id: the branch, tag or commit (default: main)."""
+    tokenizer: Optional[str] = None
+    """For a levanter checkpoint: the tokenizer (a local checkpoint directory or a Hub repo id)."""
+    levanter_model: Optional[dict[str, Any] | str] = None
+    """For a levanter checkpoint: the `model:` section of the training config that wrote it, or the
+    path of that YAML file."""
+    cache_dir: Optional[str] = None
+    """Where converted and copied models are kept (default: engine.formats.model_sources.default_cache_dir())."""
+
+    def __hash__(self) -> int:  # the inline levanter config is a dict: hash its JSON
+        model = json.dumps(self.levanter_model, sort_keys=True)
+        return hash((self.model, self.revision, self.tokenizer, model, self.cache_dir))
+
+    def describe(self) -> str:
+        """The source in one line, e.g. "Qwen/Qwen3-0.6B@main" or "s3://bucket/ckpt"."""
+        if self.levanter_model is not None:
+            return f"levanter:{self.model}"
+        if names_repo(self.model):
+            return f"{self.model}@{self.revision or 'main'}"
+        return self.model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +112,9 @@ class EngineConfig:
 
     model: str
     """Local Hugging Face checkpoint directory (absolute or relative) of a Llama, Qwen2, Qwen3,
-    Mistral, Mixtral, OLMo 2, Gemma 2 or Gemma 3 (text) model (LLMEngine), or of a BERT sentence encoder (EmbeddingEngine: it reads `dtype`,
-    `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, `warmup`, `compilation_cache_dir`,
-    `step_timeout_s`)."""
+    Mistral, Mixtral, OLMo 2, Gemma 2 or Gemma 3 (text) model (LLMEngine), or of a BERT sentence
+    encoder (EmbeddingEngine: it reads `dtype`, `max_num_seqs`, `max_num_batched_tokens`,
+    `max_model_len`, `warmup`, `compilation_cache_dir`, `step_timeout_s`)."""
     source: Optional[ModelSource] = None
     """Where `model` came from (the serving layer sets it): a host of a multi-host replica that
     lacks the `model` directory fetches it from there into its own cache before it loads."""
@@ -99,7 +149,7 @@ class EngineConfig:
     """Token budget of one step, shared by decodes (one token each) and prompts: a prompt that fits
     the budget beside the running decodes is read in one step, a longer one in budget-sized chunks.
     Also the largest compiled step: a step costs about what its tokens cost, never more than the
-    next rung of the bucket ladder (engine.generate.buckets)."""
+    next rung of the bucket ladder (engine.step.buckets)."""
     prefill_chunk: Optional[int] = None
     """Prompt tokens one sequence contributes to one step at most. None: the whole budget. Lower it
     to keep the steps that read long prompts short, so decoding sequences wait less between
@@ -120,7 +170,7 @@ class EngineConfig:
     attention (JAX's Pallas kernel on TPU v4 and later; levanter's exact, slow reference elsewhere). auto: cpu on
     x86 CPUs, tpu on TPUs, xla elsewhere. A backend that cannot run as asked (no compiler, several
     devices for cpu) gives way to xla with a warning."""
-    cpu_matmul: Literal["auto", "kernel", "xla", "xla_f32"] = "auto"
+    cpu_matmul: CpuMatmul = "auto"
     """On the cpu backend: which matmul each product runs. auto: per shape (rows of a bucket x
     weight), the fastest of the project's kernel, XLA's dot in the weights' dtype and XLA's dot in
     float32 (the weight widened in the step; timed from 64 rows), timed at warm-up on this machine
@@ -151,10 +201,9 @@ class EngineConfig:
     async_scheduling: bool = True
     """Overlap host work with the device: plan and dispatch step N+1 while step N runs, its
     sampled tokens fed to N+1 on the device. The host's share of a step (planning, input arrays,
-    dispatch, delivering tokens: 2-6 ms of a 26-86 ms CPU decode step when served) then hides
-    behind the computation. Output is identical; a sequence that ends on EOS or a stop token
-    computes one extra token, discarded. Steps with penalties run one at a time (they need every
-    sampled token on the host)."""
+    dispatch, delivering tokens) then hides behind the computation. Output is identical; a
+    sequence that ends on EOS or a stop token computes one extra token, discarded. Steps with
+    penalties run one at a time (they need every sampled token on the host)."""
     warmup: bool = True
     """Compile every shape bucket when the engine starts (logged), not on the first request."""
     compilation_cache_dir: Optional[str] = "~/.cache/jax-serve/xla"
@@ -210,10 +259,10 @@ class EngineConfig:
             raise ValueError(f"num_pages must be 0 (auto) or at least 2, got {self.num_pages}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "cpu", "xla", "tpu"):
-            raise ValueError(f"attention_backend must be 'auto', 'cpu', 'xla' or 'tpu', got {self.attention_backend!r}")
-        if self.cpu_matmul not in ("auto", "kernel", "xla", "xla_f32"):
-            raise ValueError(f"cpu_matmul must be 'auto', 'kernel', 'xla' or 'xla_f32', got {self.cpu_matmul!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be {_one_of(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if self.cpu_matmul not in CPU_MATMULS:
+            raise ValueError(f"cpu_matmul must be {_one_of(CPU_MATMULS)}, got {self.cpu_matmul!r}")
         if self.num_hosts < 1:
             raise ValueError(f"num_hosts must be at least 1, got {self.num_hosts}")
         if (self.tpu_topology is None) != (self.tpu_version is None):
@@ -233,3 +282,9 @@ class EngineConfig:
                              f"and {self.max_lora_rank}")
         if self.kv_cache_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be None, 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")
+
+
+def _one_of(names: tuple[str, ...]) -> str:
+    """'a', 'b' or 'c'."""
+    quoted = [repr(name) for name in names]
+    return f"{', '.join(quoted[:-1])} or {quoted[-1]}"

@@ -3,11 +3,12 @@
 A backend owns these, and nothing outside it asks which backend runs:
 - the KV cache: its layout, its storage dtype, its initialisation and its sharding by KV head;
 - the cache write and attention over one step's tokens (`attend`, once per layer), in the one
-  token layout every backend reads (rows packed, see engine.generate.buckets), and any per-step tables
+  token layout every backend reads (rows packed, see engine.step.buckets), and any per-step tables
   it precomputes (`begin_step`);
 - weight preparation (`prepare`), the q/k/v projection (`project_qkv`), the activation dtype and
   greedy argmax, for backends with their own kernels;
-- the layer loop it runs by default (`scan_layers`).
+- the layer loop it runs by default (`scan_layers`) and the tokens a step holds at about the cost
+  of one (`flat_step_tokens`).
 
 Attention is over named arrays: q (position, kv_head, q_heads_per_group, head_size), k and v
 (position, kv_head, head_size); the result has q's axes. A layer's `LayerAttention` says how its
@@ -22,10 +23,10 @@ from typing import Any, ClassVar, Optional
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-from engine.generate.buckets import ShapeBuckets
-from engine.generate.step_plan import StepInputs
+from engine.step.buckets import SMALLEST_BATCH, ShapeBuckets
+from engine.step.plan import StepInputs
 
 Q_AXES = ("position", "kv_head", "q_heads_per_group", "head_size")
 KV_AXES = ("position", "kv_head", "head_size")
@@ -74,6 +75,8 @@ class AttentionBackend:
     scan_layers: bool = True
     """The layer loop it runs unless `scan_layers` is configured: scanned (compile time independent
     of depth) where that costs no speed (engine.models.paged_model)."""
+    platform: str
+    """The platform of the devices it runs on (`platform_of` the mesh): "cpu", "tpu", "gpu"."""
 
     def prepare(self, model, buckets: ShapeBuckets, measure: bool):
         """The serving model with weights laid out for this backend (engine.models.paged_model),
@@ -113,10 +116,25 @@ class AttentionBackend:
         says; returns (attention output with q's axes, updated cache)."""
         raise NotImplementedError
 
+    def flat_step_tokens(self, step_budget: int) -> int:
+        """Tokens a step holds at about the cost of one, of `step_budget` at most: on CPUs the
+        smallest multi-token bucket (a matmul's cost grows with its rows past a handful), elsewhere
+        the whole budget (a step reads every weight once, whatever its rows, until far more tokens
+        than a decode batch)."""
+        if self.platform == "cpu":
+            return min(SMALLEST_BATCH, step_budget)
+        return step_budget
+
     @staticmethod
     def argmax(logits: jax.Array) -> jax.Array:
         """Greedy tokens i32[R] of logits f32[R, V] (the first maximum, as jnp.argmax)."""
         return jnp.argmax(logits, axis=-1)
+
+
+def platform_of(mesh: Mesh) -> str:
+    """The platform of `mesh`'s devices ("cpu", "tpu", "gpu"): what every backend decision reads (the
+    mesh's devices, never the process's default backend)."""
+    return mesh.devices.flat[0].platform
 
 
 def visible_tokens(inputs: StepInputs) -> jax.Array:

@@ -14,24 +14,21 @@ from pathlib import Path
 
 from jax.sharding import Mesh
 
-from engine.backends.base import AttentionBackend
-from engine.config import EngineConfig
+from engine.backends.base import AttentionBackend, platform_of
+from engine.backends.cpu.backend import CpuBackend
+from engine.backends.cpu.matmul_choice import MatmulChooser
+from engine.backends.tpu import TpuBackend
+from engine.backends.xla import XlaBackend
+from engine.config import ATTENTION_BACKENDS, EngineConfig
 
 logger = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "cpu", "xla", "tpu")
 
 
 def select_backend(config: EngineConfig, weight_dtype, mesh: Mesh, model_axis: str) -> AttentionBackend:
     """The backend `config.attention_backend` names (or auto picks), for weights of `weight_dtype`
     on the devices of `mesh` (tensor parallel over `model_axis`)."""
-    from engine.backends.cpu.backend import CpuBackend
-    from engine.backends.cpu.matmul_choice import MatmulChooser
-    from engine.backends.tpu import TpuBackend
-    from engine.backends.xla import XlaBackend
-
     name, tensor_parallel_size = config.attention_backend, config.tensor_parallel_size
-    device = mesh.devices.flat[0].platform
+    device = platform_of(mesh)
     if name == "auto":
         x86 = platform.machine().lower() in ("x86_64", "amd64")
         name = "tpu" if device == "tpu" else "cpu" if device == "cpu" and x86 else "xla"
@@ -55,5 +52,5 @@ def select_backend(config: EngineConfig, weight_dtype, mesh: Mesh, model_axis: s
     if name == "tpu":
         return TpuBackend(mesh, model_axis)
     if name == "xla":
-        return XlaBackend()
-    raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+        return XlaBackend(device)
+    raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")

@@ -9,7 +9,7 @@ compile; it never falls back silently. On other devices it runs levanter's refer
 backend's numbers on CPUs; the kernel itself runs on CPUs in Pallas' TPU interpret mode
 (`interpret_as`, for tests).
 
-The packed token layout (engine.generate.buckets) is the kernel's own: rows one after another,
+The packed token layout (engine.step.buckets) is the kernel's own: rows one after another,
 `cu_q_lens` their boundaries, `kv_lens` each row's tokens in the cache after the step,
 `page_indices` every row's page table over `max_model_len` (the kernel reads only the pages
 `kv_lens` covers); only the step's end is padded to its token bucket.
@@ -46,6 +46,7 @@ from engine.backends.base import (
     AttentionStep,
     CacheShape,
     LayerAttention,
+    platform_of,
 )
 
 
@@ -65,8 +66,9 @@ class TpuBackend(AttentionBackend):
         e.g. "TPU v5 lite"): the kernel as built for that generation, run on any device in Pallas'
         TPU interpret mode (slow: for tests of the kernel's numbers on CPUs)."""
         self.mesh, self.model_axis, self.interpret = mesh, model_axis, interpret_as is not None
-        device = mesh.devices.flat[0]
-        self.kernel_target: Optional[str] = interpret_as or (device.device_kind if device.platform == "tpu" else None)
+        self.platform = platform_of(mesh)
+        kind = mesh.devices.flat[0].device_kind if self.platform == "tpu" else None
+        self.kernel_target: Optional[str] = interpret_as or kind
         """The TPU generation the kernel is built for (a device kind); None: the reference implementation."""
 
     def prepare(self, model, buckets, measure: bool):

@@ -1,7 +1,7 @@
 """The `xla` backend: masked attention in plain JAX, the portable path (any device, any mesh).
 
 Each token is a query against its own sequence (its row's page table), causal by position, in the
-packed token layout every backend reads (engine.generate.buckets). Keys and values are read in blocks
+packed token layout every backend reads (engine.step.buckets). Keys and values are read in blocks
 of `BLOCK_TOKENS` cached tokens with a running softmax (flash attention's recurrence), in a loop
 whose trip count is the step's longest visible length: a step costs what its rows' lengths need,
 and the page table's width (max_model_len) is no dimension of the program.
@@ -66,12 +66,12 @@ class SplitKVCache(eqx.Module):
 class XlaBackend(AttentionBackend):
     name = "xla"
 
-    @property
-    def scan_layers(self) -> bool:
-        """Scanned on accelerators (compile time independent of depth); unrolled on a CPU, where
-        XLA copies each layer's weights out of the stack every step (the bench model in float32:
-        a decode step of one sequence 27.0 ms scanned against 19.9 ms unrolled)."""
-        return jax.default_backend() != "cpu"
+    def __init__(self, platform: str):
+        """Attention on devices of `platform` (engine.backends.base.platform_of the mesh)."""
+        self.platform = platform
+        self.scan_layers = platform != "cpu"
+        """Scanned on accelerators (compile time independent of depth); unrolled on a CPU, where XLA
+        copies each layer's weights out of the stack every step, which costs more than the loop saves."""
 
     def init_cache(self, shape: CacheShape) -> SplitKVCache:
         return SplitKVCache.zeros(shape, self.storage_dtype(shape.dtype))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import ml_dtypes  # numpy's bfloat16 (ml_dtypes is a jax dependency, not jax)
 import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import (
@@ -257,8 +258,6 @@ def hf_weights(reader: gguf.GGUFReader, n_head: int, n_kv_head: int) -> dict[str
 
 def _write_weights(weights: dict[str, np.ndarray], path: Path, dtype: str) -> None:
     if dtype == "bfloat16":
-        import ml_dtypes  # numpy has no bfloat16; ml_dtypes (a jax dependency, not jax) adds it
-
         weights = {name: value.astype(ml_dtypes.bfloat16) for name, value in weights.items()}
     save_file(weights, str(path), metadata={"format": "pt"})
 

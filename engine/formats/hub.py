@@ -15,37 +15,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import re
 import time
 from pathlib import Path
 from typing import Optional
+
+from requests.exceptions import ConnectionError as Unreachable
+from requests.exceptions import Timeout
 
 from engine.formats.checkpoint_files import needed_files, tokenizer_files
 
 logger = logging.getLogger(__name__)
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _PARALLEL_FILES = 8
-
-
-def is_repo_id(spec: str) -> bool:
-    """Whether `spec` has the shape of a Hub repo id (`org/name`, not a .gguf file's path); the caller
-    checks local paths first."""
-    return bool(_REPO_ID.match(spec)) and ".." not in spec and "--" not in spec and not spec.lower().endswith(".gguf")
-
-
-def names_repo(spec: str) -> bool:
-    """Whether `spec` means a Hub repo here: a repo id's shape, and no local path of that name."""
-    return is_repo_id(spec) and not Path(spec).expanduser().exists()
 
 
 def fetch(repo_id: str, revision: Optional[str] = None, tokenizer_only: bool = False) -> Path:
     """The local snapshot directory of `repo_id` at `revision` (default: main), downloaded if needed:
     the checkpoint, or only its tokenizer files."""
+    # huggingface_hub reads HF_ENDPOINT, HF_HUB_OFFLINE and the token when imported: import it when a fetch starts
     from huggingface_hub import HfApi, constants
     from huggingface_hub import errors as hub_errors
-    from requests.exceptions import ConnectionError as Unreachable
-    from requests.exceptions import Timeout
 
     where = f"{repo_id}@{revision or 'main'}"
     try:
@@ -73,7 +62,7 @@ def fetch(repo_id: str, revision: Optional[str] = None, tokenizer_only: bool = F
 
 def _download(repo_id: str, revision: Optional[str], commit: str, sizes: dict[str, int]) -> Path:
     """Download `sizes`' files of `repo_id` (in parallel, each logged); the snapshot directory."""
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download  # read its settings when a fetch starts (see `fetch`)
 
     where = f"{repo_id}@{revision or 'main'}"
     total = sum(sizes.values())
@@ -99,6 +88,7 @@ def _download(repo_id: str, revision: Optional[str], commit: str, sizes: dict[st
 
 def _cached_snapshot(repo_id: str, revision: Optional[str], where: str, reason: Exception) -> Path:
     """The cached snapshot of `repo_id` at `revision` when the Hub is out of reach (or offline mode)."""
+    # huggingface_hub's settings, read when it is imported (see `fetch`)
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 

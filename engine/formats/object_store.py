@@ -6,7 +6,7 @@ The prefix holds a Hugging Face checkpoint; only the files the server loads are 
 (engine.formats.checkpoint_files) into one cache entry per (URI, listing): the entry's name carries a
 digest of every file's name, size and ETag / generation, so a checkpoint rewritten in place gets a
 new entry instead of a stale one. When the store cannot be listed, the newest complete entry of the
-URI is served, with a warning. Pure Python until a download imports fsspec.
+URI is served, with a warning. Pure Python and fsspec (no jax).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import re
 import time
 from pathlib import Path
 from typing import Callable
+
+import fsspec
 
 from engine.formats.checkpoint_files import needed_files
 
@@ -60,8 +62,6 @@ def plan(uri: str) -> tuple[str, Callable[[Path], None]]:
 def _filesystem(uri: str):
     scheme = uri.split("://", 1)[0]
     try:
-        import fsspec
-
         return fsspec.core.url_to_fs(uri.rstrip("/"))
     except ImportError as exc:
         raise ValueError(f"reading {scheme}:// checkpoints needs the {SCHEMES[scheme]} package ({exc}): "

@@ -17,9 +17,11 @@ import math
 import re
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
+from safetensors.numpy import load_file
 
-from engine.models.loading import ModelInfo
+from engine.formats.checkpoint_config import ModelInfo
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections an adapter may adapt (each layer's attention and MLP)."""
@@ -139,9 +141,6 @@ def _sizes(name: str, info: ModelInfo) -> tuple[int, int]:
 
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of a safetensors file as float32 (ml_dtypes gives numpy bfloat16)."""
-    import ml_dtypes
-    from safetensors.numpy import load_file
-
     floating = {np.dtype(t) for t in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16)}
     out = {}
     for key, tensor in load_file(str(path)).items():

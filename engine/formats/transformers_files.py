@@ -68,7 +68,7 @@ def load_tokenizer(model_dir: str | Path):
     """The checkpoint's Hugging Face tokenizer, as transformers 4 loads it; a transformers 5
     `TokenizersBackend` tokenizer read from its tokenizer.json with the special tokens and chat
     template saved beside it."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # heavy; `hf_config` readers need none
 
     path = Path(model_dir).expanduser().absolute()
     config_file = path / "tokenizer_config.json"

@@ -32,6 +32,9 @@ import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors.numpy import load_file
+
+from engine.formats.checkpoint_config import declared_dtype, read_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ class EncoderConfig:
     layer_norm_eps: float
     hidden_act: str
     dtype: str
-    """The weights' dtype as config.json declares it (see `loading.declared_dtype`)."""
+    """The weights' dtype as config.json declares it (engine.formats.checkpoint_config.declared_dtype)."""
 
     @property
     def head_size(self) -> int:
@@ -92,8 +95,6 @@ class EncoderCheckpoint:
 
 def read_checkpoint(model_dir: str | Path) -> EncoderCheckpoint:
     """Read modules.json, the pooling config, sentence_bert_config.json and config.json (no weights)."""
-    from engine.models.loading import read_hf_config
-
     root = Path(model_dir).expanduser().absolute()
     modules = _read_modules(root)
     transformer_dir = root / modules.get("Transformer", "")
@@ -125,8 +126,6 @@ def _read_modules(root: Path) -> dict[str, str]:
 
 
 def _encoder_config(hf: dict, where: Path) -> EncoderConfig:
-    from engine.models.loading import declared_dtype
-
     if hf.get("model_type") != "bert":
         raise ValueError(f"model_type {hf.get('model_type')!r} in {where}/config.json is not supported by the "
                          "embedding engine; it runs BERT-family encoders (model_type 'bert')")
@@ -332,8 +331,6 @@ def _spec(axes) -> tuple[hax.Axis, ...]:
 def _read_state_dict(folder: Path) -> dict[str, np.ndarray]:
     """Every tensor of the folder's *.safetensors files, named as in `BertModel` (a `bert.` prefix,
     as `BertFor...` heads save it, is dropped; heads and the pooler are ignored)."""
-    from safetensors.numpy import load_file
-
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder} has no *.safetensors weights; the embedding engine reads safetensors only "

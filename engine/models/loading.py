@@ -10,107 +10,37 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 from pathlib import Path
 
+import equinox as eqx
 import haliax as hax
+import haliax.nn as hnn
+import jax
 import jax.numpy as jnp
+import numpy as np
+from levanter.compat.hf_checkpoints import HFCheckpointConverter
+from levanter.models.gemma import Gemma2Config, Gemma3Config
+from levanter.models.llama import LlamaConfig
+from levanter.models.mistral import MistralConfig
+from levanter.models.mixtral import MixtralConfig
+from levanter.models.olmo import Olmo2Config
+from levanter.models.qwen import Qwen3Config, QwenConfig
+from transformers import AutoConfig
 
-from engine.formats.transformers_files import hf_config, load_tokenizer
+from engine.formats.checkpoint_config import ModelInfo, model_info, read_hf_config
+from engine.formats.transformers_files import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-
-def _families() -> dict:
-    from levanter.models.gemma import Gemma2Config, Gemma3Config
-    from levanter.models.llama import LlamaConfig
-    from levanter.models.mistral import MistralConfig
-    from levanter.models.mixtral import MixtralConfig
-    from levanter.models.olmo import Olmo2Config
-    from levanter.models.qwen import Qwen3Config, QwenConfig
-
-    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": QwenConfig, "qwen3": Qwen3Config,
-            "olmo2": Olmo2Config, "mixtral": MixtralConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3Config}
-
-
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "gemma2", "gemma3_text")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelInfo:
-    """What the engine needs to know about a loaded model besides its weights."""
-
-    family: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-    dtype: str
-    """The weights' dtype as config.json declares it (float32 when it does not)."""
-
-
-def read_hf_config(model_dir: str | Path) -> dict:
-    """config.json as transformers 4 and levanter read it, whichever transformers wrote it
-    (engine.formats.transformers_files)."""
-    path = Path(model_dir).expanduser().absolute() / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{path.parent} is not a Hugging Face checkpoint directory: it has no config.json")
-    return hf_config(json.loads(path.read_text()))
-
-
-def model_info(model_dir: str | Path) -> ModelInfo:
-    """Read sizes and EOS ids from config.json / generation_config.json (no weights, no jax work)."""
-    hf = read_hf_config(model_dir)
-    family = hf.get("model_type")
-    if family not in SUPPORTED_FAMILIES:
-        raise ValueError(
-            f"model_type {family!r} in {model_dir}/config.json is not supported; "
-            f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
-        )
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    return ModelInfo(
-        family=family,
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        intermediate_size=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        eos_token_ids=_eos_ids(Path(model_dir), hf),
-        dtype=declared_dtype(hf),
-    )
-
-
-def declared_dtype(hf: dict) -> str:
-    """config.json's `torch_dtype` (`dtype` in newer transformers) as a dtype the engine serves:
-    float16 is served as bfloat16 (same bytes, float32's range), anything else as float32."""
-    declared = str(hf.get("torch_dtype") or hf.get("dtype") or "float32").removeprefix("torch.")
-    return "bfloat16" if declared in ("bfloat16", "float16") else "float32"
+_FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": QwenConfig, "qwen3": Qwen3Config,
+             "olmo2": Olmo2Config, "mixtral": MixtralConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3Config}
+"""levanter's config class of each family that engine.formats.checkpoint_config.SUPPORTED_FAMILIES names."""
 
 
 def resolve_dtype(dtype: str, info: ModelInfo) -> str:
-    """The dtype to serve in: `auto` is the checkpoint's own (see `declared_dtype`)."""
+    """The dtype to serve in: `auto` is the checkpoint's own (engine.formats.checkpoint_config.declared_dtype)."""
     return info.dtype if dtype == "auto" else dtype
-
-
-def _eos_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
-    ids: list[int] = []
-    generation = model_dir.expanduser().absolute() / "generation_config.json"
-    for source in (hf, json.loads(generation.read_text()) if generation.is_file() else {}):
-        eos = source.get("eos_token_id")
-        for token in eos if isinstance(eos, list) else [eos]:
-            if token is not None and token not in ids:
-                ids.append(int(token))
-    return tuple(ids)
 
 
 def load_model(model_dir: str | Path, dtype: str):
@@ -119,12 +49,10 @@ def load_model(model_dir: str | Path, dtype: str):
     Call under the engine's mesh and axis mapping (`haliax.partitioning.set_mesh`,
     `haliax.axis_mapping`): levanter places the weights as the mapping splits them.
     """
-    from levanter.compat.hf_checkpoints import HFCheckpointConverter
-
     path = str(Path(model_dir).expanduser().absolute())
     info = model_info(path)
     hf_config = read_hf_config(path)
-    converter = HFCheckpointConverter(_families()[info.family], reference_checkpoint=path,
+    converter = HFCheckpointConverter(_FAMILIES[info.family], reference_checkpoint=path,
                                       tokenizer=load_tokenizer(path))
     if info.family == "qwen2":
         _fill_missing_qwen2_biases(converter, hf_config)
@@ -145,9 +73,6 @@ def abstract_model(model_dir: str | Path, dtype: str, transform=lambda model: mo
     """(`transform` of the levanter model `load_model` would load, as shapes and dtypes only,
     ModelInfo): built from config.json alone (no weights, no tokenizer, no memory), for planning
     and ahead-of-time compiling. Its arrays are jax.ShapeDtypeStructs."""
-    import equinox as eqx
-    import jax
-
     info = model_info(model_dir)
     lev_config = _levanter_config(info, read_hf_config(model_dir))
     Vocab = hax.Axis("vocab", info.vocab_size)
@@ -161,11 +86,9 @@ def abstract_model(model_dir: str | Path, dtype: str, transform=lambda model: mo
 
 def _levanter_config(info: ModelInfo, hf_config: dict):
     """The levanter config of the checkpoint's family, from its config.json (as `read_hf_config` reads it)."""
-    from transformers import AutoConfig
-
     if info.family == "qwen2":  # levanter's Qwen2 reader takes biases from `no_bias`
         hf_config = {"no_bias": False, **hf_config}
-    family, hf = _families()[info.family], AutoConfig.for_model(**_hf_kwargs(hf_config))
+    family, hf = _FAMILIES[info.family], AutoConfig.for_model(**_hf_kwargs(hf_config))
     if info.family == "gemma3_text":  # levanter's Gemma3Config.from_hf_config lacks its @classmethod
         return family.from_hf_config(family, hf)
     return family.from_hf_config(hf)
@@ -174,8 +97,6 @@ def _levanter_config(info: ModelInfo, hf_config: dict):
 def _fill_missing_qwen2_biases(converter, hf_config: dict) -> None:
     """HF Qwen2 has biases on q/k/v only; levanter's Qwen2 puts one on every linear and norm. Zero
     biases for the others make the two the same function."""
-    import numpy as np
-
     load = converter.load_state_dict
     hidden, inter = hf_config["hidden_size"], hf_config["intermediate_size"]
     shapes = {"mlp.gate_proj": inter, "mlp.up_proj": inter, "mlp.down_proj": hidden, "self_attn.o_proj": hidden,
@@ -197,8 +118,6 @@ def _fill_missing_qwen2_biases(converter, hf_config: dict) -> None:
 def _serving_layout(model, dtype):
     """The loaded model in `dtype` (levanter keeps a bf16 checkpoint in bf16) and `inputs_first`:
     one program for all weights, which takes the loaded arrays (donated: nothing else holds them)."""
-    import equinox as eqx
-
     @functools.partial(eqx.filter_jit, donate="all")
     def relaid(model):
         return inputs_first(cast_floating(model, dtype))
@@ -209,9 +128,6 @@ def _serving_layout(model, dtype):
 def inputs_first(model):
     """Lay every linear weight out as (..., In, Out): the contracting axes major, as XLA's dot wants
     its right operand, so no step transposes (copies) a weight. Named axes keep the math unchanged."""
-    import haliax.nn as hnn
-    import jax
-
     def relayout(module):
         if not isinstance(module, hnn.Linear):
             return module
@@ -224,9 +140,6 @@ def inputs_first(model):
 
 def cast_floating(model, dtype):
     """Cast every floating-point weight of `model` to `dtype`."""
-    import equinox as eqx
-    import jax
-
     def cast(leaf):
         if eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != dtype:
             return leaf.astype(dtype)

@@ -37,10 +37,10 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 from engine.backends.base import KV_AXES, Q_AXES, AttentionBackend, LayerAttention
-from engine.generate.step_plan import StepInputs
 from engine.layers.lora import LayerLora, LoraPool
 from engine.layers.rope import Rope, rotate
 from engine.models.variant import Variant
+from engine.step.plan import StepInputs
 
 
 class ServingModel(eqx.Module):

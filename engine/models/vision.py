@@ -3,12 +3,8 @@
 Reads a Hugging Face `LlavaForConditionalGeneration` checkpoint directory: config.json
 (model_type "llava": `vision_config`, `text_config`, `vision_feature_layer`,
 `vision_feature_select_strategy`, `image_token_index`/`image_token_id`, `projector_hidden_act`,
-`multimodal_projector_bias`) and safetensors weights, one file or shards with
-model.safetensors.index.json, under either key layout: transformers >= 4.52's in-memory names
-(`model.vision_tower.vision_model.…`, `model.multi_modal_projector.…`, `model.language_model.…`,
-`lm_head.weight`) or the older ones that transformers 4 still writes
-(`vision_tower.vision_model.…`, `multi_modal_projector.…`, `language_model.model.…`,
-`language_model.lm_head.weight`).
+`multimodal_projector_bias`) and the tower's and projector's safetensors weights, through
+engine.formats.llava (the files, either key layout, and the decoder's own files).
 
 The forward pass is transformers' `LlavaModel.get_image_features`:
   * patch embedding: the image cut into patch_size x patch_size patches, row by row (a convolution with
@@ -31,15 +27,11 @@ Named axes: "image", "channel", "patch_row"/"patch_col" (which patch), "pixel_ro
 "projection" (linear_1's output), "text_embed" (the decoder's hidden size). Weights are stored
 (In..., Out...), as `loading.inputs_first` lays out the decoder's, so no call transposes a weight.
 In bfloat16, the LayerNorm statistics and the softmax (and its scores) run in float32.
-
-`language_model_files` hands the decoder's config and weights, under the plain causal-LM names, to
-the engine's Llama/Qwen2/Mistral loader.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
 from collections.abc import Callable
@@ -52,13 +44,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.formats.checkpoint_config import declared_dtype
+from engine.formats.llava import TOWERS, Layout, llava_configs, read_tensors
+
 logger = logging.getLogger(__name__)
 
 Image, Pos, KPos = "image", "position", "key_position"
-_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
-"""vision_config.model_type -> the tower's kind."""
-_TEXT_MODELS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-"""text_config.model_type -> its causal-LM class: the decoders whose weights are `model.*` + `lm_head`."""
 _ACTIVATIONS: dict[str, Callable[[hax.NamedArray], hax.NamedArray]] = {
     "gelu": lambda x: hnn.gelu(x, approximate=False),
     "gelu_new": lambda x: hnn.gelu(x, approximate=True),
@@ -67,9 +58,6 @@ _ACTIVATIONS: dict[str, Callable[[hax.NamedArray], hax.NamedArray]] = {
 }
 """transformers' activation names (ACT2FN) served: `gelu` is erf's GELU, the two tanh ones are equal."""
 _STRATEGIES = ("default", "full")
-_LLAVA_DEFAULT_VISION = {"model_type": "clip_vision_model", "intermediate_size": 4096, "hidden_size": 1024,
-                         "patch_size": 14, "image_size": 336, "num_hidden_layers": 24, "num_attention_heads": 16}
-"""The tower `LlavaConfig` assumes when config.json has no vision_config (CLIP ViT-L/14 at 336 px)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +86,7 @@ class VisionConfig:
     image_token_id: int
     """The prompt's placeholder token: each copy takes one row of `image_features`."""
     dtype: str
-    """The weights' dtype as config.json declares it (see `loading.declared_dtype`)."""
+    """The weights' dtype as config.json declares it (engine.formats.checkpoint_config.declared_dtype)."""
 
     @property
     def head_size(self) -> int:
@@ -127,10 +115,8 @@ class VisionConfig:
 def read_vision_config(model_dir: str | Path) -> VisionConfig:
     """config.json's vision tower and projector (no weights). ValueError naming the field the engine
     does not support."""
-    from engine.models.loading import declared_dtype
-
-    root = _root(model_dir)
-    hf, vision, text = _llava_configs(root)
+    root = Path(model_dir).expanduser().absolute()
+    hf, vision, text = llava_configs(root)
     where = f"{root}/config.json"
     if vision.get("num_channels", 3) != 3:
         raise ValueError(f"{where} has vision_config.num_channels {vision['num_channels']}; the engine feeds RGB "
@@ -147,7 +133,7 @@ def read_vision_config(model_dir: str | Path) -> VisionConfig:
         raise ValueError(f"{where} has vision_feature_select_strategy {strategy!r}; transformers and the engine "
                          f"take {' or '.join(map(repr, _STRATEGIES))}")
     return VisionConfig(
-        tower=_TOWERS[vision["model_type"]],
+        tower=TOWERS[vision["model_type"]],
         hidden_size=vision["hidden_size"],
         num_layers=vision["num_hidden_layers"],
         num_heads=vision["num_attention_heads"],
@@ -180,38 +166,6 @@ def _feature_layers(layer, num_layers: int, where: str) -> tuple[int, ...]:
                          f"non-empty list of them) in {-(num_layers + 1)}..{num_layers}, the tower having "
                          f"{num_layers} layers")
     return tuple(i % (num_layers + 1) for i in layers)
-
-
-def _llava_configs(root: Path) -> tuple[dict, dict, dict]:
-    """(config.json, its vision_config, its text_config), the sub-configs with every field filled as
-    transformers' config classes fill them (LlavaConfig's defaults for what is missing)."""
-    from engine.formats.transformers_files import hf_config
-    from engine.models.loading import read_hf_config
-
-    hf = read_hf_config(root)
-    if hf.get("model_type") != "llava":
-        raise ValueError(f"model_type {hf.get('model_type')!r} in {root}/config.json is not a LLaVA-1.5-style "
-                         "model; the vision encoder reads model_type 'llava' (LlavaForConditionalGeneration)")
-    vision = {"model_type": "clip_vision_model", **(hf.get("vision_config") or _LLAVA_DEFAULT_VISION)}
-    if vision["model_type"] not in _TOWERS:
-        raise ValueError(f"{root}/config.json has vision_config.model_type {vision['model_type']!r}; the engine "
-                         f"runs {' and '.join(_TOWERS)} towers")
-    text = hf_config({"model_type": "llama", **(hf.get("text_config") or {})})
-    if text["model_type"] not in _TEXT_MODELS:
-        raise ValueError(f"{root}/config.json has text_config.model_type {text['model_type']!r}; the engine runs "
-                         f"LLaVA over {', '.join(_TEXT_MODELS)} decoders")
-    return hf, _filled(vision), _filled(text)
-
-
-def _filled(sub_config: dict) -> dict:
-    from transformers import AutoConfig
-
-    kwargs = {k: v for k, v in sub_config.items() if k not in ("architectures", "transformers_version")}
-    return AutoConfig.for_model(**kwargs).to_dict()
-
-
-def _root(model_dir: str | Path) -> Path:
-    return Path(model_dir).expanduser().absolute()
 
 
 # ---- the model ----
@@ -319,73 +273,100 @@ def _layer_norm(norm: hnn.LayerNorm, x: hax.NamedArray) -> hax.NamedArray:
 def load_vision(model_dir: str | Path, dtype: str) -> VisionModel:
     """The vision tower (its first `depth` layers) and projector of a LLaVA checkpoint, in `dtype`
     ("float32" or "bfloat16")."""
-    root = _root(model_dir)
+    root = Path(model_dir).expanduser().absolute()
     config = read_vision_config(root)
-    layout = _Layout.of(root)
-    state = _read_tensors(root, lambda key: _vision_key(key, layout, config.depth) is not None)
-    state = {_vision_key(key, layout, config.depth): value for key, value in state.items()}
-    dt, axes = jnp.dtype(dtype), _Axes.of(config)
-
-    def tensor(name: str) -> np.ndarray:
-        if name not in state:
-            raise ValueError(f"{root} has no weight {name!r} (under {layout.vision!r} / {layout.projector!r}): "
-                             "an incomplete or non-LLaVA checkpoint")
-        return state[name]
-
-    def array(name: str, names: tuple) -> hax.NamedArray:
-        return hax.named(jnp.asarray(tensor(name), dt), names)
-
-    def linear(prefix: str, In, Out, weight: np.ndarray | None = None, bias: bool = True) -> hnn.Linear:
-        in_shape = tuple(a.size for a in _spec(In))
-        out_shape = tuple(a.size for a in _spec(Out))
-        weight = tensor(f"{prefix}.weight").T if weight is None else weight  # torch keeps (out, in)
-        named = hax.named(jnp.asarray(weight.reshape(in_shape + out_shape), dt), (*_spec(In), *_spec(Out)))
-        b = hax.named(jnp.asarray(tensor(f"{prefix}.bias").reshape(out_shape), dt), _spec(Out)) if bias else None
-        return hnn.Linear(named, b, In, Out)
-
-    def norm(prefix: str) -> hnn.LayerNorm:
-        return hnn.LayerNorm(axes.embed, array(f"{prefix}.weight", (axes.embed,)),
-                             array(f"{prefix}.bias", (axes.embed,)), eps=config.layer_norm_eps)
-
-    def layer(i: int) -> VisionLayer:
-        p = f"tower.encoder.layers.{i}"
-        qkv = [f"{p}.self_attn.{n}_proj" for n in ("q", "k", "v")]
-        state[f"{p}.qkv.weight"] = np.concatenate([tensor(f"{n}.weight") for n in qkv], axis=0)
-        state[f"{p}.qkv.bias"] = np.concatenate([tensor(f"{n}.bias") for n in qkv], axis=0)
-        return VisionLayer(
-            attn_norm=norm(f"{p}.layer_norm1"),
-            qkv=linear(f"{p}.qkv", axes.embed, (axes.qkv, axes.heads, axes.head_size)),
-            attn_out=linear(f"{p}.self_attn.out_proj", (axes.heads, axes.head_size), axes.embed),
-            mlp_norm=norm(f"{p}.layer_norm2"),
-            up=linear(f"{p}.mlp.fc1", axes.embed, axes.mlp),
-            down=linear(f"{p}.mlp.fc2", axes.mlp, axes.embed),
-            act=config.hidden_act,
-        )
-
-    clip = config.class_token
-    conv = tensor("tower.embeddings.patch_embedding.weight").transpose(1, 2, 3, 0)  # (out, c, h, w) -> (c, h, w, out)
-    embeddings = PatchEmbedding(
-        patches=linear("tower.embeddings.patch_embedding", (axes.channel, axes.pixel_row, axes.pixel_col),
-                       axes.embed, weight=conv, bias=not clip),
-        class_token=array("tower.embeddings.class_embedding", (axes.embed,)) if clip else None,
-        position=array("tower.embeddings.position_embedding.weight", (axes.positions, axes.embed)),
-        pre_norm=norm("tower.pre_layrnorm") if clip else None,
-        grid=config.grid,
-        patch_size=config.patch_size,
-    )
-    projector = Projector(
-        linear_1=linear("projector.linear_1", (axes.feature_layer, axes.embed), axes.projection,
-                        bias=config.projector_bias),
-        linear_2=linear("projector.linear_2", axes.projection, axes.text_embed, bias=config.projector_bias),
-        act=config.projector_act,
-    )
-    model = VisionModel(embeddings, tuple(layer(i) for i in range(config.depth)), projector, config)
+    weights = _Weights.read(root, config, jnp.dtype(dtype))
+    layers = tuple(_vision_layer(weights, config, i) for i in range(config.depth))
+    model = VisionModel(_patch_embedding(weights, config), layers, _projector(weights, config), config)
     logger.info("loaded LLaVA %s vision tower %s (%d of %d layers, hidden %d, %d tokens per image, %s)", config.tower,
                 root, config.depth, config.num_layers, config.hidden_size, image_tokens(config), dtype)
     return model
 
 
-def _vision_key(key: str, layout: _Layout, depth: int) -> str | None:
+@dataclasses.dataclass
+class _Weights:
+    """The tower's and projector's tensors, named as `_vision_key` names them, made into haliax modules."""
+
+    root: Path
+    layout: Layout
+    state: dict[str, np.ndarray]
+    dtype: jnp.dtype
+    axes: _Axes
+    eps: float
+
+    @staticmethod
+    def read(root: Path, config: VisionConfig, dtype: jnp.dtype) -> _Weights:
+        layout = Layout.of(root)
+        state = read_tensors(root, lambda key: _vision_key(key, layout, config.depth) is not None)
+        state = {_vision_key(key, layout, config.depth): value for key, value in state.items()}
+        return _Weights(root, layout, state, dtype, _Axes.of(config), config.layer_norm_eps)
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name not in self.state:
+            raise ValueError(f"{self.root} has no weight {name!r} (under {self.layout.vision!r} / "
+                             f"{self.layout.projector!r}): an incomplete or non-LLaVA checkpoint")
+        return self.state[name]
+
+    def array(self, name: str, names: tuple) -> hax.NamedArray:
+        return hax.named(jnp.asarray(self.tensor(name), self.dtype), names)
+
+    def linear(self, prefix: str, In, Out, weight: np.ndarray | None = None, bias: bool = True) -> hnn.Linear:
+        in_shape = tuple(a.size for a in _spec(In))
+        out_shape = tuple(a.size for a in _spec(Out))
+        weight = self.tensor(f"{prefix}.weight").T if weight is None else weight  # torch keeps (out, in)
+        named = hax.named(jnp.asarray(weight.reshape(in_shape + out_shape), self.dtype), (*_spec(In), *_spec(Out)))
+        b = None
+        if bias:
+            b = hax.named(jnp.asarray(self.tensor(f"{prefix}.bias").reshape(out_shape), self.dtype), _spec(Out))
+        return hnn.Linear(named, b, In, Out)
+
+    def norm(self, prefix: str) -> hnn.LayerNorm:
+        embed = self.axes.embed
+        return hnn.LayerNorm(embed, self.array(f"{prefix}.weight", (embed,)), self.array(f"{prefix}.bias", (embed,)),
+                             eps=self.eps)
+
+
+def _vision_layer(w: _Weights, config: VisionConfig, i: int) -> VisionLayer:
+    p, axes = f"tower.encoder.layers.{i}", w.axes
+    qkv = [f"{p}.self_attn.{n}_proj" for n in ("q", "k", "v")]
+    w.state[f"{p}.qkv.weight"] = np.concatenate([w.tensor(f"{n}.weight") for n in qkv], axis=0)
+    w.state[f"{p}.qkv.bias"] = np.concatenate([w.tensor(f"{n}.bias") for n in qkv], axis=0)
+    return VisionLayer(
+        attn_norm=w.norm(f"{p}.layer_norm1"),
+        qkv=w.linear(f"{p}.qkv", axes.embed, (axes.qkv, axes.heads, axes.head_size)),
+        attn_out=w.linear(f"{p}.self_attn.out_proj", (axes.heads, axes.head_size), axes.embed),
+        mlp_norm=w.norm(f"{p}.layer_norm2"),
+        up=w.linear(f"{p}.mlp.fc1", axes.embed, axes.mlp),
+        down=w.linear(f"{p}.mlp.fc2", axes.mlp, axes.embed),
+        act=config.hidden_act,
+    )
+
+
+def _patch_embedding(w: _Weights, config: VisionConfig) -> PatchEmbedding:
+    clip, axes = config.class_token, w.axes
+    conv = w.tensor("tower.embeddings.patch_embedding.weight").transpose(1, 2, 3, 0)  # (out, c, h, w) -> (c, h, w, out)
+    return PatchEmbedding(
+        patches=w.linear("tower.embeddings.patch_embedding", (axes.channel, axes.pixel_row, axes.pixel_col),
+                         axes.embed, weight=conv, bias=not clip),
+        class_token=w.array("tower.embeddings.class_embedding", (axes.embed,)) if clip else None,
+        position=w.array("tower.embeddings.position_embedding.weight", (axes.positions, axes.embed)),
+        pre_norm=w.norm("tower.pre_layrnorm") if clip else None,
+        grid=config.grid,
+        patch_size=config.patch_size,
+    )
+
+
+def _projector(w: _Weights, config: VisionConfig) -> Projector:
+    axes = w.axes
+    return Projector(
+        linear_1=w.linear("projector.linear_1", (axes.feature_layer, axes.embed), axes.projection,
+                          bias=config.projector_bias),
+        linear_2=w.linear("projector.linear_2", axes.projection, axes.text_embed, bias=config.projector_bias),
+        act=config.projector_act,
+    )
+
+
+def _vision_key(key: str, layout: Layout, depth: int) -> str | None:
     """A checkpoint key as load_vision names it ("tower.…", "projector.…"), or None for a weight it does
     not need: the decoder's, the post-layernorm, SigLIP's pooling head, the layers past `depth`."""
     if key.startswith(layout.projector):
@@ -426,96 +407,3 @@ class _Axes:
 
 def _spec(axes) -> tuple[hax.Axis, ...]:
     return (axes,) if isinstance(axes, hax.Axis) else tuple(axes)
-
-
-# ---- the decoder's files ----
-
-
-def language_model_files(model_dir: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """(the decoder's config.json dict, its state dict) as a plain causal LM's checkpoint would hold them.
-
-    The config is text_config with every field filled as transformers fills it, `architectures` the
-    causal-LM class and `torch_dtype` the checkpoint's. The state dict is named "model.embed_tokens.weight",
-    "model.layers.0.…", "model.norm.weight", "lm_head.weight"; with tie_word_embeddings, lm_head.weight
-    is the embedding matrix itself (transformers ties them whatever the file holds).
-    """
-    root = _root(model_dir)
-    hf, _, text = _llava_configs(root)
-    layout = _Layout.of(root)
-    state = _read_tensors(root, lambda key: key.startswith(layout.language) or key == layout.lm_head)
-    state = {("lm_head.weight" if key == layout.lm_head else "model." + key.removeprefix(layout.language)): value
-             for key, value in state.items()}
-    if "model.embed_tokens.weight" not in state:
-        raise ValueError(f"{root} has no {layout.language}embed_tokens.weight: not a LLaVA checkpoint's decoder")
-    if text.get("tie_word_embeddings"):
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    elif "lm_head.weight" not in state:
-        raise ValueError(f"{root} has no {layout.lm_head} and its text_config does not tie it to the embeddings")
-    declared = hf.get("torch_dtype") or hf.get("dtype") or text.get("torch_dtype") or text.get("dtype") or "float32"
-    text.pop("dtype", None)
-    text.update(architectures=[_TEXT_MODELS[text["model_type"]]], torch_dtype=str(declared).removeprefix("torch."))
-    return text, state
-
-
-# ---- the files ----
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Where a LlavaForConditionalGeneration checkpoint keeps its parts: the key prefixes."""
-
-    vision: str
-    """Of the tower's `vision_model` (embeddings, pre_layrnorm, encoder, ...)."""
-    projector: str
-    language: str
-    """Of the decoder's base model (embed_tokens, layers, norm)."""
-    lm_head: str
-    """The LM head's weight's full key."""
-
-    @staticmethod
-    def of(root: Path) -> _Layout:
-        keys = _tensor_names(root)
-        if any(k.startswith("model.vision_tower.") for k in keys):  # transformers >= 4.52's names
-            return _Layout("model.vision_tower.vision_model.", "model.multi_modal_projector.",
-                           "model.language_model.", "lm_head.weight")
-        if any(k.startswith("vision_tower.") for k in keys):  # earlier ones (llava-hf/llava-1.5-7b-hf)
-            return _Layout("vision_tower.vision_model.", "multi_modal_projector.", "language_model.model.",
-                           "language_model.lm_head.weight")
-        raise ValueError(f"{root} has no vision_tower weights (model.vision_tower.* or vision_tower.*): not a "
-                         "LlavaForConditionalGeneration checkpoint")
-
-
-def _weight_files(root: Path) -> list[Path]:
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted({root / name for name in json.loads(index.read_text())["weight_map"].values()})
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{root} has no *.safetensors weights; the engine reads safetensors only (convert "
-                         "pytorch_model.bin with transformers: from_pretrained, then save_pretrained)")
-    return files
-
-
-def _tensor_names(root: Path) -> set[str]:
-    from safetensors import safe_open
-
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
-    names: set[str] = set()
-    for file in _weight_files(root):
-        with safe_open(str(file), framework="np") as f:
-            names.update(f.keys())
-    return names
-
-
-def _read_tensors(root: Path, keep: Callable[[str], bool]) -> dict[str, np.ndarray]:
-    """The tensors whose key `keep` accepts, read from the shards that hold them (nothing else is read)."""
-    import ml_dtypes  # noqa: F401  (registers numpy's bfloat16, which safetensors' numpy reader needs)
-    from safetensors import safe_open
-
-    state: dict[str, np.ndarray] = {}
-    for file in _weight_files(root):
-        with safe_open(str(file), framework="np") as f:
-            state.update((key, f.get_tensor(key)) for key in filter(keep, f.keys()))
-    return state

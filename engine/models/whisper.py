@@ -39,6 +39,9 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from levanter.models.whisper import WhisperConfig, WhisperModel
+from levanter.utils.activation import ActivationFunctionEnum
+from safetensors.numpy import load_file
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +96,6 @@ def read_checkpoint(model_dir: str | Path) -> WhisperCheckpoint:
 
 
 def levanter_config(checkpoint: WhisperCheckpoint):
-    from levanter.models.whisper import WhisperConfig
-    from levanter.utils.activation import ActivationFunctionEnum
-
     hf = checkpoint.hf_config
     if hf.get("scale_embedding"):
         raise ValueError(f"{checkpoint.path}: scale_embedding=true Whisper variants are not supported")
@@ -111,9 +111,6 @@ def levanter_config(checkpoint: WhisperCheckpoint):
 
 def load_whisper(checkpoint: WhisperCheckpoint, dtype: str):
     """levanter's WhisperModel with the checkpoint's weights, in `dtype`."""
-    from levanter.models.whisper import WhisperModel
-    from safetensors.numpy import load_file
-
     config = levanter_config(checkpoint)
     shapes = eqx.filter_eval_shape(WhisperModel.init, hax.Axis("vocab_size", config.vocab_size), config,
                                    key=jax.random.PRNGKey(0))

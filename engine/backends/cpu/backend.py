@@ -46,19 +46,20 @@ from engine.backends.cpu.kernels import (
 )
 from engine.backends.cpu.matmul_choice import XLA_F32, XLA_PATHS, MatmulChooser, Product
 from engine.backends.xla import SplitKVCache, XlaBackend
-from engine.generate.buckets import ShapeBuckets
 from engine.layers.quantize import Int8Embedding, Int8Linear
+from engine.step.buckets import ShapeBuckets
 
 logger = logging.getLogger(__name__)
 
 
 class CpuBackend(XlaBackend):
     name = "cpu"
+    platform = "cpu"
     shardable = False
     scan_layers = False
     """Unrolled by default: scanned, the kernel reads each stacked weight in place and a decode step
     costs about the same, but XLA's dot (which many-row products choose on CPUs with AVX-512 bf16
-    or AMX) gets a sliced copy of the packed weight and ran a 512-token step ~35% slower."""
+    or AMX) gets a sliced copy of the packed weight, every layer of every step."""
 
     def __init__(self, weight_dtype, chooser: MatmulChooser):
         self.weight_dtype = jnp.dtype(weight_dtype)

@@ -1,32 +1,25 @@
 """Per product shape, the fastest of the CPU matmul kernel and XLA's dot, measured on this machine.
 
-The project's kernel (engine/backends/cpu/kernels.cc) streams packed weights and wins the few-row
-products of decoding everywhere; XLA's dot is slow there, but on CPUs with AMX or AVX-512 bf16 it
-wins many-row products (prompt chunks, large decode batches), by up to ~10x with AMX. No list of
-CPU models decides: every product a step can run (the rows of each shape bucket times each packed
-weight) is timed both ways at warm-up, a few milliseconds each, and the faster wins. Each path
-reads the layout it is fast on: the kernel its 16-column panels, XLA's dot (oneDNN) the plain
-[K, N] matrix (reading the panels cost it a transpose of the weight per product, 3-4x at the LM
-head). A weight keeps only the layouts its chosen products read: one where one path wins all its
-row counts, both (the memory cost is logged) where they split. XLA's path multiplies activations
-rounded to the weights' dtype (bf16 activations with bf16 weights, as accelerators run them); the
-kernel keeps them float32. A third path, XLA's dot in float32 (`xla_f32`: the plain weight widened
-to float32 inside the step, the activations kept float32, the kernel's arithmetic), may win
-many-row products on CPUs whose float32 dot is faster than their bf16 one (AVX-512 without AMX),
-where it races the kernel's 16-lane tiles; widening costs a pass over the weight per product, so
-it is timed only for products of `WIDEN_FROM_ROWS` rows or more, where the product's compute
-dwarfs that pass.
+Three paths, each reading the layout it is fast on (XLA's dot would transpose panels per product):
+the project's kernel (engine/backends/cpu/kernels.cc) over 16-column panels, float32 activations;
+XLA's dot (`xla`) over the plain [K, N] matrix, activations rounded to the weights' dtype (as
+accelerators run them); XLA's dot in float32 (`xla_f32`), the plain weight widened inside the step
+and the activations kept float32 (the kernel's arithmetic). The kernel wins decoding's few-row
+products; XLA's dot may win many-row ones on CPUs with AMX or AVX-512. No list of CPU models decides:
+every product a step can run (the rows of each shape bucket times each packed weight) is timed on
+each path at warm-up and the fastest wins. A weight keeps only the layouts its chosen products
+read: one where one path wins all its row counts, both (the memory cost is logged) where they split.
 
-Timing is most of a cold start's warm-up (a compile and a few runs per product and path), so
-paths that lose clearly are not timed to the last digit: XLA's paths only gain on the kernel as a
-product's rows grow (more products per weight byte read), so once one is `CLEAR_LOSS` times the
-kernel's time at some row count, it is not timed at fewer rows of that weight (cached as null);
-and a timing stops after two runs once it is that far behind the kernel on the same product.
+Rules that keep warm-up short: `xla_f32` is timed only for products of `WIDEN_FROM_ROWS` rows or
+more (widening costs a pass over the weight per product); XLA's paths only gain on the kernel as a
+product's rows grow, so a path `CLEAR_LOSS` times the kernel's time at some row count is not timed
+at fewer rows of that weight (cached as null), and a timing stops after two runs once it is that far
+behind the kernel on the same product.
 
 The timings are cached as JSON beside XLA's compiled buckets, under a key of this machine (CPU
-model, flags and core count), jax's version and the kernel source, so a restarted replica reuses
-them. Without measuring (warm-up off), cached choices apply and the rest stays on the kernel.
-`cpu_matmul: kernel | xla` overrides every choice.
+model, flags and core count), jax's version, the kernel source and the layouts each path reads, so a
+restarted replica reuses them. Without measuring (warm-up off), cached choices apply and the rest
+stays on the kernel. `cpu_matmul: kernel | xla | xla_f32` overrides every choice.
 """
 
 from __future__ import annotations
@@ -80,12 +73,13 @@ a time of `CLEAR_LOSS` times the bound or more."""
 
 def time_product(product: Product, path: str, bound: Optional[float] = None, repeats: int = 5) -> float:
     """The fastest of `repeats` runs after one that compiles and warms up (the least disturbed by
-    whatever else shares the cores; a median of 3 flipped choices near the crossover). Two runs
-    both `CLEAR_LOSS` times `bound` or more end it: that path will not be chosen."""
+    whatever else shares the cores). Two runs both `CLEAR_LOSS` times `bound` or more end it: that
+    path will not be chosen."""
     if path == KERNEL:
         run, w_shape = jax.jit(kernels.matmul), (product.width // kernels.PANEL, product.depth, kernels.PANEL)
     else:
-        run, w_shape = jax.jit(functools.partial(kernels.xla_matmul, f32=path == XLA_F32)), (product.depth, product.width)
+        run = jax.jit(functools.partial(kernels.xla_matmul, f32=path == XLA_F32))
+        w_shape = (product.depth, product.width)
     # operands made on the host: jnp.full would compile a program per shape
     x = jax.device_put(np.ones((product.rows, product.depth), np.float32))
     w = jax.device_put(np.full(w_shape, 0.01, jnp.dtype(product.dtype)))

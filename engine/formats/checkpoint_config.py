@@ -1,0 +1,87 @@
+"""A decoder checkpoint's config.json (and generation_config.json), read: the sizes and EOS ids the
+engine needs besides the weights (`ModelInfo`), and the dtype it declares. Pure Python (no jax, no
+weights read): the loader (engine.models.loading), the LoRA reader (engine.formats.peft) and the
+planners read the same facts here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from engine.formats.transformers_files import hf_config
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "gemma2", "gemma3_text")
+"""config.json `model_type`s the decoder loader reads (engine.models.loading maps each to levanter's)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know about a loaded model besides its weights."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    """The weights' dtype as config.json declares it (float32 when it does not)."""
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    """config.json as transformers 4 and levanter read it, whichever transformers wrote it
+    (engine.formats.transformers_files)."""
+    path = Path(model_dir).expanduser().absolute() / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path.parent} is not a Hugging Face checkpoint directory: it has no config.json")
+    return hf_config(json.loads(path.read_text()))
+
+
+def model_info(model_dir: str | Path) -> ModelInfo:
+    """Read sizes and EOS ids from config.json / generation_config.json (no weights, no jax work)."""
+    hf = read_hf_config(model_dir)
+    family = hf.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"model_type {family!r} in {model_dir}/config.json is not supported; "
+            f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    return ModelInfo(
+        family=family,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        eos_token_ids=_eos_ids(Path(model_dir), hf),
+        dtype=declared_dtype(hf),
+    )
+
+
+def declared_dtype(hf: dict) -> str:
+    """config.json's `torch_dtype` (`dtype` in newer transformers) as a dtype the engine serves:
+    float16 is served as bfloat16 (same bytes, float32's range), anything else as float32."""
+    declared = str(hf.get("torch_dtype") or hf.get("dtype") or "float32").removeprefix("torch.")
+    return "bfloat16" if declared in ("bfloat16", "float16") else "float32"
+
+
+def _eos_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    generation = model_dir.expanduser().absolute() / "generation_config.json"
+    for source in (hf, json.loads(generation.read_text()) if generation.is_file() else {}):
+        eos = source.get("eos_token_id")
+        for token in eos if isinstance(eos, list) else [eos]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    return tuple(ids)
