@@ -13,34 +13,33 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-from serve_app.config import AppConfig, ModelConfig
+from serve_app.config import AppConfig, ModelConfig, TracingConfig
+from serve_app.http.backends import ServedModel
 from serve_app.http.ingress import Ingress
-from serve_app.replicas.embed import EmbeddingServer
-from serve_app.replicas.generate import ModelServer
-from serve_app.replicas.transcribe import TranscriptionServer
+from serve_app.tasks import TASKS
 
-SERVERS = {"generate": ModelServer, "embed": EmbeddingServer, "transcribe": TranscriptionServer}
-"""The replica class of each task."""
 PREFIX_ROUTER = "serve_app.http.routing:PrefixAffinityRouter"
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """Serve's application builder (import path `serve_app:build_app`)."""
     config = AppConfig.from_args(args)
-    servers = {m.model_id: server_deployment(m).bind(*((m, config.tracing) if m.task == "generate" else (m,)))
-               for m in config.models}
+    models = {m.model_id: served_model(m, config.tracing) for m in config.models}
     ingress = serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=config.ingress_replicas,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         max_ongoing_requests=config.ingress_max_ongoing_requests,
     )
-    silence = {m.model_id: m.stream_silence_timeout_s for m in config.models}
-    tasks = {m.model_id: m.task for m in config.models}
-    roots = {m.model_id: m.source.describe() for m in config.models}
-    adapters = {m.model_id: m.lora_modules for m in config.models if m.lora_modules}
-    return ingress.bind(config.api_key, servers, config.limits, config.cors, silence, tasks, roots, adapters,
-                        config.tracing)
+    return ingress.bind(config.api_key, models, config.limits, config.cors, config.tracing)
+
+
+def served_model(model: ModelConfig, tracing: TracingConfig) -> ServedModel:
+    """One model for the ingress: its model-server deployment, bound to its config (and the app's
+    tracing where its task traces), and what the ingress needs to know of it."""
+    args = (model, tracing) if TASKS[model.task].tracing else (model,)
+    return ServedModel(server_deployment(model).bind(*args), model.task, model.source.describe(),
+                       model.stream_silence_timeout_s, model.lora_modules)
 
 
 def server_deployment(model: ModelConfig) -> serve.Deployment:
@@ -67,7 +66,7 @@ def server_deployment(model: ModelConfig) -> serve.Deployment:
     )
     if model.max_constructor_retry_count is not None:
         options["max_constructor_retry_count"] = model.max_constructor_retry_count
-    if model.request_router == "prefix_affinity" and model.task == "generate":
+    if model.request_router == "prefix_affinity" and TASKS[model.task].prefix_routing:
         options["request_router_config"] = RequestRouterConfig(request_router_class=PREFIX_ROUTER)
     if model.autoscaling_config:
         options["autoscaling_config"] = model.autoscaling_config
@@ -79,4 +78,4 @@ def server_deployment(model: ModelConfig) -> serve.Deployment:
     if bundles:
         options["placement_group_bundles"] = bundles
         options["placement_group_strategy"] = model.placement_group_strategy
-    return serve.deployment(SERVERS[model.task]).options(**options)
+    return serve.deployment(TASKS[model.task].replica_class()).options(**options)

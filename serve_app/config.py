@@ -24,11 +24,11 @@ from pydantic import (
     model_validator,
 )
 
-from engine.config import EngineConfig
-from engine.formats import hub
-from engine.formats.model_sources import ModelSource, builtin_task
+from engine.config import EngineConfig, ModelSource, names_repo
+from engine.formats.builtin_models import builtin_task
 from engine.generate.request import MAX_TOP_LOGPROBS
 from engine.transcribe.decoding import Fallback
+from serve_app.tasks import DEFAULT_TASK, TASK_NAMES, TASKS
 
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model", "source"}
 
@@ -61,16 +61,16 @@ class ModelConfig(BaseModel):
     cache_dir: Optional[str] = None
     """Where converted/downloaded models are kept on each replica's host (default: the engine's).
     Hub downloads go to the Hugging Face cache (HF_HUB_CACHE)."""
-    task: Literal["auto", "generate", "embed", "transcribe"] = "auto"
+    task: Literal[("auto", *TASK_NAMES)] = "auto"
     """generate: a text model (/v1/completions, /v1/chat/completions); embed: a sentence encoder
     (/v1/embeddings); transcribe: a Whisper model (/v1/audio/transcriptions, /v1/audio/translations).
     auto: embed for a checkpoint in the sentence-transformers layout (modules.json) or of a
     BERT-family model_type, and for embedding aliases; transcribe for model_type whisper; generate
     otherwise. Set it where the checkpoint is not readable from the machine that builds the app."""
     engine_cls: Optional[str] = None
-    """Import path `module:Class` of the engine core, constructed as `cls(EngineConfig)`; imported
+    """Import path `module:Class` of the engine, constructed as `cls(EngineConfig)`; imported
     lazily on the model-server replica (the serving layer never imports jax). None: the task's
-    (engine.generate.engine:LLMEngine, engine.embed.engine:EmbeddingEngine,
+    (serve_app.tasks: engine.generate.engine:LLMEngine, engine.embed.engine:EmbeddingEngine,
     engine.transcribe.engine:SpeechEngine)."""
     max_image_pixels: int = Field(40_000_000, ge=1)
     """A vision-language model: the most pixels an image may have (checked from its header, before
@@ -151,15 +151,13 @@ class ModelConfig(BaseModel):
     stream_batch_ms: float = Field(50.0, ge=0)
     """Least time between two stream chunks of one request (the first, and the one that finishes a
     choice, go at once): tokens made in between travel over the Ray hops as one chunk. Every chunk
-    costs CPU in the replica, the ingress and the proxy (~5 ms together on a 2-core CPU host), so
-    larger values leave more CPU to the engine at high concurrency; smaller ones stream smoother.
-    0 sends every step's tokens."""
+    costs CPU in the replica, the ingress and the proxy, so larger values leave more CPU to the
+    engine at high concurrency; smaller ones stream smoother. 0 sends every step's tokens."""
     stream_chunks_per_s: float = Field(50.0, gt=0)
     """Stream chunks per second one replica sends at most, shared by its open streams: with S
     streams, each waits max(stream_batch_ms, S / stream_chunks_per_s) between chunks. This bounds
-    the serving layer's CPU under load (at c=32 a chunk per token would cost the engine a third of
-    a 2-core host; at 100 chunks/s the ingress and proxy took ~0.27 of its cores, at 20 ~0.09);
-    raise it where cores are spare."""
+    the serving layer's CPU under load, however many streams are open (docs/benchmarks.md); raise
+    it where cores are spare."""
     engine_niceness: Optional[int] = Field(0, ge=-20, le=19)
     """Niceness of the engine's threads (the loop, XLA's thread pools). Ray starts its workers at 15
     so that its daemons win the CPU; on a CPU-only host the engine is the work, and at 15 every
@@ -219,8 +217,8 @@ class ModelConfig(BaseModel):
         if self.task == "auto":
             self.task = detect_task(self.model)
         if self.engine_cls is None:
-            self.engine_cls = DEFAULT_ENGINES[self.task]
-        if self.lora_modules and self.task != "generate":
+            self.engine_cls = TASKS[self.task].engine
+        if self.lora_modules and not TASKS[self.task].lora:
             raise ValueError(f"lora_modules adapt a text generation model; {self.model_id!r} is a {self.task} model")
         if ":" not in self.engine_cls:
             raise ValueError(f"engine_cls must look like 'module:Class', got {self.engine_cls!r}")
@@ -231,7 +229,8 @@ class ModelConfig(BaseModel):
 
     def engine_config(self, model_dir: str | Path) -> EngineConfig:
         """The engine's config for a resolved local checkpoint directory."""
-        return TypeAdapter(EngineConfig).validate_python({**self.engine, "model": str(model_dir), "source": self.source})
+        fields = {**self.engine, "model": str(model_dir), "source": self.source}
+        return TypeAdapter(EngineConfig).validate_python(fields)
 
     @property
     def source(self) -> ModelSource:
@@ -240,40 +239,38 @@ class ModelConfig(BaseModel):
 
     @property
     def deployment_name(self) -> str:
-        return "ModelServer-" + re.sub(r"[^A-Za-z0-9_.-]", "-", self.model_id)
-
-
-DEFAULT_ENGINES = {"generate": "engine.generate.engine:LLMEngine", "embed": "engine.embed.engine:EmbeddingEngine",
-                   "transcribe": "engine.transcribe.engine:SpeechEngine"}
-ENCODER_MODEL_TYPES = frozenset({"bert"})
-"""config.json model types the embedding engine loads (engine/models/encoder.py)."""
-SPEECH_MODEL_TYPES = frozenset({"whisper"})
-"""config.json model types the speech engine loads (engine/models/whisper.py)."""
+        """The model server's deployment: its task's prefix and the model id (e.g. TextServer-my-model)."""
+        return f"{TASKS[self.task].deployment}-" + re.sub(r"[^A-Za-z0-9_.-]", "-", self.model_id)
 
 
 def detect_task(spec: str) -> str:
-    """embed for a local sentence-transformers / BERT-family checkpoint or an embedding alias,
-    transcribe for a local Whisper checkpoint, generate for anything else, including a path this machine cannot read or a config.json that
-    does not parse: that model's replicas then fail to start with the reason, and the app's other
-    models still serve."""
+    """The task of a local checkpoint (the first task in serve_app.tasks whose marker file or
+    config.json model type it has: embed for a sentence-transformers / BERT-family checkpoint,
+    transcribe for Whisper) or of a builtin alias; generate for anything else, including a path
+    this machine cannot read or a config.json that does not parse: that model's replicas then fail
+    to start with the reason, and the app's other models still serve."""
     path = Path(spec).expanduser()
-    if path.is_dir():
-        if (path / "modules.json").is_file():
-            return "embed"
-        try:
-            model_type = json.loads((path / "config.json").read_text()).get("model_type")
-        except (OSError, ValueError, AttributeError):
-            model_type = None
-        if model_type in SPEECH_MODEL_TYPES:
-            return "transcribe"
-        return "embed" if model_type in ENCODER_MODEL_TYPES else "generate"
-    return builtin_task(spec) or "generate"
+    if not path.is_dir():
+        return builtin_task(spec) or DEFAULT_TASK
+    model_type = _model_type(path)
+    for task in TASKS.values():
+        if any((path / name).is_file() for name in task.marker_files) or model_type in task.model_types:
+            return task.name
+    return DEFAULT_TASK
+
+
+def _model_type(checkpoint: Path) -> Optional[str]:
+    """config.json's model_type (None where it cannot be read)."""
+    try:
+        return json.loads((checkpoint / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def default_model_id(spec: str) -> str:
     """A Hub repo id itself, a checkpoint directory's name (a URI's last part), a .gguf file's stem,
     or the alias itself."""
-    if hub.names_repo(spec):
+    if names_repo(spec):
         return spec
     path = Path(spec.rstrip("/"))
     return path.stem if path.suffix.lower() == ".gguf" else path.name
@@ -292,10 +289,9 @@ class RequestLimits(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     max_request_body_bytes: int = Field(32 * MIB, ge=1)
-    """Largest request body, in bytes (a 413 beyond it, read no further). 32 MiB holds a batch
-    of long-context token-id prompts (~7 bytes per token in JSON: 128k tokens ~ 1 MiB) many times
-    over, and bounds the memory one request takes in the proxy, the ingress and the tokenizer (a
-    64 MB prompt took a replica down). vLLM sets none."""
+    """Largest request body, in bytes (a 413 beyond it, read no further). The default holds a batch
+    of long-context token-id prompts many times over, and bounds the memory one request takes in
+    the proxy, the ingress and the tokenizer. vLLM sets none."""
     max_prompts_per_request: int = Field(256, ge=1)
     """Prompts in one /v1/completions request (a list `prompt`)."""
     max_n: int = Field(128, ge=1)

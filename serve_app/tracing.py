@@ -38,7 +38,7 @@ class Tracing:
         without one."""
         if not endpoint:
             return Tracing.off()
-        try:
+        try:  # optional (jax-serve[otel]): imported once tracing is on, refused with the fix when missing
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
                 OTLPSpanExporter,
             )
@@ -50,12 +50,14 @@ class Tracing:
     @staticmethod
     def to(exporter, service: str) -> "Tracing":
         """Spans handed to `exporter` as each ends (an SDK SpanExporter)."""
+        # optional (jax-serve[otel]), imported once tracing is on
         from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
         return Tracing._with(SimpleSpanProcessor(exporter), service)
 
     @staticmethod
     def _with(processor, service: str) -> "Tracing":
+        # optional (jax-serve[otel]), imported once tracing is on
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
 
@@ -68,6 +70,7 @@ class Tracing:
         a new trace); the caller ends it."""
         if self._tracer is None:
             return None
+        # optional (jax-serve[otel]), imported once tracing is on
         from opentelemetry.trace import SpanKind
 
         kind = SpanKind.SERVER if server else SpanKind.INTERNAL
@@ -77,6 +80,7 @@ class Tracing:
         """A span of `parent_span` from `start_s` to `end_s` (wall-clock seconds), made after the fact."""
         if self._tracer is None or parent_span is None:
             return None
+        # optional (jax-serve[otel]), imported once tracing is on
         from opentelemetry import trace
 
         span = self._tracer.start_span(name, context=trace.set_span_in_context(parent_span),
@@ -89,6 +93,7 @@ def headers_of(span: Any) -> dict[str, str]:
     """The W3C trace context headers naming `span` as the parent ({} without one)."""
     if span is None:
         return {}
+    # optional (jax-serve[otel]), imported once tracing is on
     from opentelemetry import trace
     from opentelemetry.trace.propagation.tracecontext import (
         TraceContextTextMapPropagator,
@@ -110,6 +115,7 @@ def set_http_status(span: Any, status: int) -> None:
         return
     span.set_attribute("http.response.status_code", status)
     if status >= 500:
+        # optional (jax-serve[otel]), imported once tracing is on
         from opentelemetry.trace import StatusCode
 
         span.set_status(StatusCode.ERROR)
@@ -117,6 +123,7 @@ def set_http_status(span: Any, status: int) -> None:
 
 def _extract(headers: Optional[dict[str, str]]):
     """The context of the W3C headers (an empty one, so a new trace, without them)."""
+    # optional (jax-serve[otel]), imported once tracing is on
     from opentelemetry.context import Context
     from opentelemetry.trace.propagation.tracecontext import (
         TraceContextTextMapPropagator,

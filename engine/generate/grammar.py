@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import json
 import logging
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import llguidance
 import llguidance.numpy
@@ -141,6 +143,36 @@ class GrammarState:
     def complete(self) -> bool:
         """Nothing but the end of the output may follow (or the matcher failed)."""
         return self.matcher.is_stopped()
+
+
+def after_prefix(grammar: Grammar, end: str, start: Optional[str] = None) -> Optional[Grammar]:
+    """`grammar` applied after a free-text prefix that ends with the string `end` (and any
+    whitespace after it): the output is that prefix then an answer `grammar` takes. Without
+    `start`, the output begins inside the prefix; with it, the prefix is optional and opens with
+    `start` (the output may be answer only). None for a Lark grammar, which cannot be nested."""
+    answer = _lark_body(grammar)
+    if answer is None:
+        return None
+    prefix = "thought ws?" if start is None else f"({json.dumps(start)} thought ws?)?"
+    source = (f"start: {prefix} answer\n"
+              f"thought[stop={json.dumps(end)}]: /(?s:.*)/\n"
+              "ws: /[ \\t\\r\\n]+/\n"
+              f"answer: {answer}\n")
+    return Grammar("lark", source, grammar.param)
+
+
+def _lark_body(grammar: Grammar) -> Optional[str]:
+    """The Lark form of a JSON schema (written as `json.dumps` writes JSON, as `JSON_DEFAULTS`
+    asks, unless the schema's own `x-guidance` says otherwise) or of a regular expression; None
+    for a Lark grammar."""
+    if grammar.kind == "json_schema":
+        schema = json.loads(grammar.source)
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {**JSON_DEFAULTS, **schema.get("x-guidance", {})}}
+        return "%json " + json.dumps(schema)
+    if grammar.kind == "regex":
+        return "/" + grammar.source.replace("/", "\\/") + "/"
+    return None
 
 
 def _what(grammar: Grammar) -> str:

@@ -22,6 +22,8 @@ import re
 import time
 from typing import Callable, Literal, Optional
 
+from ray import serve
+
 logger = logging.getLogger(__name__)
 
 State = Literal["ready", "starting", "failed"]
@@ -45,7 +47,8 @@ class ModelState:
     def log_line(self, model_id: str) -> Optional[str]:
         """What the ingress logs once when a model's start fails, or None."""
         if self.state == "failed":
-            return f"model {model_id!r} failed to start and Serve gave up: {self.reason}; fix its configuration and redeploy"
+            return (f"model {model_id!r} failed to start and Serve gave up: {self.reason}; fix its configuration "
+                    "and redeploy")
         if self.reason:
             return (f"model {model_id!r} failed to start: {self.reason}; Serve retries it (a checkpoint or config "
                     "error fails again: fix the model's entry)")
@@ -99,8 +102,6 @@ Fetch = Callable[[], dict[str, DeploymentView]]
 
 def serve_status(app_name: str) -> dict[str, DeploymentView]:
     """Every deployment of `app_name`, as Serve's controller sees it now."""
-    from ray import serve
-
     app = serve.status().applications.get(app_name)
     if app is None:
         return {}

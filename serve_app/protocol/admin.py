@@ -11,6 +11,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.tasks import GENERATE, TASK_NAMES
 from serve_app.protocol.base import OpenAIModel, invalid
 from serve_app.protocol.chat import ChatMessage, Tool
 
@@ -78,7 +79,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeResponse(BaseModel):
     prompt: str
 
-Task = Literal["generate", "embed", "transcribe"]
+Task = Literal[TASK_NAMES]
 """What a model serves: text (/v1/completions, /v1/chat/completions), embeddings (/v1/embeddings)
 or speech to text (/v1/audio/transcriptions, /v1/audio/translations)."""
 
@@ -91,7 +92,7 @@ class ModelCard(BaseModel):
     root: Optional[str] = None
     """vLLM's field: where the model came from, e.g. a Hub repo id at its revision
     ("Qwen/Qwen3-0.6B@main"), an s3:// or gs:// URI, a local path, a builtin alias."""
-    task: Task = "generate"
+    task: Task = GENERATE
     """This server's extension: which routes serve the model."""
     state: Literal["ready", "starting", "failed"] = "ready"
     """This server's extension: whether the model takes requests now (starting: its replicas are

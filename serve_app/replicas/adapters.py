@@ -16,6 +16,9 @@ import threading
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable
 
+from ray import serve
+from ray.serve.exceptions import RayServeException
+
 from serve_app.errors import BadRequest
 from serve_app.protocol.context import LoraRef
 
@@ -112,9 +115,6 @@ class _Held:
 
 def _multiplexed(load, max_loaded: int):
     """`load` behind Ray Serve's model multiplexing in a Serve replica; None elsewhere."""
-    from ray import serve
-    from ray.serve.exceptions import RayServeException
-
     try:
         serve.get_replica_context()
     except RayServeException:

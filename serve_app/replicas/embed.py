@@ -14,61 +14,60 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import logging
 import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
+from engine.config import EngineConfig
 from engine.embed.driver import AsyncEmbedder
 from engine.stats import EngineStats
 from serve_app.config import ModelConfig
-from serve_app.errors import BadRequest, to_api_error
-from serve_app.logs import replica_name
+from serve_app.errors import BadRequest
 from serve_app.protocol.embeddings import (
     Embedding,
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingUsage,
 )
-from serve_app.replicas.base import Replica
-from serve_app.replicas.metrics import ServerMetrics
-
-logger = logging.getLogger(__name__)
+from serve_app.replicas.base import Replica, api_errors
+from serve_app.tasks import EMBED
 
 
 class EmbeddingServer(Replica):
     """One replica of an embedding model: tokenizer + batched encoder + metrics."""
 
-    task = "embed"
+    task = EMBED
+    driver_class = AsyncEmbedder
+    driver: AsyncEmbedder
 
-    def __init__(self, config: ModelConfig):
-        model_dir, engine_config, engine = self._start(config)
+    def _set_up(self, config: ModelConfig, model_dir: Path, engine_config: EngineConfig, engine: Any) -> None:
         self.dimensions: int = engine.dimensions
         self._max_model_len: int = engine.max_model_len
-        self.embedder = AsyncEmbedder(engine, watchdog_s=engine_config.step_timeout_s)
+        self._compile_progress = engine.compile_progress
         self._truncatable = matryoshka_dimensions(model_dir)
-        def stats() -> EngineStats:
-            compiled, programs = engine.compile_progress()
-            return EngineStats(max_model_len=engine.max_model_len, compiled_programs=compiled, step_programs=programs)
 
-        self.metrics = ServerMetrics(config.model_id, replica_name(), stats, self.embedder.describe())
-        logger.info("embedding model %s loaded from %s: %s", self.model_id, model_dir,
-                    ", ".join(f"{k}={v}" for k, v in self.embedder.describe().items()))
+    def _engine_stats(self) -> EngineStats:
+        compiled, programs = self._compile_progress()
+        return EngineStats(max_model_len=self._max_model_len, compiled_programs=compiled, step_programs=programs)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
 
     # ---- called through deployment handles ----
 
     async def embed(self, request: EmbeddingRequest, arrival_time: float) -> str:
         """The JSON of an embeddings response."""
-        try:
+        with api_errors():
             dimensions = self._dimensions(request.dimensions)
             inputs = await asyncio.to_thread(self._inputs, request.inputs)
             tracker = self.metrics.track(f"embd-{uuid.uuid4().hex}", arrival_time)
             prompt_tokens = sum(map(len, inputs))
             reason = "abort"
             try:
-                vectors = await self.embedder.embed(inputs)
+                vectors = await self.driver.embed(inputs)
                 reason = "stop"
             finally:
                 tracker.finish(reason, prompt_tokens, 0, 0)
@@ -76,16 +75,6 @@ class EmbeddingServer(Replica):
             data = [Embedding(embedding=_encode(v, request.encoding_format), index=i) for i, v in enumerate(vectors)]
             usage = EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
             return EmbeddingResponse(data=data, model=self.model_id, usage=usage).model_dump_json()
-        except Exception as exc:
-            raise to_api_error(exc) from None
-
-    @property
-    def core(self) -> AsyncEmbedder:
-        return self.embedder
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
 
     # ---- internals ----
 
@@ -114,7 +103,7 @@ class EmbeddingServer(Replica):
         if dimensions == vectors.shape[1]:
             return vectors
         cut = vectors[:, :dimensions]
-        if self.embedder.describe().get("normalize") == "true":
+        if self.driver.describe().get("normalize") == "true":
             cut = cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
         return cut
 

@@ -1,10 +1,12 @@
-"""The model-server deployment: one tokenizer and one async engine per replica.
+"""The text generation replica (deployments `TextServer-<model_id>`): one tokenizer and one async
+engine per replica.
 
-The path of one request through a replica: the ingress sends a parsed OpenAI request; `_job` turns
+The path of one request through a replica: the ingress sends a parsed OpenAI request; `_plan` turns
 it, on a worker thread, into token ids (a chat template for chat) and one engine request per choice
-(n > 1 fans out as ids f"{rid}-{i}" with seeds seed + i); `_run` turns each engine request's token
-deltas into `ChoiceUpdate`s (incremental text, stop strings, logprobs, counts); the choices are
-merged and formatted as OpenAI chunks (batched over `stream_batch_ms`) or as one response.
+(n > 1 fans out as ids f"{rid}-{i}" with seeds seed + i); `_run` reads each engine request's token
+deltas into `ChoiceUpdate`s (serve_app.text.choices: incremental text, stop strings, logprobs,
+counts); the choices are merged and formatted as OpenAI chunks (batched over `stream_batch_ms`) or
+as one response.
 
 A request for a LoRA adapter arrives with its `LoraRef`: the replica reads the adapter on first
 use (serve_app.replicas.adapters) and runs the request's engine requests with it.
@@ -23,14 +25,16 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable, Optional, Union
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
+from engine.config import EngineConfig
 from engine.generate.driver import AsyncEngine
 from engine.generate.images import ImageInput
-from engine.generate.request import Grammar, SamplingParams, TokenDelta
+from engine.generate.request import Grammar, SamplingParams
+from engine.stats import EngineStats
 from serve_app.config import ModelConfig, TracingConfig
-from serve_app.errors import BadRequest, to_api_error
-from serve_app.logs import replica_name
+from serve_app.errors import BadRequest
 from serve_app.media.images import (
     ImageProcessor,
     content_hash,
@@ -42,17 +46,17 @@ from serve_app.protocol.chat import ChatCompletionRequest
 from serve_app.protocol.completions import CompletionRequest
 from serve_app.protocol.context import LoraRef, RequestContext
 from serve_app.replicas.adapters import ReplicaAdapters
-from serve_app.replicas.base import Replica
-from serve_app.replicas.metrics import RequestTracker, ServerMetrics
+from serve_app.replicas.base import Replica, api_errors
+from serve_app.replicas.metrics import RequestTracker
+from serve_app.tasks import GENERATE
 from serve_app.text import reasoning
-from serve_app.text.detokenize import TextStream, TokenStrings, special_ids
-from serve_app.text.reasoning import ReasoningStream
+from serve_app.text.choices import ChoiceReader, OutputRules
+from serve_app.text.detokenize import TokenStrings, special_ids
 from serve_app.text.responses import (
     ChatFormatter,
     ChoiceCounts,
     ChoiceUpdate,
     CompletionFormatter,
-    TokenOut,
     total_usage,
 )
 from serve_app.text.streams import merge_batches, with_keepalive
@@ -62,21 +66,22 @@ from serve_app.text.tool_calls import (
     CallStream,
     NamedCallStream,
     RequiredCallStream,
-    ToolCallDelta,
     ToolCallStream,
     default_parser,
     named_schema,
     required_schema,
 )
-from serve_app.tracing import Tracing, set_attributes, set_http_status
+from serve_app.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
 OpenAIRequest = Union[CompletionRequest, ChatCompletionRequest]
+CallReader = Callable[[], CallStream]
+ThoughtReader = Callable[[], reasoning.ReasoningStream]
 
 
 @dataclasses.dataclass(frozen=True)
-class Sample:
+class ChoiceRequest:
     """One engine request: choice `index` of a response."""
 
     index: int
@@ -88,38 +93,32 @@ class Sample:
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
+class RequestPlan:
     """A request turned into engine requests, and how to shape their output."""
 
-    samples: list[Sample]
+    choices: list[ChoiceRequest]
     n: int
-    stops: list[str]
-    echo: bool
-    drop_output: bool
-    """max_tokens=0: the one token the engine must make is not part of the answer."""
-    logprobs: bool
+    rules: OutputRules
     formatter: Union[CompletionFormatter, ChatFormatter]
-    calls: Optional[Callable[[], CallStream]] = None
-    """Chat with tools: makes each choice's reader of tool calls out of its text."""
-    keep_special: frozenset[int] = frozenset()
-    """Special tokens the text keeps (the tool-call and reasoning parsers' tags)."""
-    reasoning: Optional[Callable[[], ReasoningStream]] = None
-    """A reasoning model's chat: makes each choice's reader of its thinking."""
     adapter: Optional[str] = None
     """The engine's name of the LoRA adapter the request runs with (None: the base model)."""
     span: object = None
     """The request's `generate` span (None: tracing is off); each engine request adds its own."""
 
 
-class ModelServer(Replica):
+class TextServer(Replica):
     """One replica of a text generation model: tokenizer + async engine + metrics."""
 
-    task = "generate"
+    task = GENERATE
+    driver_class = AsyncEngine
+    driver: AsyncEngine
 
     def __init__(self, config: ModelConfig, tracing: Optional[TracingConfig] = None):
-        model_dir, engine_config, core = self._start(config)
         self.tracing = Tracing.to_endpoint(tracing.otlp_traces_endpoint if tracing else None,
                                            "jax-serve-model-server")
+        super().__init__(config)
+
+    def _set_up(self, config: ModelConfig, model_dir: Path, engine_config: EngineConfig, engine: Any) -> None:
         self.tokenizer = self.prompts.hf
         self._tool_parser = config.tool_call_parser or default_parser(self.tokenizer.chat_template)
         self._tool_tags = _special_tags(self.tokenizer, PARSER_TAGS[self._tool_parser])
@@ -127,49 +126,45 @@ class ModelServer(Replica):
         self._thinks = parser not in (None, "none")
         self._think_tags = _special_tags(self.tokenizer, reasoning.TAGS) if self._thinks else frozenset()
         self._strings = TokenStrings(self.tokenizer)
-        self.engine = AsyncEngine(core, watchdog_s=engine_config.step_timeout_s)
-        self._image_layout = self.engine.image_layout
+        self._image_layout = self.driver.image_layout
         """(placeholder token id, tokens per image) of a vision-language model, else None."""
         self._image_processor = ImageProcessor.from_dir(model_dir) if self._image_layout else None
         self._max_image_pixels = config.max_image_pixels
         self._image_fetch = functools.partial(fetch_image, hosts=frozenset(h.lower() for h in config.image_url_hosts),
                                               max_bytes=config.max_image_bytes, timeout_s=config.image_fetch_timeout_s)
-        self.metrics = ServerMetrics(config.model_id, replica_name(), self.engine.stats, self.engine.describe())
         self._stream_interval_s = config.stream_batch_ms / 1000.0
         self._stream_chunks_per_s = config.stream_chunks_per_s
         self._keepalive_s = config.stream_keepalive_s
         self._open_streams = 0
-        self._adapters = (ReplicaAdapters(self.engine.add_adapter, self.engine.remove_adapter, config.max_cpu_loras)
+        self._adapters = (ReplicaAdapters(self.driver.add_adapter, self.driver.remove_adapter, config.max_cpu_loras)
                           if engine_config.max_loras else None)
-        logger.info("model %s loaded from %s with %s: %s", self.model_id, model_dir, config.engine_cls,
-                    ", ".join(f"{k}={v}" for k, v in self.engine.describe().items()))
+
+    def _engine_stats(self) -> EngineStats:
+        return self.driver.stats()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.driver.stats().max_model_len
 
     # ---- called through deployment handles ----
 
     async def stream_chunks(self, request: OpenAIRequest, context: RequestContext) -> AsyncIterator[list[str]]:
         """JSON chunks of a streamed response, in batches; with include_usage, a last usage chunk."""
         self._open_streams += 1
-        span = self._span(request, context)
         try:
-            images = await self._images(request)
-            async with self._adapter(context.lora) as adapter:
-                job = await self._prepare(request, adapter, span, images)
+            async with self._planned(request, context) as plan:
                 finals = []
-                batches = merge_batches(self._runs(job, context.arrival_time), self._chunk_interval,
+                batches = merge_batches(self._runs(plan, context.arrival_time), self._chunk_interval,
                                         flush=lambda update: update.finish_reason is not None)
                 # closed with this stream (a client gone): its engine requests end now, not when collected
                 async with contextlib.aclosing(with_keepalive(batches, self._keepalive_s)) as kept:
                     async for batch in kept:  # [] while there is no output
                         finals += [u for u in batch if u.finish_reason is not None]
-                        yield [job.formatter.chunk(u).model_dump_json() for u in batch]
+                        yield [plan.formatter.chunk(u).model_dump_json() for u in batch]
                 if request.include_usage:
-                    yield [job.formatter.usage_chunk(total_usage(finals, job.n)).model_dump_json()]
-        except Exception as exc:
-            raise self._failed(span, exc) from None
+                    yield [plan.formatter.usage_chunk(total_usage(finals, plan.n)).model_dump_json()]
         finally:
             self._open_streams -= 1
-            if span is not None:
-                span.end()
 
     def _chunk_interval(self) -> float:
         """Seconds between two chunks of one stream: open streams share stream_chunks_per_s."""
@@ -177,45 +172,36 @@ class ModelServer(Replica):
 
     async def respond(self, request: OpenAIRequest, context: RequestContext) -> str:
         """The JSON of a whole (non-streamed) response."""
-        span = self._span(request, context)
-        try:
-            images = await self._images(request)
-            async with self._adapter(context.lora) as adapter:
-                job = await self._prepare(request, adapter, span, images)
-                choices = {s.index: ChoiceUpdate(s.index) for s in job.samples}
-                async for batch in merge_batches(self._runs(job, context.arrival_time)):
-                    for update in batch:
-                        choices[update.index].extend(update)
+        async with self._planned(request, context) as plan:
+            choices = {c.index: ChoiceUpdate(c.index) for c in plan.choices}
+            async for batch in merge_batches(self._runs(plan, context.arrival_time)):
+                for update in batch:
+                    choices[update.index].extend(update)
             finals = [choices[i] for i in sorted(choices)]
-            return job.formatter.response(finals, total_usage(finals, job.n)).model_dump_json()
-        except Exception as exc:
-            raise self._failed(span, exc) from None
-        finally:
-            if span is not None:
-                span.end()
-
-    def _span(self, request: OpenAIRequest, context: RequestContext):
-        """The request's `generate` span, child of the ingress's (None when tracing is off)."""
-        return self.tracing.start("generate", context.trace, **{
-            "gen_ai.request.model": request.model, "jax_serve.model_id": self.model_id,
-            "jax_serve.lora": context.lora.name if context.lora else None, "jax_serve.choices": request.n,
-            "jax_serve.stream": bool(request.stream)})
-
-    @staticmethod
-    def _failed(span, exc: BaseException):
-        """The APIError for `exc`, recorded on `span`."""
-        error = to_api_error(exc)
-        set_attributes(span, **{"error.type": type(error).__name__})
-        set_http_status(span, error.status)
-        return error
+            return plan.formatter.response(finals, total_usage(finals, plan.n)).model_dump_json()
 
     async def load_adapter(self, lora: LoraRef) -> str:
         """Read an adapter now (POST /v1/load_lora_adapter), refusing one the engine cannot serve."""
-        try:
+        with api_errors():
             async with self._adapter(lora, "lora_path"):
                 return ""
-        except Exception as exc:
-            raise to_api_error(exc) from None
+
+    @contextlib.asynccontextmanager
+    async def _planned(self, request: OpenAIRequest, context: RequestContext) -> AsyncIterator[RequestPlan]:
+        """The request's plan, with its adapter held and its `generate` span open (a child of the
+        ingress's; None when tracing is off) while it runs; what fails is an APIError on the span."""
+        span = self.tracing.start(self.task, context.trace, **{
+            "gen_ai.request.model": request.model, "jax_serve.model_id": self.model_id,
+            "jax_serve.lora": context.lora.name if context.lora else None, "jax_serve.choices": request.n,
+            "jax_serve.stream": bool(request.stream)})
+        try:
+            with api_errors(span):
+                images = await self._images(request)
+                async with self._adapter(context.lora) as adapter:
+                    yield await self._prepare(request, adapter, span, images)
+        finally:
+            if span is not None:
+                span.end()
 
     def _adapter(self, lora: Optional[LoraRef], param: str = "model"):
         """An async context holding `lora` (read first if this replica does not hold it) while a
@@ -226,70 +212,55 @@ class ModelServer(Replica):
             raise BadRequest(f"model {self.model_id!r} serves no LoRA adapters; set max_loras in its config", param)
         return self._adapters.lease(lora, param)
 
-    @property
-    def core(self) -> AsyncEngine:
-        return self.engine
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.stats().max_model_len
-
     # ---- requests to engine requests ----
 
     async def _prepare(self, request: OpenAIRequest, adapter: Optional[str], span,
-                       images: tuple[ImageInput, ...]) -> Job:
-        """`_job` on a worker thread: a long prompt's template and tokenizing (~70 ms for 20,000
-        tokens; the tokenizer releases the GIL) or a grammar's first compile must not hold up the
-        streams this event loop serves. A client gone meanwhile drops the job: nothing is queued
-        in the engine until `_run`."""
-        return await asyncio.to_thread(self._job, request, adapter, span, images)
+                       images: tuple[ImageInput, ...]) -> RequestPlan:
+        """`_plan` on a worker thread: a long prompt's template and tokenizing or a grammar's first
+        compile must not hold up the streams this event loop serves (the tokenizer releases the
+        GIL). A client gone meanwhile drops the plan: nothing is queued in the engine until `_run`."""
+        return await asyncio.to_thread(self._plan, request, adapter, span, images)
 
-    def _job(self, request: OpenAIRequest, adapter: Optional[str] = None, span=None,
-             images: tuple[ImageInput, ...] = ()) -> Job:
+    def _plan(self, request: OpenAIRequest, adapter: Optional[str] = None, span=None,
+              images: tuple[ImageInput, ...] = ()) -> RequestPlan:
         """`images`: the chat's images (`_images`), in the order of its image parts."""
         chat = isinstance(request, ChatCompletionRequest)
-        calls = thinking = None
-        if chat:
-            prompts = [self.prompts.chat(request.messages, request.tools if request.tool_mode != "none" else (),
-                                         template_kwargs=request.template_kwargs(), image_tokens=self._image_layout)]
-            params = request.to_sampling_params(default_max_tokens=self._room_after(prompts[0]))
-            params, calls = self._tool_plan(request, params)
-            if self._thinks:  # a constraint applies to the answer, after the thinking
-                grammar, inside = reasoning.after_thinking(params.grammar, prompts[0].rendered)
-                params = dataclasses.replace(params, grammar=grammar)
-                thinking = functools.partial(reasoning.ReasoningStream, inside)
-        else:
-            prompts = [self.prompts.prompt(p) for p in request.prompts]
-            params = request.to_sampling_params()
+        prompts, params, calls, thinking = self._chat_prompt(request) if chat else self._prompts(request)
         self.prompts.check_token_ids([t for t, _ in params.logit_bias], "logit_bias")
         self.prompts.check_token_ids(params.stop_token_ids, "stop_token_ids")
         for prompt in prompts:
-            self.engine.validate(prompt.ids, params, adapter, images)
+            self.driver.validate(prompt.ids, params, adapter, images)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        formatter_cls = ChatFormatter if chat else CompletionFormatter
-        n = request.n
-        return Job(
-            samples=[
-                Sample(p * n + i, f"{request_id}-{p * n + i}", prompt, _seeded(params, i), images)
-                for p, prompt in enumerate(prompts)
-                for i in range(n)
-            ],
-            n=n,
-            stops=request.stops,
-            echo=not chat and request.echo,
-            drop_output=not chat and request.max_tokens == 0,
-            logprobs=params.logprobs is not None,
-            formatter=formatter_cls(request_id, request.model, self._strings, params.logprobs is not None),
-            calls=calls,
-            keep_special=((self._tool_tags if chat and request.tool_mode == "auto" else frozenset())
-                          | (self._think_tags if chat else frozenset())),
-            reasoning=thinking,
-            adapter=adapter,
-            span=span,
-        )
+        n, logprobs = request.n, params.logprobs is not None
+        keep_special = ((self._tool_tags if chat and request.tool_mode == "auto" else frozenset())
+                        | (self._think_tags if chat else frozenset()))
+        rules = OutputRules(stops=request.stops, echo=not chat and request.echo,
+                            drop_output=not chat and request.max_tokens == 0, logprobs=logprobs,
+                            keep_special=keep_special, calls=calls, reasoning=thinking)
+        choices = [ChoiceRequest(p * n + i, f"{request_id}-{p * n + i}", prompt, _seeded(params, i), images)
+                   for p, prompt in enumerate(prompts) for i in range(n)]
+        formatter = (ChatFormatter if chat else CompletionFormatter)(request_id, request.model, self._strings, logprobs)
+        return RequestPlan(choices, n, rules, formatter, adapter, span)
 
-    def _tool_plan(self, request: ChatCompletionRequest,
-                   params: SamplingParams) -> tuple[SamplingParams, Optional[Callable[[], CallStream]]]:
+    def _prompts(self, request: CompletionRequest) -> tuple[list[PromptInput], SamplingParams, None, None]:
+        return [self.prompts.prompt(p) for p in request.prompts], request.to_sampling_params(), None, None
+
+    def _chat_prompt(self, request: ChatCompletionRequest) -> tuple[list[PromptInput], SamplingParams,
+                                                                    Optional[CallReader], Optional[ThoughtReader]]:
+        """A chat's prompt and sampling, and how to read its tool calls and thinking (None: none)."""
+        prompt = self.prompts.chat(request.messages, request.tools if request.tool_mode != "none" else (),
+                                   template_kwargs=request.template_kwargs(), image_tokens=self._image_layout)
+        params = request.to_sampling_params(default_max_tokens=self._room_after(prompt))
+        params, calls = self._tool_plan(request, params)
+        thinking = None
+        if self._thinks:  # a constraint applies to the answer, after the thinking
+            grammar, inside = reasoning.after_thinking(params.grammar, prompt.rendered)
+            params = dataclasses.replace(params, grammar=grammar)
+            thinking = functools.partial(reasoning.ReasoningStream, inside)
+        return [prompt], params, calls, thinking
+
+    def _tool_plan(self, request: ChatCompletionRequest, params: SamplingParams) -> tuple[SamplingParams,
+                                                                                          Optional[CallReader]]:
         """How tool calls come out: `auto` parses the model's own format; `required` and a named
         function constrain the output to the tools' schemas (a grammar naming `tools` in errors)."""
         mode = request.tool_mode
@@ -300,7 +271,7 @@ class ModelServer(Replica):
         if mode == "required":
             schema = required_schema([t.model_dump(exclude_none=True) for t in request.tools],
                                      request.parallel_tool_calls)
-            calls: Callable[[], CallStream] = RequiredCallStream
+            calls: CallReader = RequiredCallStream
         else:
             name = request.tool_choice.function.name
             schema = named_schema(next(t.function.parameters for t in request.tools if t.function.name == name))
@@ -327,62 +298,35 @@ class ModelServer(Replica):
     def _room_after(self, prompt: PromptInput) -> int:
         """Tokens left in the context after the prompt (at least 1, so that the engine's own
         length check reports a prompt that does not fit)."""
-        return max(1, self.engine.stats().max_model_len - len(prompt.ids))
+        return max(1, self.driver.stats().max_model_len - len(prompt.ids))
 
     # ---- engine requests to choice updates ----
 
-    def _runs(self, job: Job, arrival_time: float) -> list[AsyncIterator[ChoiceUpdate]]:
-        return [self._run(job, sample, arrival_time) for sample in job.samples]
+    def _runs(self, plan: RequestPlan, arrival_time: float) -> list[AsyncIterator[ChoiceUpdate]]:
+        return [self._run(plan, choice, arrival_time) for choice in plan.choices]
 
-    async def _run(self, job: Job, sample: Sample, arrival_time: float) -> AsyncIterator[ChoiceUpdate]:
+    async def _run(self, plan: RequestPlan, choice: ChoiceRequest, arrival_time: float) -> AsyncIterator[ChoiceUpdate]:
         """The updates of one choice; the last one has the finish reason and counts. Returning
         early (a stop string) or being closed aborts the engine request."""
-        tracker = self.metrics.track(sample.request_id, arrival_time)
-        echo_text, echo_offsets = self._echo(sample.prompt) if job.echo else ("", [])
-        text = TextStream(self.tokenizer, sample.prompt.ids, job.stops, start_offset=len(echo_text),
-                          keep_special=job.keep_special)
-        calls = job.calls() if job.calls is not None else None
-        thinking = job.reasoning() if job.reasoning is not None else None
-        called = False
-        reason, counts = "abort", ChoiceCounts(0, 0, 0)
+        tracker = self.metrics.track(choice.request_id, arrival_time)
+        reader = ChoiceReader(self.tokenizer, choice.index, choice.prompt, plan.rules)
         scheduled = None  # when the engine first scheduled it (its first delta says)
         try:
-            deltas = self.engine.generate(sample.request_id, sample.prompt.ids, sample.params, job.adapter,
-                                          sample.images)
+            deltas = self.driver.generate(choice.request_id, choice.prompt.ids, choice.params, plan.adapter,
+                                          choice.images)
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
-                    update = ChoiceUpdate(sample.index)
-                    if delta.num_prompt_tokens:  # the first delta
-                        counts = ChoiceCounts(delta.num_prompt_tokens, 0, delta.num_cached_tokens)
-                        if job.echo:
-                            update.extend(_echo_update(sample, delta, echo_text, echo_offsets))
                     tracker.on_tokens(len(delta.token_ids))
                     scheduled = scheduled or delta.scheduled_time
-                    token_ids = [] if job.drop_output else delta.token_ids
-                    new_text, offsets = text.push(token_ids)
-                    logprobs = delta.logprobs or [None] * len(token_ids)
-                    update.tokens += [TokenOut(*t) for t in zip(token_ids, logprobs, offsets)]
-                    counts.completion_tokens += len(token_ids)
-                    ending = text.stopped or delta.finished
-                    if delta.finished and not text.stopped:
-                        new_text += text.finish()
-                    if thinking is not None:
-                        new_text = _read_thoughts(update, thinking, new_text, ending)
-                    if calls is None:
-                        update.text += new_text
-                    else:
-                        called |= _read_calls(update, calls, new_text, ending)
-                    if ending:
-                        reason = "stop" if text.stopped else delta.finish_reason.value
-                        reason = "tool_calls" if called and reason == "stop" else reason
-                        update.finish_reason, update.counts = reason, counts
+                    update = reader.read(delta)
+                    if update is not None:
                         yield update
+                    if reader.reason is not None:
                         return
-                    if update.text or update.reasoning or update.tool_calls or (job.logprobs and update.tokens):
-                        yield update
         finally:
+            reason, counts = reader.reason or "abort", reader.counts
             tracker.finish(reason, counts.prompt_tokens, counts.completion_tokens, counts.cached_tokens)
-            self._trace_engine_request(job.span, sample.request_id, tracker, scheduled, reason, counts)
+            self._trace_engine_request(plan.span, choice.request_id, tracker, scheduled, reason, counts)
 
     def _trace_engine_request(self, parent, request_id: str, tracker: RequestTracker, scheduled: Optional[float],
                               reason: str, counts: ChoiceCounts) -> None:
@@ -402,13 +346,6 @@ class ModelServer(Replica):
         if tracker.first_token is not None:
             self.tracing.child("decode", span, first, end)
 
-    def _echo(self, prompt: PromptInput) -> tuple[str, list[int]]:
-        """The echoed prompt text and each prompt token's offset in it."""
-        stream = TextStream(self.tokenizer)
-        text, offsets = stream.push(prompt.ids)
-        text += stream.finish()
-        return (prompt.text if prompt.text is not None else text), offsets
-
 
 def _special_tags(tokenizer, tags: tuple[str, ...]) -> frozenset[int]:
     """The ids of `tags` that `tokenizer` has as special tokens (decoding would drop them)."""
@@ -416,27 +353,5 @@ def _special_tags(tokenizer, tags: tuple[str, ...]) -> frozenset[int]:
     return frozenset(vocab[t] for t in tags if t in vocab) & special_ids(tokenizer)
 
 
-def _read_thoughts(update: ChoiceUpdate, thinking: ReasoningStream, text: str, ending: bool) -> str:
-    """Route a choice's new text through its reasoning reader: thinking into `update`, the answer's
-    text returned."""
-    events = thinking.push(text) + (thinking.finish() if ending else [])
-    update.reasoning += "".join(e.text for e in events if isinstance(e, reasoning.Thought))
-    return "".join(e for e in events if isinstance(e, str))
-
-
-def _read_calls(update: ChoiceUpdate, calls: CallStream, text: str, ending: bool) -> bool:
-    """Route a choice's new text through its tool-call reader into `update`; True if a call began."""
-    events = calls.push(text) + (calls.finish() if ending else [])
-    update.text += "".join(e for e in events if isinstance(e, str))
-    deltas = [e for e in events if isinstance(e, ToolCallDelta)]
-    update.tool_calls += deltas
-    return bool(deltas)
-
-
 def _seeded(params: SamplingParams, i: int) -> SamplingParams:
     return params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-
-
-def _echo_update(sample: Sample, delta: TokenDelta, text: str, offsets: list[int]) -> ChoiceUpdate:
-    logprobs = delta.prompt_logprobs or [None] * len(offsets)
-    return ChoiceUpdate(sample.index, text, [TokenOut(*t) for t in zip(sample.prompt.ids, logprobs, offsets)])

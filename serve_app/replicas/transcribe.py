@@ -18,19 +18,19 @@ is longer than `max_audio_seconds` is a 400 before anything is queued.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import uuid
-from typing import AsyncIterator
+from pathlib import Path
+from typing import Any, AsyncIterator
 
 import numpy as np
 
+from engine.config import EngineConfig
 from engine.stats import EngineStats
 from engine.transcribe.decoding import Segment, TranscriptionOptions, compression_ratio
 from engine.transcribe.driver import AsyncTranscriber, Done, Language, Segments
 from serve_app.config import ModelConfig
-from serve_app.errors import BadRequest, to_api_error
-from serve_app.logs import replica_name
+from serve_app.errors import BadRequest
 from serve_app.media import audio
 from serve_app.media.words import Word, group_words
 from serve_app.protocol.audio import (
@@ -44,49 +44,46 @@ from serve_app.protocol.audio import (
     VerboseTranscription,
 )
 from serve_app.protocol.context import RequestContext
-from serve_app.replicas.base import Replica
-from serve_app.replicas.metrics import ServerMetrics
-
-logger = logging.getLogger(__name__)
+from serve_app.replicas.base import Replica, api_errors
+from serve_app.tasks import TRANSCRIBE
 
 MEDIA_TYPES = {"json": "application/json", "verbose_json": "application/json", "text": "text/plain; charset=utf-8",
                "srt": "application/x-subrip; charset=utf-8", "vtt": "text/vtt; charset=utf-8"}
 
 
-class TranscriptionServer(Replica):
+class SpeechServer(Replica):
     """One replica of a Whisper model: audio decoding + batched windows + text."""
 
-    task = "transcribe"
+    task = TRANSCRIBE
+    driver_class = AsyncTranscriber
+    driver: AsyncTranscriber
 
-    def __init__(self, config: ModelConfig):
-        _, engine_config, engine = self._start(config)
-        self.transcriber = AsyncTranscriber(engine, watchdog_s=engine_config.step_timeout_s)
+    def _set_up(self, config: ModelConfig, model_dir: Path, engine_config: EngineConfig, engine: Any) -> None:
         self._num_mel_bins: int = engine.num_mel_bins
         self._max_positions: int = engine.max_positions
         self._max_prompt_tokens: int = engine.tokens.max_prompt_tokens()
         self._eot: int = engine.tokens.eot
+        self._compile_progress = engine.compile_progress
         self._max_audio_seconds = config.max_audio_seconds
         self._fallback = config.transcription_fallback
 
-        def stats() -> EngineStats:
-            compiled, programs = engine.compile_progress()
-            return EngineStats(max_model_len=engine.max_positions, compiled_programs=compiled, step_programs=programs,
-                               num_running=self.transcriber.busy_slots())
+    def _engine_stats(self) -> EngineStats:
+        compiled, programs = self._compile_progress()
+        return EngineStats(max_model_len=self._max_positions, compiled_programs=compiled, step_programs=programs,
+                           num_running=self.driver.busy_slots())
 
-        self.metrics = ServerMetrics(config.model_id, replica_name(), stats, self.transcriber.describe())
-        logger.info("speech model %s: %s", self.model_id,
-                    ", ".join(f"{k}={v}" for k, v in self.transcriber.describe().items()))
+    @property
+    def max_model_len(self) -> int:
+        return self._max_positions
 
     # ---- called through deployment handles ----
 
     async def transcribe(self, request: AudioRequest, arrival_time: float) -> tuple[str, str]:
         """(body, media type) of the answer in the request's response_format."""
-        try:
+        with api_errors():
             result = await self._run(request, arrival_time, stream=None)
             return _render(request, result, self._language_name(result.language)), \
                 MEDIA_TYPES[request.params.response_format]
-        except Exception as exc:
-            raise to_api_error(exc) from None
 
     async def stream_chunks(self, request: AudioRequest, context: RequestContext) -> AsyncIterator[list[str]]:
         """Server-sent event payloads: `transcript.text.delta` as each window's text is final, then
@@ -94,30 +91,21 @@ class TranscriptionServer(Replica):
         queue: asyncio.Queue = asyncio.Queue()
         task = asyncio.ensure_future(self._run(request, context.arrival_time, stream=queue))
         try:
-            while True:
-                getter = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    yield [TranscriptTextDelta(delta=getter.result()).model_dump_json()]
-                    continue
-                getter.cancel()
-                result = task.result()  # raises what failed
-                while not queue.empty():
-                    yield [TranscriptTextDelta(delta=queue.get_nowait()).model_dump_json()]
-                yield [TranscriptTextDone(text=result.text, usage=result.usage).model_dump_json()]
-                return
-        except Exception as exc:
-            raise to_api_error(exc) from None
+            with api_errors():
+                while True:
+                    getter = asyncio.ensure_future(queue.get())
+                    done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                    if getter in done:
+                        yield [TranscriptTextDelta(delta=getter.result()).model_dump_json()]
+                        continue
+                    getter.cancel()
+                    result = task.result()  # raises what failed
+                    while not queue.empty():
+                        yield [TranscriptTextDelta(delta=queue.get_nowait()).model_dump_json()]
+                    yield [TranscriptTextDone(text=result.text, usage=result.usage).model_dump_json()]
+                    return
         finally:
             task.cancel()
-
-    @property
-    def core(self) -> AsyncTranscriber:
-        return self.transcriber
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_positions
 
     # ---- internals ----
 
@@ -128,13 +116,13 @@ class TranscriptionServer(Replica):
                                        prompt=tuple(self._prompt_ids(params.prompt)), temperature=params.temperature,
                                        seed=params.seed, fallback=self._fallback,
                                        word_timestamps="word" in _granularities(params))
-        self.transcriber.validate(options)  # a 400 before the audio is decoded
+        self.driver.validate(options)  # a 400 before the audio is decoded
         samples, mel, frames = await asyncio.to_thread(self._features, request.audio)
         tracker = self.metrics.track(f"audio-{uuid.uuid4().hex}", arrival_time)
         result = _Result(duration=len(samples) / audio.SAMPLE_RATE)
         reason, generated = "abort", 0
         try:
-            async for event in self.transcriber.transcribe(mel, frames, options):
+            async for event in self.driver.transcribe(mel, frames, options):
                 if isinstance(event, Language):
                     result.language = event.code
                 elif isinstance(event, Segments):
@@ -182,6 +170,7 @@ class TranscriptionServer(Replica):
         return self.prompts.hf.decode([t for t in ids if t < self._eot])
 
     def _language_name(self, code: str | None) -> str:
+        # transformers is heavy: loaded on a replica with its tokenizer, never by the app builder
         from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
         return LANGUAGES.get(code or "", code or "")

@@ -27,9 +27,8 @@ class IncrementalDetokenizer:
     """Invariant: the pieces returned by `push` and `flush` concatenate to the decoding of all
     pushed ids (after the context), and no piece ends inside a multi-byte character."""
 
-    def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, context_ids: Iterable[int] = (), keep_special: frozenset[int] = frozenset()
-    ):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, context_ids: Iterable[int] = (),
+                 keep_special: frozenset[int] = frozenset()):
         """Special tokens are skipped, except those in `keep_special` (a tool-call parser's tags
         that a model's tokenizer marks special), which decode to their text."""
         self._tokenizer = tokenizer
@@ -185,6 +184,7 @@ def _byte_level_decoder(tokenizer: PreTrainedTokenizerBase) -> Optional[dict[str
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
         return None
+    # transformers is heavy: loaded on a replica with its tokenizer, never by the app builder
     from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
     return {char: byte for byte, char in bytes_to_unicode().items()}

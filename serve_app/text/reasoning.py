@@ -18,11 +18,10 @@ Invariants of `ReasoningStream`, for any split of a text into pushes:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Optional
 
-from engine.generate.grammar import JSON_DEFAULTS
+from engine.generate.grammar import after_prefix
 from engine.generate.request import Grammar
 
 PARSERS = ("qwen3", "deepseek_r1")
@@ -66,27 +65,10 @@ def after_thinking(grammar: Optional[Grammar], prompt_text: str) -> tuple[Option
     inside = opened_by(prompt_text)
     if grammar is None:
         return None, inside
-    body = _body(grammar)
-    if body is None or closed_by(prompt_text):
+    answer = after_prefix(grammar, CLOSE, None if inside else OPEN)
+    if answer is None or closed_by(prompt_text):
         return grammar, False
-    thinking = "thought ws?" if inside else '("<think>" thought ws?)?'
-    source = (f"start: {thinking} answer\n"
-              f'thought[stop="{CLOSE}"]: /(?s:.*)/\n'
-              "ws: /[ \\t\\r\\n]+/\n"
-              f"answer: {body}\n")
-    return Grammar("lark", source, grammar.param), inside
-
-
-def _body(grammar: Grammar) -> Optional[str]:
-    """The Lark form of a JSON schema or regular expression grammar (None for a Lark grammar)."""
-    if grammar.kind == "json_schema":
-        schema = json.loads(grammar.source)
-        if isinstance(schema, dict):
-            schema = {**schema, "x-guidance": {**JSON_DEFAULTS, **schema.get("x-guidance", {})}}
-        return "%json " + json.dumps(schema)
-    if grammar.kind == "regex":
-        return "/" + grammar.source.replace("/", "\\/") + "/"
-    return None
+    return answer, inside
 
 
 class ReasoningStream:

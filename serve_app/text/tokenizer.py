@@ -43,7 +43,7 @@ class PromptTokenizer:
     def __init__(self, model_dir: str, model_id: str):
         self.hf = load_tokenizer(model_dir)
         self.model_id = model_id
-        self.vocab_size = len(self.hf)  # a fast tokenizer's len() builds its whole vocab dict: ~10 ms
+        self.vocab_size = len(self.hf)  # once: a fast tokenizer's len() builds its whole vocab dict
         self.hf.encode("")
 
     def prompt(self, prompt: Union[str, list[int]], param: str = "prompt") -> PromptInput:
