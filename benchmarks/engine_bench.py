@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import EngineConfig
+from engine.config import ATTENTION_BACKENDS, EngineConfig
 from engine.generate.engine import LLMEngine
 from engine.generate.request import Grammar, SamplingParams
 
@@ -92,7 +92,7 @@ def served_weight_bytes(engine, model: Path) -> int:
     files when the model lives in other processes."""
     import jax
 
-    runner = getattr(engine.executor, "runner", None)
+    runner = engine.executor.runner  # None: the model lives in other processes (several hosts)
     if runner is None:
         return sum(f.stat().st_size for f in model.glob("*.safetensors"))
     arrays = {id(leaf): leaf for leaf in jax.tree_util.tree_leaves(runner.model) if isinstance(leaf, jax.Array)}
@@ -155,10 +155,11 @@ def replay_step_ms(engine: LLMEngine, batch: int, steps: int = 50) -> float:
     """The device side alone: `steps` padding-only decode steps of `batch` rows (the bucket and
     the work of a real one) launched back to back and fetched once, per step. What the runner's
     dispatch and the device take, without scheduling or reading each step's tokens."""
-    from engine.generate.step_plan import empty_step_plan
+    from engine.generate.planner import empty_step_plan
 
     runner = engine.executor.runner
-    plan = empty_step_plan(runner.buckets.for_step(batch, batch), runner.buckets, step_id=-1)
+    buckets = runner.facts.buckets
+    plan = empty_step_plan(buckets.for_step(batch, batch), buckets, step_id=-1)
     runner.fetch(runner.launch(plan))
     start = time.perf_counter()
     for _ in range(steps):
@@ -201,7 +202,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--grammar", default="none",
                         help="comma-separated: none (free text), json (every request under BENCH_SCHEMA)")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "xla", "tpu"],
+    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                         help="the engine's attention backend (auto: cpu kernels on x86 CPUs)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--num-hosts", type=int, default=1,

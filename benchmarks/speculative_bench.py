@@ -28,7 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-from engine.config import EngineConfig, SpeculativeConfig
+from engine.config import ATTENTION_BACKENDS, EngineConfig, SpeculativeConfig
 from engine.generate.engine import LLMEngine
 from engine.generate.request import SamplingParams
 
@@ -102,7 +102,7 @@ def main(argv=None) -> None:
     parser.add_argument("--draft", default=None, help="guess with this draft model (method draft_model) instead of "
                         "prompt lookup; `self`: the served model itself (every guess kept: the cost of the mechanism)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "xla", "tpu"])
+    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     import transformers

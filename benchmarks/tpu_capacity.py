@@ -1,10 +1,10 @@
 """The TPU capacity table of docs/benchmarks.md: every step program of four model shapes compiled
-for four TPU slices on this host (engine.tools.aot), beside the planner's figures.
+for four TPU slices on this host (engine.tools.aot_compile), beside the planner's figures.
 
     .venv-tpu/bin/python -m benchmarks.tpu_capacity [--models llama-3.2-1b ...] [--topologies v5e:2x4 ...]
 
 Each cell compiles at tensor_parallel_size = every device of the slice (a replica spanning it) and
-names the smallest size that fits (engine.tools.capacity). The models are config.json files only
+names the smallest size that fits (engine.generate.runner.memory_plan). The models are config.json files only
 (benchmarks/model_shapes): no weights are needed to compile.
 """
 
@@ -25,14 +25,14 @@ CHIPS_PER_HOST = {"v5e:2x4": "2x4", "v6e:2x4": "2x4"}
 
 def cell(model: str, topology: str) -> str:
     from engine.config import EngineConfig
-    from engine.tools import aot
+    from engine.tools import aot_compile
 
-    devices = aot.topology_devices(topology, CHIPS_PER_HOST.get(topology))
+    devices = aot_compile.topology_devices(topology, CHIPS_PER_HOST.get(topology))
     config = EngineConfig(model=str(SHAPES / model), attention_backend="tpu", tensor_parallel_size=len(devices),
                           compilation_cache_dir=None)
     start = time.perf_counter()
     try:
-        report = aot.compile_for_topology(config, topology, CHIPS_PER_HOST.get(topology))
+        report = aot_compile.compile_for_topology(config, topology, CHIPS_PER_HOST.get(topology))
     except Exception as exc:  # noqa: BLE001 -- a cell that does not compile is a finding
         traceback.print_exc()
         return (f"| {model} | {topology} | {len(devices)} | - | - | - | - | "

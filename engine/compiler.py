@@ -1,6 +1,6 @@
 """Compiling a runner's step programs ahead of use, so that a replica answers while it compiles.
 
-A step runs in one of a few buckets (engine.generate.buckets); each bucket is one forward program and
+A step runs in one of a few buckets (engine.step.buckets); each bucket is one forward program and
 the common sampler variants for its rows. `StepCompiler.start` compiles the first bucket of a
 fixed order (`ShapeBuckets.compile_order`: the one a full batch of decodes fits) before it
 returns, then the others one by one on a background thread, smallest first. The engine plans every
@@ -38,7 +38,7 @@ BACKGROUND_NICENESS = 10
 
 
 B = TypeVar("B", bound=Hashable)
-"""A bucket: engine.generate.buckets.Bucket for the LLM engine, (rows, length) for the embedding engine."""
+"""A bucket: engine.step.buckets.Bucket for the LLM engine, (rows, length) for the embedding engine."""
 
 
 class StepCompiler(Generic[B]):

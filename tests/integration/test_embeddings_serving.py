@@ -13,9 +13,10 @@ from fastapi.testclient import TestClient
 from transformers import BertTokenizerFast
 
 from serve_app.config import AppConfig
-from serve_app.http.ingress import LocalBackend, create_app
+from serve_app.http.backends import LocalBackend
+from serve_app.http.ingress import create_app
 from serve_app.replicas.embed import EmbeddingServer
-from serve_app.replicas.generate import ModelServer
+from serve_app.replicas.generate import TextServer
 from tests.support import tiny_models
 from tests.support.serving_helpers import held_in_tokenizing
 
@@ -51,11 +52,11 @@ def app(bert_dir, llama_dir):
     ]})
     embed, text = config.models
     assert (embed.task, embed.engine_cls) == ("embed", "engine.embed.engine:EmbeddingEngine")
-    servers = {EMBED: EmbeddingServer(embed), TEXT: ModelServer(text)}
+    servers = {EMBED: EmbeddingServer(embed), TEXT: TextServer(text)}
     with TestClient(create_app({m: LocalBackend(s) for m, s in servers.items()})) as http:
         yield http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http), servers
-    servers[EMBED].embedder.shutdown()
-    servers[TEXT].engine.shutdown()
+    servers[EMBED].driver.shutdown()
+    servers[TEXT].driver.shutdown()
 
 
 @pytest.fixture(scope="module")

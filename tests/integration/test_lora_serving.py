@@ -106,14 +106,14 @@ def test_a_replica_holds_its_least_recently_used_adapters_only(app, llama_dir):
     for name in ("one", "two", "three"):
         path = paths["third"] if name == "three" else paths["attention"] if name == "two" else paths["every"]
         assert http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}).status_code == 200
-    held = [key.split("@")[0] for key in server.engine.core.adapters()]
+    held = [key.split("@")[0] for key in server.driver.engine.adapters()]
     assert held == ["three", "two"]  # max_cpu_loras=2: "one" read first, gone first
     labels = '{model_name="tiny-llama",replica="local"}'
     wait_for(lambda: f"jax_serve:lora_adapters{labels} 2.0\n" in http.get("/metrics").text, 5,
              "the engine's next stats (every loop turn) to count the adapters")
     assert f"jax_serve:lora_slots_in_use{labels} 0.0\n" in http.get("/metrics").text
     assert complete(client, "one") == text_of(llama_dir, peft_greedy(llama_dir, paths["every"], PROMPT, TOKENS))
-    assert sorted(key.split("@")[0] for key in server.engine.core.adapters()) == ["one", "three"]
+    assert sorted(key.split("@")[0] for key in server.driver.engine.adapters()) == ["one", "three"]
     for name in ("one", "two", "three"):
         http.post("/v1/unload_lora_adapter", json={"lora_name": name})
 

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import ModelSource
 from engine.formats.checkpoint_files import needed_files
-from engine.formats.model_sources import COMPLETE_MARKER, ModelSource, resolve_model
+from engine.formats.model_sources import COMPLETE_MARKER, resolve_model
 from tests.support.hub_server import HubServer
 from tests.support.s3_server import S3Server
 
@@ -77,7 +78,8 @@ def resolve_in_fresh_process(spec: str, env: dict[str, str],
     code = textwrap.dedent(f"""
         import logging, sys
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-        from engine.formats.model_sources import ModelSource, resolve_model
+        from engine.config import ModelSource
+        from engine.formats.model_sources import resolve_model
         print(resolve_model(ModelSource({spec!r}, revision={revision!r})))
     """)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}

@@ -1023,7 +1023,7 @@ def test_replicas_over_two_hosts_scale_as_whole_groups(serving, checkpoint_facto
         app = {"name": "scaled", "route_prefix": "/scaled", "import_path": "serve_app:build_app",
                "runtime_env": {"env_vars": {"USE_TORCH": "0", "HF_HUB_OFFLINE": "1"}},
                "args": {"models": [model], "ingress_num_cpus": 0.05},
-               "deployments": [{"name": "ModelServer-scaled", "num_replicas": replicas}]}
+               "deployments": [{"name": "TextServer-scaled", "num_replicas": replicas}]}
         _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
 
     def running() -> bool:
@@ -1038,11 +1038,11 @@ def test_replicas_over_two_hosts_scale_as_whole_groups(serving, checkpoint_facto
         answer = httpx.post(f"{serving.url}/scaled/v1/completions", timeout=60,
                             json={"model": "scaled", "prompt": PROMPT, "max_tokens": 3, "temperature": 0})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
-        servers = {p.pid for p in ray_processes(r"ray::ServeReplica:scaled:ModelServer-scaled")}
+        servers = {p.pid for p in ray_processes(r"ray::ServeReplica:scaled:TextServer-scaled")}
         deploy(1)
         wait_for(lambda: len(engine_worker_processes()) == workers + 2 and created_groups() == groups + 1, 120,
                  "one group of two workers")
-        kept = {p.pid for p in ray_processes(r"ray::ServeReplica:scaled:ModelServer-scaled")}
+        kept = {p.pid for p in ray_processes(r"ray::ServeReplica:scaled:TextServer-scaled")}
         assert len(kept) == 1 and kept <= servers  # scaled down, not redeployed
     finally:
         serve.delete("scaled")

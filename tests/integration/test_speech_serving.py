@@ -17,7 +17,7 @@ import torch
 
 from serve_app.config import AppConfig
 from serve_app.media import audio
-from serve_app.replicas.transcribe import TranscriptionServer
+from serve_app.replicas.transcribe import SpeechServer
 
 MODEL = "tiny-whisper"
 
@@ -41,17 +41,18 @@ def noise(seconds: float, seed: int) -> np.ndarray:
 def app(whisper_dir):
     from fastapi.testclient import TestClient
 
-    from serve_app.http.ingress import LocalBackend, create_app
+    from serve_app.http.backends import LocalBackend
+    from serve_app.http.ingress import create_app
 
     config = AppConfig.from_args({"model": str(whisper_dir), "model_id": MODEL, "warmup": False, "max_num_seqs": 4,
                                   "max_audio_seconds": 400, "transcription_fallback": None})
     assert config.models[0].task == "transcribe"
-    server = TranscriptionServer(config.models[0])
+    server = SpeechServer(config.models[0])
     try:
         with TestClient(create_app({MODEL: LocalBackend(server)})) as http:
             yield server, http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
     finally:
-        server.transcriber.shutdown()
+        server.driver.shutdown()
 
 
 class Reference(NamedTuple):
@@ -301,10 +302,11 @@ def test_default_fallback_decodes_unlikely_windows_again(whisper_dir):
     which temperature); with a seed the answer repeats."""
     from fastapi.testclient import TestClient
 
-    from serve_app.http.ingress import LocalBackend, create_app
+    from serve_app.http.backends import LocalBackend
+    from serve_app.http.ingress import create_app
 
     config = AppConfig.from_args({"model": str(whisper_dir), "model_id": MODEL, "warmup": False, "max_num_seqs": 2})
-    server = TranscriptionServer(config.models[0])
+    server = SpeechServer(config.models[0])
     try:
         with TestClient(create_app({MODEL: LocalBackend(server)})) as http:
             client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
@@ -321,4 +323,4 @@ def test_default_fallback_decodes_unlikely_windows_again(whisper_dir):
                 assert segment.avg_logprob >= -1.0 or segment.temperature == 1.0
             assert ask().model_dump() == answer.model_dump()
     finally:
-        server.transcriber.shutdown()
+        server.driver.shutdown()

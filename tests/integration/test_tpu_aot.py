@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
+from engine.generate.runner import memory_plan
 from engine.tools import capacity
 
 TPU_PYTHON = Path(__file__).parents[2] / ".venv-tpu" / "bin" / "python"
@@ -68,7 +69,7 @@ def test_every_step_program_compiles_for_the_topology(tiny_dir, tmp_path, v5e_re
     # a page per chip: 2 layers x 16 tokens x (key, value) x one KV head (repeated to one per chip) x
     # 128 lanes (the kernel's, heads of 16 stored padded) x 2 bytes
     page_bytes = 2 * 16 * 2 * 1 * 128 * 2
-    plan = capacity.plan(EngineConfig(model=str(tiny_dir), **ENGINE), tp, memory, lambda shape: page_bytes * tp)
+    plan = memory_plan.plan(EngineConfig(model=str(tiny_dir), **ENGINE), tp, memory, lambda shape: page_bytes * tp)
     assert report["weight_bytes"] == report["planned_weight_bytes"] == plan.weight_bytes
     assert (report["kv_pages"], report["kv_bytes"]) == (plan.pages, plan.kv_bytes)
     # memory_analysis: a forward program's arguments are the weights but the LM head (the sampling
@@ -107,8 +108,8 @@ def test_int8_weights_compile_for_a_tpu_at_half_the_bytes(tiny_dir, tmp_path):
     report = aot(tiny_dir, "v5e:2x2", 4, tmp_path / "report.json", "--quantization", "int8")
     assert len(report["programs"]) == 14 and report["fits"] is True
     memory = capacity.TPU_CHIPS["v5e"].hbm_bytes
-    bf16 = capacity.plan(EngineConfig(model=str(tiny_dir), **ENGINE), 4, memory)
-    int8 = capacity.plan(EngineConfig(model=str(tiny_dir), quantization="int8", **ENGINE), 4, memory)
+    bf16 = memory_plan.plan(EngineConfig(model=str(tiny_dir), **ENGINE), 4, memory)
+    int8 = memory_plan.plan(EngineConfig(model=str(tiny_dir), quantization="int8", **ENGINE), 4, memory)
     assert report["weight_bytes"] == report["planned_weight_bytes"] == int8.weight_bytes
     assert 0.5 < int8.weight_bytes / bf16.weight_bytes < 0.56
     assert int8.loading_extra_bytes == 0  # quantized on the host: the chips hold only the int8 weights
@@ -195,7 +196,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 def test_collectives_are_counted_per_run_of_the_program():
     """A loop's body once per iteration (the bound its condition compares with: 12; or the known
     trip count: 3), the conditional's costliest branch, the entry's own; -done halves not again."""
-    from engine.tools.aot import count_collectives
+    from engine.tools.aot_compile import count_collectives
 
     assert count_collectives(HLO) == {"all-reduce": 12 + 3 + 2 + 1, "all-gather": 12 + 3}
 

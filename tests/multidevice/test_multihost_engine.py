@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.generate.engine import LLMEngine
+from engine.generate.planner import empty_step_plan
 from engine.generate.request import Grammar, SamplingParams
-from engine.generate.step_plan import empty_step_plan
 from tests.support.parity import (
     TIGHT,
     assert_greedy_parity,
@@ -52,7 +52,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers_over_two_hosts(two_hosts)
 def test_both_hosts_compile_the_same_programs_in_the_same_order(two_hosts):
     engine, _ = two_hosts
     assert engine.wait_until_compiled(timeout=600)
-    order = [repr(bucket) for bucket in engine.executor.buckets.compile_order()]
+    order = [repr(bucket) for bucket in engine.executor.facts.buckets.compile_order()]
     assert engine.executor.compiled_programs() == [order, order]
     assert engine.stats().compiled_programs == engine.stats().step_programs == len(order) == 4
 
@@ -82,9 +82,9 @@ def test_a_host_given_another_bucket_than_its_peers_refuses_the_step(two_hosts):
     """Each host compares the plan's fingerprint with its peers' before running it: a host that
     would compile another program fails loudly instead of computing garbage with the others."""
     engine, _ = two_hosts
-    first, other = engine.executor.buckets.all()[:2]
-    plans = [empty_step_plan(first, engine.executor.buckets, step_id=10**6),
-             empty_step_plan(other, engine.executor.buckets, step_id=10**6)]
+    first, other = engine.executor.facts.buckets.all()[:2]
+    plans = [empty_step_plan(first, engine.executor.facts.buckets, step_id=10**6),
+             empty_step_plan(other, engine.executor.facts.buckets, step_id=10**6)]
     calls = [worker.launch.remote(plan) for worker, plan in zip(engine.executor.workers, plans)]
     for call in calls:
         with pytest.raises(ray.exceptions.RayTaskError, match="must run identical steps in identical order"):

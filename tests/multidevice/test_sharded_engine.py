@@ -127,7 +127,7 @@ def test_int8_weights_made_on_the_host_reach_the_devices_as_served(checkpoint_fa
     for host in (None, jax.devices()[3]):
         monkeypatch.setattr(sharding, "host_device", lambda host=host: host)
         engine = LLMEngine(dataclasses.replace(config))
-        assert engine.executor.runner._weights_host(config) == host
+        assert engine.executor.runner.weights_host == host
         deltas = run_to_completion(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
         answers.append([tokens_of(deltas[str(i)]) for i in range(len(prompts))])
     assert answers[0] == answers[1]

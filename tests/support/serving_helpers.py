@@ -84,7 +84,7 @@ def engine_worker_processes() -> list:
 
 def model_server_processes(model_id: str) -> list:
     """The processes of the Ray Serve replicas of `model_id`'s server (app "llm")."""
-    return ray_processes(rf"ray::ServeReplica:llm:ModelServer-{re.escape(model_id)}(\.|\s|$)")
+    return ray_processes(rf"ray::ServeReplica:llm:TextServer-{re.escape(model_id)}(\.|\s|$)")
 
 
 def templated_checkpoint(model_dir, out: Path, template: str, fixed_output: list[int] | None = None) -> Path:
@@ -102,20 +102,21 @@ def templated_checkpoint(model_dir, out: Path, template: str, fixed_output: list
 
 @contextlib.contextmanager
 def app_in_process(checkpoint, model_id: str, tracing=None, **args):
-    """(server, http, openai client): the OpenAI app over one ModelServer in this process, the
+    """(server, http, openai client): the OpenAI app over one TextServer in this process, the
     official client talking to it through FastAPI's test client; the engine shut down after.
     `tracing`: a serve_app.tracing.Tracing for the ingress and the server (default: off)."""
     import openai
     from fastapi.testclient import TestClient
 
     from serve_app.config import AppConfig
-    from serve_app.http.ingress import LocalBackend, create_app
-    from serve_app.replicas.generate import ModelServer
+    from serve_app.http.backends import LocalBackend
+    from serve_app.http.ingress import create_app
+    from serve_app.replicas.generate import TextServer
 
     config = AppConfig.from_args({"model": str(checkpoint), "model_id": model_id, "warmup": False, **args})
     from serve_app.tracing import Tracing
 
-    server = ModelServer(config.models[0])
+    server = TextServer(config.models[0])
     server.tracing = tracing or Tracing.off()
     try:
         adapters = {model_id: config.models[0].lora_modules}
@@ -123,4 +124,4 @@ def app_in_process(checkpoint, model_id: str, tracing=None, **args):
         with TestClient(app) as http:
             yield server, http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
     finally:
-        server.engine.shutdown()
+        server.driver.shutdown()

@@ -1,5 +1,5 @@
-"""The capacity planner: hand-computed figures for a tiny Llama, and an engine config that cannot
-fit refused before a weight is loaded, with what to change."""
+"""The capacity planner (engine.generate.runner.memory_plan): hand-computed figures for a tiny
+Llama, and an engine config that cannot fit refused before a weight is loaded, with what to change."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from engine.config import EngineConfig
-from engine.tools import capacity
+from engine.generate.runner import memory_plan
 
 # A bf16 Llama of 2 layers, width 64, MLP 128, 4 heads of 16 over 2 KV heads, 256 tokens, untied head.
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -36,7 +36,7 @@ def tiny_dir(tmp_path):
 def test_weights_and_pages_per_device_are_the_hand_computed_ones(tiny_dir):
     config = EngineConfig(model=str(tiny_dir))
     for size in (1, 2, 4):
-        plan = capacity.plan(config, size, 2**20)
+        plan = memory_plan.plan(config, size, 2**20)
         assert (plan.weight_bytes, plan.kv_bytes_per_page) == (WEIGHT_BYTES[size], PAGE_BYTES[size])
     assert WEIGHT_BYTES == {1: 213632, 2: 107136, 4: 57984}
 
@@ -45,18 +45,18 @@ def test_loading_with_repeated_kv_heads_is_counted(tiny_dir):
     """At TP 4 the 2 KV heads are repeated twice: k and v (2 layers x 64 x 2 heads x 16, bf16: 16 KiB
     in all) load whole on every device and are repeated whole (32 KiB) before they split (8 KiB kept)."""
     config = EngineConfig(model=str(tiny_dir))
-    assert capacity.plan(config, 2, 2**20).loading_extra_bytes == 0
-    plan = capacity.plan(config, 4, 57984 + 40960)
+    assert memory_plan.plan(config, 2, 2**20).loading_extra_bytes == 0
+    plan = memory_plan.plan(config, 4, 57984 + 40960)
     assert plan.loading_extra_bytes == 3 * 16384 - 2 * 16384 // 4 == 40960
     assert plan.problem() == ("loading takes 0.00 GiB per device at tensor_parallel_size=4 (the k and v projections "
                               "load whole, then are repeated for the devices), more than the 0.00 GiB a device has")
-    assert capacity.plan(config, 4, 2**20).problem() is None
+    assert memory_plan.plan(config, 4, 2**20).problem() is None
     int8 = EngineConfig(model=str(tiny_dir), quantization="int8")  # made on the host, placed as served
-    assert capacity.plan(int8, 4, 2**20).loading_extra_bytes == 0
+    assert memory_plan.plan(int8, 4, 2**20).loading_extra_bytes == 0
 
 
 def test_the_pool_is_what_the_memory_left_after_the_weights_holds(tiny_dir):
-    plan = capacity.plan(EngineConfig(model=str(tiny_dir)), 1, 2**20)
+    plan = memory_plan.plan(EngineConfig(model=str(tiny_dir)), 1, 2**20)
     assert plan.pages == int((2**20 - 213632) * 0.9) // 4096 == 183
     assert plan.kv_tokens == 182 * 16
     assert plan.sequences_at(256) == 182 // 16 == 11
@@ -65,35 +65,35 @@ def test_the_pool_is_what_the_memory_left_after_the_weights_holds(tiny_dir):
 
 def test_the_smallest_tensor_parallel_size_that_fits(tiny_dir):
     config = EngineConfig(model=str(tiny_dir))
-    assert capacity.smallest_tensor_parallel(config, 200_000, 4).tensor_parallel_size == 2
-    assert capacity.smallest_tensor_parallel(config, 2**20, 4).tensor_parallel_size == 1
-    assert capacity.smallest_tensor_parallel(config, 50_000, 4) is None
+    assert memory_plan.smallest_tensor_parallel(config, 200_000, 4).tensor_parallel_size == 2
+    assert memory_plan.smallest_tensor_parallel(config, 2**20, 4).tensor_parallel_size == 1
+    assert memory_plan.smallest_tensor_parallel(config, 50_000, 4) is None
 
 
 def test_a_config_that_cannot_fit_is_refused_with_what_to_change(tiny_dir):
     config = EngineConfig(model=str(tiny_dir))
     with pytest.raises(ValueError) as refused:
-        capacity.check_fits(config, 200_000, 4)
+        memory_plan.check_fits(config, 200_000, 4)
     pages = int((200_000 - 107136) * 0.9) // 2048
-    int8 = capacity.plan(EngineConfig(model=str(tiny_dir), quantization="int8"), 1, 200_000)
+    int8 = memory_plan.plan(EngineConfig(model=str(tiny_dir), quantization="int8"), 1, 200_000)
     assert int8.problem() is None and int8.kv_tokens == 288  # int8 weights at tensor_parallel_size 1 fit too
     assert str(refused.value) == (
         "the model does not fit: the weights take 0.00 GiB per device at tensor_parallel_size=1, more than the "
         f"0.00 GiB a device has; set tensor_parallel_size: 2 (it fits {(pages - 1) * 16} KV tokens); or set "
         "quantization: int8 (it fits 288 KV tokens)")
     with pytest.raises(ValueError) as refused:
-        capacity.check_fits(EngineConfig(model=str(tiny_dir), quantization="int8"), 50_000, 1)
+        memory_plan.check_fits(EngineConfig(model=str(tiny_dir), quantization="int8"), 50_000, 1)
     assert str(refused.value).endswith("; use more devices (no tensor_parallel_size up to the 1 here fits)")  # no int8 advice
     memory = 213632 + 3 * 4096 * 10 // 9 + 1
     with pytest.raises(ValueError) as refused:
-        capacity.check_fits(config, memory, 1)
-    int8 = capacity.plan(EngineConfig(model=str(tiny_dir), quantization="int8"), 1, memory)
+        memory_plan.check_fits(config, memory, 1)
+    int8 = memory_plan.plan(EngineConfig(model=str(tiny_dir), quantization="int8"), 1, memory)
     assert str(refused.value).endswith(
         "the KV pool holds 3 pages of 16 tokens, fewer than one sequence of max_model_len=256 needs (17); lower "
         "max_model_len or use more devices (no tensor_parallel_size up to the 1 here fits); or set quantization: "
         f"int8 (it fits {int8.kv_tokens} KV tokens)") and int8.kv_tokens == 384
     with pytest.raises(ValueError, match=r"; lower max_model_len, set kv_cache_dtype: bfloat16 or use more devices"):
-        capacity.check_fits(EngineConfig(model=str(tiny_dir), kv_cache_dtype="float32"), 213632 + 3 * 8192, 1)
+        memory_plan.check_fits(EngineConfig(model=str(tiny_dir), kv_cache_dtype="float32"), 213632 + 3 * 8192, 1)
 
 
 def test_the_engine_refuses_before_loading_a_weight(tiny_dir, monkeypatch):
@@ -117,7 +117,7 @@ def test_a_draft_models_weights_and_keys_and_values_are_counted(tiny_dir, tmp_pa
     config = EngineConfig(model=str(tiny_dir), speculative=SpeculativeConfig(method="draft_model",
                                                                              model=str(draft_dir)))
     for size in (1, 2, 4):
-        plan = capacity.plan(config, size, 2**20)
-        one_layer = capacity.plan(EngineConfig(model=str(draft_dir)), size, 2**20)
+        plan = memory_plan.plan(config, size, 2**20)
+        one_layer = memory_plan.plan(EngineConfig(model=str(draft_dir)), size, 2**20)
         assert plan.weight_bytes == WEIGHT_BYTES[size] + one_layer.weight_bytes
         assert plan.kv_bytes_per_page == PAGE_BYTES[size] + PAGE_BYTES[size] // 2

@@ -10,8 +10,7 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from engine.config import EngineConfig
-from engine.formats.model_sources import ModelSource
+from engine.config import EngineConfig, ModelSource
 from serve_app.config import (
     AppConfig,
     CorsConfig,
@@ -40,7 +39,7 @@ def test_flat_command_line_args_configure_one_model():
     assert model.engine_config("/resolved") == EngineConfig(
         model="/resolved", source=ModelSource("/ckpt/my-model/"), max_num_seqs=8, enable_prefix_caching=False
     )
-    assert model.deployment_name == "ModelServer-my-model"
+    assert model.deployment_name == "TextServer-my-model"
 
 
 def test_remote_sources_name_their_models_and_travel_to_the_engine():
@@ -51,7 +50,7 @@ def test_remote_sources_name_their_models_and_travel_to_the_engine():
     ]})
     hub, s3, levanter = config.models
     assert [m.model_id for m in config.models] == ["Qwen/Qwen3-0.6B", "llama-3b", "checkpoints"]
-    assert hub.deployment_name == "ModelServer-Qwen-Qwen3-0.6B"
+    assert hub.deployment_name == "TextServer-Qwen-Qwen3-0.6B"
     assert [m.source.describe() for m in config.models] == [
         "Qwen/Qwen3-0.6B@v1", "s3://bucket/team/llama-3b/", "levanter:gs://bucket/run/checkpoints"]
     assert hub.engine_config("/hf/snapshot").source == ModelSource("Qwen/Qwen3-0.6B", revision="v1")

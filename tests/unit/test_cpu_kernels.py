@@ -358,7 +358,7 @@ def test_the_kernel_and_the_xla_backend_attend_a_packed_step_alike():
     its own sequence; both backends match the reference."""
     from engine.backends.base import visible_tokens
     from engine.backends.xla import SplitKVCache, _paged_attention
-    from engine.generate.step_plan import StepInputs
+    from engine.step.plan import StepInputs
 
     rng = np.random.default_rng(7)
     layers, num_pages, heads, group, dim, page_size, table_len, tokens = 2, 30, 2, 3, 16, 4, 40, 10

@@ -309,7 +309,7 @@ def test_dtype_auto_serves_a_checkpoint_in_its_own_dtype(checkpoint_factory, lla
 @pytest.mark.parametrize("declared,served", [("bfloat16", "bfloat16"), ("float16", "bfloat16"),
                                              ("float32", "float32"), (None, "float32")])
 def test_thedeclared_dtype_decides_auto(declared, served):
-    from engine.models.loading import declared_dtype
+    from engine.formats.checkpoint_config import declared_dtype
 
     assert declared_dtype({} if declared is None else {"torch_dtype": declared}) == served
     assert declared_dtype({"dtype": declared} if declared else {}) == served  # transformers 5's key
@@ -320,18 +320,17 @@ def test_the_kv_pool_takes_its_share_of_the_memory_the_weights_leave(llama_dir, 
     memory: a page of the tiny model is 2 layers x 4 slots x 2 KV heads x 16 x (K, V) x 4 bytes."""
     import logging
 
-    from engine.generate.runner import sharding
-    from engine.tools import capacity
+    from engine.generate.runner import memory_plan, sharding
 
     monkeypatch.setattr(sharding, "free_device_memory", lambda devices: 2**20)
     config = {**TIGHT, "num_pages": 0, "kv_cache_memory_fraction": 0.5}
-    with caplog.at_level(logging.INFO, logger="engine.generate.runner.model_runner"):
+    with caplog.at_level(logging.INFO, logger="engine.generate.runner.kv_pool"):
         engine = LLMEngine(EngineConfig(model=str(llama_dir), **config))
-    assert engine.executor.runner.num_pages == 2**19 // 2048 == 256
+    assert engine.executor.facts.num_pages == 2**19 // 2048 == 256
     assert engine.stats().num_pages == 255  # the scratch page is not for requests
     assert "KV pool: 256 pages of 4 tokens (1024 tokens, 0.00 GiB per device) from 50% of 0.00 GiB free" in caplog.text
-    # room for the weights and 16 pages: refused before loading (engine.tools.capacity), saying why
-    weights = capacity.plan(EngineConfig(model=str(llama_dir), **config), 1, 2**20).weight_bytes
+    # room for the weights and 16 pages: refused before loading (engine.generate.runner.memory_plan), saying why
+    weights = memory_plan.plan(EngineConfig(model=str(llama_dir), **config), 1, 2**20).weight_bytes
     monkeypatch.setattr(sharding, "free_device_memory", lambda devices: weights + 32 * 2048)
     with pytest.raises(ValueError, match=r"the KV pool holds 16 pages of 4 tokens, fewer than one sequence of "
                                          r"max_model_len=128 needs \(33\); lower max_model_len"):
@@ -353,14 +352,15 @@ def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monke
     monkeypatch.setattr(matmul_choice, "time_product", timer)
     engine = LLMEngine(EngineConfig(model=str(llama_dir), attention_backend="cpu", cpu_matmul=cpu_matmul,
                                     compilation_cache_dir=None, **{**TIGHT, "warmup": True}))
-    layer_rows = {b.tokens for b in engine.executor.buckets.all()}
+    layer_rows = {b.tokens for b in engine.executor.facts.buckets.all()}
     on_xla = cpu_matmul in ("xla", "xla_f32")
     want = {"kernel": frozenset(), "auto": frozenset({16, 24})}.get(cpu_matmul, frozenset(layer_rows))
     layer = engine.executor.runner.model.first_layer
     assert layer_rows == {1, 8, 16, 24}
     assert layer.self_attn.q_proj.xla_rows == layer.self_attn.o_proj.xla_rows == layer.mlp.gate_up.xla_rows == want
     head = engine.executor.runner.model.lm_head
-    assert head.xla_rows == (frozenset({b.rows for b in engine.executor.buckets.all()}) if on_xla else frozenset())
+    assert head.xla_rows == (frozenset({b.rows for b in engine.executor.facts.buckets.all()}) if on_xla
+                             else frozenset())
     assert head.f32_rows == (head.xla_rows if cpu_matmul == "xla_f32" else frozenset())
     # each module holds the layouts its products read: panels (kernel), the plain matrix (XLA), or both
     for module in (layer.self_attn.q_proj, layer.mlp.gate_up, head):
@@ -446,7 +446,7 @@ def test_requests_sent_while_programs_compile_are_answered_from_the_ready_ones(l
     import threading
 
     from engine import compiler
-    from engine.generate.buckets import Bucket
+    from engine.step.buckets import Bucket
 
     release, compile_rest = threading.Event(), compiler.StepCompiler._compile_rest
     monkeypatch.setattr(compiler.StepCompiler, "_compile_rest",
@@ -481,7 +481,7 @@ def test_requests_sent_while_programs_compile_are_answered_from_the_ready_ones(l
 def test_without_warm_up_nothing_is_compiled_ahead_and_nothing_is_waited_for(llama_engine):
     """warmup off: every bucket may be taken (each compiles on first use), no progress is
     reported, and waiting for the compiles returns at once."""
-    assert llama_engine.executor.ready_buckets() == llama_engine.executor.buckets.all()
+    assert llama_engine.executor.ready_buckets() == llama_engine.executor.facts.buckets.all()
     assert (llama_engine.stats().compiled_programs, llama_engine.stats().step_programs) == (0, 0)
     assert llama_engine.wait_until_compiled() is False
 

@@ -20,12 +20,9 @@ import pytest
 import regex
 from safetensors.numpy import load_file
 
+from engine.formats.builtin_models import BUILTIN_MODELS
 from engine.formats.gguf import convert_gguf_to_hf
-from engine.formats.model_sources import (
-    BUILTIN_MODELS,
-    fetch_wheel_member,
-    resolve_model,
-)
+from engine.formats.model_sources import fetch_wheel_member, resolve_model
 from tests.support.tiny_models import CHATML_TEMPLATE, SPECIAL_TOKENS, make_checkpoint
 
 torch = pytest.importorskip("torch")

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import yaml
 
-from engine.config import EngineConfig
-from engine.formats.model_sources import ModelSource, resolve_model
+from engine.config import EngineConfig, ModelSource
+from engine.formats.model_sources import resolve_model
 from engine.generate.request import SamplingParams
 from tests.support.parity import (
     hf_greedy,

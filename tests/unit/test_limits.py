@@ -13,8 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from serve_app.config import AppConfig, CorsConfig, RequestLimits
-from serve_app.http.ingress import LocalBackend, create_app
-from serve_app.replicas.generate import ModelServer
+from serve_app.http.backends import LocalBackend
+from serve_app.http.ingress import create_app
+from serve_app.replicas.generate import TextServer
 
 MODEL = "tiny"
 SMALL = RequestLimits(
@@ -227,7 +228,7 @@ def test_the_default_body_limit_is_32_mib():
 
 def test_refused_requests_leave_a_request_in_flight_alone(llama_dir):
     args = {"model": str(llama_dir), "model_id": MODEL, "engine_cls": "tests.support.fake_engine:SlowFakeEngine"}
-    server = ModelServer(AppConfig.from_args({**args, "max_model_len": 128}).models[0])
+    server = TextServer(AppConfig.from_args({**args, "max_model_len": 128}).models[0])
     app = create_app({MODEL: LocalBackend(server)}, limits=RequestLimits(max_request_body_bytes=4096))
     slow_request = {"model": MODEL, "prompt": "Hello world", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
 
@@ -236,7 +237,7 @@ def test_refused_requests_leave_a_request_in_flight_alone(llama_dir):
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             slow = asyncio.create_task(client.post("/v1/completions", json=slow_request))
             async with asyncio.timeout(30):
-                while server.engine.stats().num_running == 0:
+                while server.driver.stats().num_running == 0:
                     await asyncio.sleep(0.01)
             refused = [
                 await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 1000}),
@@ -248,7 +249,7 @@ def test_refused_requests_leave_a_request_in_flight_alone(llama_dir):
     try:
         statuses, slow = asyncio.run(run())
     finally:
-        server.engine.shutdown()
+        server.driver.shutdown()
     assert statuses == [400, 413]
     assert slow.status_code == 200
     assert slow.json()["choices"][0]["text"] == "Hello world" * 10

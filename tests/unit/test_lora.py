@@ -11,11 +11,11 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.formats.checkpoint_config import model_info
 from engine.formats.peft import read_adapter
 from engine.generate.adapters import Adapter, AdapterSlots
 from engine.generate.engine import LLMEngine
 from engine.generate.request import SamplingParams
-from engine.models.loading import model_info
 from tests.support import parity
 from tests.support.parity import (
     assert_all_pages_free,

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from engine.formats import model_sources
-from engine.formats.model_sources import COMPLETE_MARKER, WheelModel, resolve_model
+from engine.formats.builtin_models import WheelModel
+from engine.formats.model_sources import COMPLETE_MARKER, resolve_model
 
 
 def fake_convert(calls: list):

@@ -17,7 +17,7 @@ from serve_app.http.model_states import (
 SERVE_MESSAGE = (
     "The deployment failed to start 3 times in a row. This may be due to a problem with its constructor or "
     "initial health check failing. See controller logs for details. Error:\n"
-    "\x1b[36mray::ServeReplica:llm:ModelServer-bad.initialize_and_get_metadata()\x1b[39m "
+    "\x1b[36mray::ServeReplica:llm:TextServer-bad.initialize_and_get_metadata()\x1b[39m "
     "(pid=24940, ip=192.0.2.2, actor_id=ab12)\n"
     "  File \"/work/main/serve_app/replica.py\", line 48, in _start\n"
     "    self.prompts = PromptTokenizer(str(model_dir), config.model_id)\n"
@@ -53,25 +53,25 @@ def test_states_from_serve():
 
 
 def test_each_failure_is_logged_once_and_a_ready_model_never_waits_for_serve(caplog):
-    views = {"ModelServer-good": DeploymentView("HEALTHY", "", 1),
-             "ModelServer-bad": DeploymentView("UPDATING", "", 0)}
+    views = {"TextServer-good": DeploymentView("HEALTHY", "", 1),
+             "TextServer-bad": DeploymentView("UPDATING", "", 0)}
     calls = []
 
     def fetch():
         calls.append(1)
         return dict(views)
 
-    states = ModelStates({"good": "ModelServer-good", "bad": "ModelServer-bad"}, fetch)
+    states = ModelStates({"good": "TextServer-good", "bad": "TextServer-bad"}, fetch)
 
     async def refreshed() -> dict[str, ModelState]:
         return await states.refresh()  # what the watcher does every interval
 
     with caplog.at_level(logging.ERROR, logger="serve_app.http.model_states"):
         assert asyncio.run(refreshed())["bad"] == ModelState("starting")
-        views["ModelServer-bad"] = DeploymentView("DEPLOY_FAILED", SERVE_MESSAGE, 0)
+        views["TextServer-bad"] = DeploymentView("DEPLOY_FAILED", SERVE_MESSAGE, 0)
         for _ in range(3):
             assert asyncio.run(refreshed())["bad"].state == "failed"
-        views["ModelServer-bad"] = DeploymentView("UPDATING", SERVE_MESSAGE, 0)  # as if redeployed
+        views["TextServer-bad"] = DeploymentView("UPDATING", SERVE_MESSAGE, 0)  # as if redeployed
         asyncio.run(refreshed())
     assert len(calls) == 5
     reason = replica_error(SERVE_MESSAGE)
@@ -85,14 +85,14 @@ def test_each_failure_is_logged_once_and_a_ready_model_never_waits_for_serve(cap
 
 
 def test_without_an_answer_from_serve_the_last_states_hold():
-    answers = [{"ModelServer-m": DeploymentView("HEALTHY", "", 1)}]
+    answers = [{"TextServer-m": DeploymentView("HEALTHY", "", 1)}]
 
     def fetch():
         if not answers:
             raise ConnectionError("the controller is restarting")
         return answers.pop()
 
-    states = ModelStates({"m": "ModelServer-m", "new": "ModelServer-new"}, fetch)
+    states = ModelStates({"m": "TextServer-m", "new": "TextServer-new"}, fetch)
 
     async def scenario() -> tuple[dict, dict]:
         first = await states.refresh()
@@ -100,19 +100,19 @@ def test_without_an_answer_from_serve_the_last_states_hold():
 
     first, second = asyncio.run(scenario())
     assert first == second == {"m": ModelState("ready"), "new": ModelState("starting")}
-    never_asked = ModelStates({"m": "ModelServer-m"}, fetch)
+    never_asked = ModelStates({"m": "TextServer-m"}, fetch)
     assert asyncio.run(never_asked.get("m")) == ModelState("ready")  # Serve routes it as it would
 
 
 def test_a_model_not_ready_is_asked_again_before_a_request_is_refused():
     """The watcher's last answer may predate the replica's start by up to an interval: a request
     for a model that answer calls starting gets an answer asked after it arrived."""
-    views = {"ModelServer-m": DeploymentView("UPDATING", "", 0)}
-    states = ModelStates({"m": "ModelServer-m"}, lambda: dict(views), interval_s=3600.0)
+    views = {"TextServer-m": DeploymentView("UPDATING", "", 0)}
+    states = ModelStates({"m": "TextServer-m"}, lambda: dict(views), interval_s=3600.0)
 
     async def scenario() -> tuple[ModelState, ModelState]:
         before = await states.get("m")
-        views["ModelServer-m"] = DeploymentView("HEALTHY", "", 1)  # started since
+        views["TextServer-m"] = DeploymentView("HEALTHY", "", 1)  # started since
         return before, await states.get("m")
 
     assert asyncio.run(scenario()) == (ModelState("starting"), ModelState("ready"))

@@ -11,8 +11,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from serve_app.config import AppConfig
-from serve_app.http.ingress import LocalBackend, create_app
-from serve_app.replicas.generate import ModelServer
+from serve_app.http.backends import LocalBackend
+from serve_app.http.ingress import create_app
+from serve_app.replicas.generate import TextServer
 
 jsonschema = pytest.importorskip("jsonschema")  # installed with ray; openapi-spec-validator is not
 
@@ -224,10 +225,10 @@ def test_without_an_api_key_nothing_declares_security(document):
 @pytest.fixture(scope="module")
 def engine_client(llama_dir):
     args = {"model": str(llama_dir), "model_id": MODEL, "engine_cls": "tests.support.fake_engine:FakeEngine", "max_num_seqs": 8}
-    server = ModelServer(AppConfig.from_args({**args, "max_model_len": 128}).models[0])
+    server = TextServer(AppConfig.from_args({**args, "max_model_len": 128}).models[0])
     with TestClient(create_app({MODEL: LocalBackend(server)})) as client:
         yield client
-    server.engine.shutdown()
+    server.driver.shutdown()
 
 
 @pytest.mark.parametrize(

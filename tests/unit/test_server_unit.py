@@ -18,11 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.serve.exceptions import BackPressureError
 
 from serve_app.config import AppConfig
-from serve_app.http.ingress import LocalBackend, create_app
+from serve_app.http.backends import LocalBackend
+from serve_app.http.ingress import create_app
 from serve_app.protocol.chat import ChatCompletionRequest
 from serve_app.protocol.completions import CompletionRequest
 from serve_app.protocol.context import RequestContext
-from serve_app.replicas.generate import ModelServer
+from serve_app.replicas.generate import TextServer
 from tests.support.serving_helpers import held_in_tokenizing, sse_events, wait_for
 
 MODEL = "tiny"
@@ -34,16 +35,16 @@ def checkpoint(llama_dir):
     return llama_dir
 
 
-def make_server(checkpoint, engine: str = "FakeEngine") -> ModelServer:
+def make_server(checkpoint, engine: str = "FakeEngine") -> TextServer:
     args = {"model": str(checkpoint), "model_id": MODEL, "engine_cls": f"tests.support.fake_engine:{engine}", "max_num_seqs": 8}
-    return ModelServer(AppConfig.from_args({**args, "max_model_len": MAX_MODEL_LEN}).models[0])
+    return TextServer(AppConfig.from_args({**args, "max_model_len": MAX_MODEL_LEN}).models[0])
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
     server = make_server(checkpoint)
     yield server
-    server.engine.shutdown()
+    server.driver.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +142,8 @@ def test_stop_string_across_tokens_cuts_text_and_aborts_the_engine_request(check
         assert body["choices"][0]["text"] == "Hello wor"
         assert body["choices"][0]["finish_reason"] == "stop"
         assert body["usage"] == usage(2, 3)
-        wait_for(lambda: server.engine.core.aborted == [body["id"] + "-0"], what="the engine request to be aborted")
-    server.engine.shutdown()
+        wait_for(lambda: server.driver.engine.aborted == [body["id"] + "-0"], what="the engine request to be aborted")
+    server.driver.shutdown()
 
 
 def test_stop_token_ids_end_with_stop_and_count(client, tokenizer):
@@ -441,15 +442,15 @@ def test_closing_a_stream_aborts_every_choice_and_frees_the_kv_cache(checkpoint)
         chunks = server.stream_chunks(request, RequestContext(time.time()))
         first = await anext(chunks)
         await chunks.aclose()
-        assert server.engine._streams == {}  # every choice let go within aclose, not when collected later
+        assert server.driver.num_callers() == 0  # every choice let go within aclose, not when collected later
         return first
 
     assert len(asyncio.run(read_one_batch_then_leave())) >= 1
-    wait_for(lambda: len(server.engine.core.aborted) == 3, what="three aborts")
-    assert sorted(r.rsplit("-", 1)[1] for r in server.engine.core.aborted) == ["0", "1", "2"]
-    stats = wait_for(lambda: (s := server.engine.stats()).num_running == 0 and s, what="an idle engine")
+    wait_for(lambda: len(server.driver.engine.aborted) == 3, what="three aborts")
+    assert sorted(r.rsplit("-", 1)[1] for r in server.driver.engine.aborted) == ["0", "1", "2"]
+    stats = wait_for(lambda: (s := server.driver.stats()).num_running == 0 and s, what="an idle engine")
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
-    server.engine.shutdown()
+    server.driver.shutdown()
 
 
 def test_a_request_being_tokenized_does_not_hold_up_the_streams_of_others(checkpoint, tokenizer):
@@ -477,7 +478,7 @@ def test_a_request_being_tokenized_does_not_hold_up_the_streams_of_others(checkp
     ids = tokenizer.encode("Held back")
     assert body["choices"][0]["text"] == tokenizer.decode(repeat_prompt(ids, 0, 2))
     assert body["usage"] == usage(len(ids), 2)
-    server.engine.shutdown()
+    server.driver.shutdown()
 
 
 def metric_samples(text: str) -> dict[tuple, float]:
@@ -498,7 +499,7 @@ def test_metrics_count_requests_tokens_and_reasons(checkpoint):
         complete(client, prompt=[7, 2], max_tokens=4, temperature=0)  # 2 is EOS: stops after 2 tokens
         chat(client, messages=MESSAGES, temperature=0, max_tokens=1, n=2)
         response = client.get("/metrics")
-    server.engine.shutdown()
+    server.driver.shutdown()
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     samples = metric_samples(response.text)
@@ -597,7 +598,7 @@ def test_a_request_to_a_stopping_replica_is_a_503_with_retry_after(checkpoint):
     """After its engine has shut down (the replica is stopping), a request Serve still routes to it
     gets a 503 that tells the client to retry: another replica, or the restarted one, takes it."""
     server = make_server(checkpoint)
-    server.engine.shutdown()
+    server.driver.shutdown()
     with TestClient(create_app({MODEL: LocalBackend(server)})) as client:
         response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert (response.status_code, response.headers["retry-after"]) == (503, "1")
@@ -606,10 +607,10 @@ def test_a_request_to_a_stopping_replica_is_a_503_with_retry_after(checkpoint):
 
 
 def test_health_reports_the_least_compiled_live_replica():
-    from serve_app.http.ingress import _model_health
+    from serve_app.http.routes.health import model_health
 
     statuses = [{"alive": True, "compiled_programs": 3, "step_programs": 8},
                 {"alive": True, "compiled_programs": 8, "step_programs": 8},
                 {"alive": False, "compiled_programs": 1, "step_programs": 8}, TimeoutError("no answer")]
-    assert _model_health(statuses) == {"replicas": 2, "compiled_programs": 3, "step_programs": 8}
-    assert _model_health([{"alive": True, "compiled_programs": 0, "step_programs": 0}]) == {"replicas": 1}
+    assert model_health(statuses) == {"replicas": 2, "compiled_programs": 3, "step_programs": 8}
+    assert model_health([{"alive": True, "compiled_programs": 0, "step_programs": 0}]) == {"replicas": 1}

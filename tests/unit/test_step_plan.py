@@ -1,4 +1,4 @@
-"""engine.generate.step_plan: step plans built from real scheduler runs, without a model: the exact
+"""engine.generate.planner: step plans built from real scheduler runs, without a model: the exact
 arrays of the packed token layout, pending tokens read from the step in flight, sampling inputs,
 prompt logprobs, and plans that pickle into plain data."""
 
@@ -10,8 +10,8 @@ import pickle
 import numpy as np
 import pytest
 
-from engine.generate.buckets import Bucket, ShapeBuckets
 from engine.generate.pages import PageAllocator
+from engine.generate.planner import RowSlots, StepPlanner
 from engine.generate.request import SamplingParams
 from engine.generate.scheduler import (
     PENDING_TOKEN,
@@ -20,7 +20,8 @@ from engine.generate.scheduler import (
     SchedulerConfig,
     Sequence,
 )
-from engine.generate.step_plan import RowSlots, StepPlan, StepPlanner
+from engine.step.buckets import Bucket, ShapeBuckets
+from engine.step.plan import StepPlan
 
 PAGE = 4
 VOCAB = 64

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from engine.config import EngineConfig
+from engine.formats.checkpoint_config import model_info, read_hf_config
 from engine.formats.transformers_files import hf_config, load_tokenizer
 from engine.generate.engine import LLMEngine
 from engine.generate.request import SamplingParams
-from engine.models.loading import model_info, read_hf_config
 from tests.support.parity import run_to_completion, tokens_of
 from tests.support.tiny_models import CHATML_TEMPLATE, make_tokenizer
 

@@ -21,10 +21,10 @@ import pytest
 import torch
 from PIL import Image
 
+from engine.formats.llava import language_model_files
 from engine.models.vision import (
     image_features,
     image_tokens,
-    language_model_files,
     load_vision,
     read_vision_config,
 )

@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Optional
 
+from engine.ladder import ladder
+
 
 def pow2(n: int) -> int:
     """The least power of two >= n (1 for n <= 1)."""
@@ -72,10 +74,8 @@ class ShapeBuckets:
 
     @property
     def token_ladder(self) -> list[int]:
-        budget = self.max_num_batched_tokens
-        rungs = {1, budget}
-        rungs.update(1 << k for k in range(SMALLEST_BATCH.bit_length() - 1, budget.bit_length()) if 1 << k < budget)
-        return sorted(rungs)
+        """1, then SMALLEST_BATCH, twice that, ... below the token budget, then the budget."""
+        return sorted({1, *ladder(SMALLEST_BATCH, self.max_num_batched_tokens)})
 
     def bucket(self, tokens: int) -> Bucket:
         return Bucket(tokens, min(tokens, self.max_samples))
