@@ -1,7 +1,7 @@
 """The CPU attention kernel on one prompt's causal attention, one layer.
 
-    .venv/bin/python benchmarks/attention_bench.py --tokens 128,512,2000
-    PYTHONPATH=/tmp/base .venv/bin/python benchmarks/attention_bench.py   # another checkout's kernel
+    .venv/bin/python -m benchmarks.attention_bench --tokens 128,512,2000
+    PYTHONPATH=/tmp/base .venv/bin/python -m benchmarks.attention_bench   # another checkout's kernel
 
 One row of S prompt tokens (query s sees tokens [0, s]) over a bfloat16 page pool in a shuffled
 page order, SmolLM2's attention shape by default (3 KV heads x 3 query heads, head size 64, pages

@@ -1,8 +1,8 @@
 """Side-by-side serving comparison: jax-serve vs vLLM (CPU build) vs llama.cpp's `llama-server`.
 
-    .venv/bin/python benchmarks/compare.py                                  # jax-serve only
-    .venv/bin/python benchmarks/compare.py --with vllm,llamacpp             # all three
-    .venv/bin/python benchmarks/compare.py --with vllm,llamacpp --prepare-only   # installs/builds only
+    .venv/bin/python -m benchmarks.compare                                  # jax-serve only
+    .venv/bin/python -m benchmarks.compare --with vllm,llamacpp             # all three
+    .venv/bin/python -m benchmarks.compare --with vllm,llamacpp --prepare-only   # installs/builds only
 
 Each system serves the same random ~110M Llama (benchmarks/engine_bench.py's BENCH_MODEL, bf16
 safetensors, with a tokenizer padded to the model's 32000-token vocab so that any generated id

@@ -1,6 +1,6 @@
 """Compile time against depth: every step program of an engine, for models that differ only in layers.
 
-    .venv/bin/python benchmarks/compile_bench.py --layers 4,32 --backend xla,tpu --scan-layers true
+    .venv/bin/python -m benchmarks.compile_bench --layers 4,32 --backend xla,tpu --scan-layers true
 
 For each backend and depth, a random Llama of the bench model's width (hidden 768, 12 heads / 4 KV
 heads, intermediate 2048, vocab 32000; made once under ~/.cache/jax-serve) gets an engine with

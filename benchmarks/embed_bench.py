@@ -1,6 +1,6 @@
 """Embedding benchmark: sentences/s of the EmbeddingEngine, next to sentence-transformers when importable.
 
-    .venv/bin/python benchmarks/embed_bench.py --model all-minilm-l6-v2 --batch 1,64
+    .venv/bin/python -m benchmarks.embed_bench --model all-minilm-l6-v2 --batch 1,64
 
 Work: `--sentences` fixed English-like sentences (4 to 30 words, the same every round) embedded in
 calls of `batch` sentences, text in and vectors out: our rows tokenize with the checkpoint's fast
@@ -16,7 +16,7 @@ measurement only (its 5.1 line is the last for transformers 4.x):
 
     .venv/bin/pip install --no-deps --target /tmp/st "sentence-transformers<5.2" scikit-learn==1.5.2 \\
         joblib==1.4.2 threadpoolctl
-    PYTHONPATH=/tmp/st .venv/bin/python benchmarks/embed_bench.py
+    PYTHONPATH=/tmp/st .venv/bin/python -m benchmarks.embed_bench
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Offline engine benchmark: output tokens/s and per-step latency at several batch sizes.
 
-    .venv/bin/python benchmarks/engine_bench.py --batch 1,8,32
-    .venv/bin/python benchmarks/engine_bench.py --batch 8,32 --requests 64   # the serving benchmark's pattern
+    .venv/bin/python -m benchmarks.engine_bench --batch 1,8,32
+    .venv/bin/python -m benchmarks.engine_bench --batch 8,32 --requests 64   # the serving benchmark's pattern
 
 Work: a random Llama made once under ~/.cache/jax-serve (`--shape bench-110m`: hidden 768, 12 layers,
 12 heads / 4 KV heads, intermediate 2048, vocab 32000; `--shape llama-3.2-1b`: Llama-3.2-1B's shape,

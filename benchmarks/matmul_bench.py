@@ -1,7 +1,7 @@
 """The CPU matmul paths side by side on a model's product shapes.
 
-    .venv/bin/python benchmarks/matmul_bench.py --rows 32,128,512,2048
-    PYTHONPATH=/tmp/base .venv/bin/python benchmarks/matmul_bench.py   # another checkout's kernel
+    .venv/bin/python -m benchmarks.matmul_bench --rows 32,128,512,2048
+    PYTHONPATH=/tmp/base .venv/bin/python -m benchmarks.matmul_bench   # another checkout's kernel
 
 For each row count and each of a layer's products (SmolLM2-135M's by default: fused q/k/v, the
 attention output, fused gate/up, down), f32[rows, in] times a bfloat16 weight on: the kernel over

@@ -1,7 +1,7 @@
 """Cache-aware routing on vs off: a multi-turn chat workload over two replicas of one model.
 
-    .venv/bin/python benchmarks/routing_bench.py                        # both routers, one after the other
-    .venv/bin/python benchmarks/routing_bench.py --conversations 16 --turns 4 --concurrency 8
+    .venv/bin/python -m benchmarks.routing_bench                        # both routers, one after the other
+    .venv/bin/python -m benchmarks.routing_bench --conversations 16 --turns 4 --concurrency 8
 
 Serves compare.py's benchmark checkpoint (a random ~110M Llama, bf16) with two model-server
 replicas in a local Ray instance, once with `request_router: power_of_two` (Ray Serve's default)

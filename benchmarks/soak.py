@@ -1,6 +1,6 @@
 """Soak test for any OpenAI-compatible endpoint: many mixed requests, then check nothing was lost.
 
-    python benchmarks/soak.py --base-url http://127.0.0.1:8000 --model smollm2-135m-instruct \
+    python -m benchmarks.soak --base-url http://127.0.0.1:8000 --model smollm2-135m-instruct \
         --requests 2000 --concurrency 64 --disconnect-fraction 0.1 --timeout-fraction 0.1
 
 It sends `--requests` requests, at most `--concurrency` in flight, mixing completions and chat

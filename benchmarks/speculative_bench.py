@@ -1,7 +1,7 @@
 """Speculative decoding (prompt lookup) against plain decoding, on a workload whose output repeats
 its prompt and on one whose output does not.
 
-    .venv/bin/python benchmarks/speculative_bench.py --batch 1,4,8 --new-tokens 256
+    .venv/bin/python -m benchmarks.speculative_bench --batch 1,4,8 --new-tokens 256
 
 Work: the default model (SmolLM2-135M-Instruct, fetched into ~/.cache/jax-serve/models on first
 use) or `--model DIR`, chat prompts through its chat template, greedy, `batch` requests at once,

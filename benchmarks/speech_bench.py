@@ -2,9 +2,9 @@
 concurrency 1 and 8, next to transformers' Whisper `generate` on the same checkpoint and the same
 features, and its ASR pipeline (batch_size = the concurrency) on the raw audio.
 
-    .venv/bin/python benchmarks/speech_bench.py                  # a random whisper-tiny-shaped model
-    .venv/bin/python benchmarks/speech_bench.py --model DIR      # a real Whisper checkpoint
-    .venv/bin/python benchmarks/speech_bench.py --words          # with word timestamps (both sides)
+    .venv/bin/python -m benchmarks.speech_bench                  # a random whisper-tiny-shaped model
+    .venv/bin/python -m benchmarks.speech_bench --model DIR      # a real Whisper checkpoint
+    .venv/bin/python -m benchmarks.speech_bench --words          # with word timestamps (both sides)
 
 Work: `--clips` clips of `--seconds` of audio (noise for the random model, which decodes the same
 whatever it hears) turned into log-mel features once, then transcribed with timestamps (long-form:

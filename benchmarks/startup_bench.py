@@ -1,8 +1,8 @@
 """Time to the first chat answer of `serve run deploy/config.yaml`, as a new user meets it.
 
-    .venv/bin/python benchmarks/startup_bench.py --runs 2            # an empty compilation cache, then the one it left
-    .venv/bin/python benchmarks/startup_bench.py --repo /path/to/other/checkout   # the same for another checkout
-    .venv/bin/python benchmarks/startup_bench.py --runs 3 --floor imports         # Ray Serve's own share
+    .venv/bin/python -m benchmarks.startup_bench --runs 2            # an empty compilation cache, then the one it left
+    .venv/bin/python -m benchmarks.startup_bench --repo /path/to/other/checkout   # the same for another checkout
+    .venv/bin/python -m benchmarks.startup_bench --runs 3 --floor imports         # Ray Serve's own share
 
 Starts `serve run` on the repository's deploy/config.yaml (models already fetched and converted:
 run it once before), with every model's `compilation_cache_dir` pointed at a fresh directory, and

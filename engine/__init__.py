@@ -1,15 +1,13 @@
-"""A continuous-batching, paged-attention LLM engine in JAX on levanter models.
+"""A continuous-batching, paged-attention LLM engine in JAX on levanter models, and the embedding
+and speech engines beside it.
 
-Surface: `LLMEngine.add_request / abort / step` (engine.generate.engine, imports jax) and `AsyncEngine`
-(engine.generate.driver, pure Python). Grouped by concern:
+Each task is a package with its engine (sync: add / abort / step over token ids) and its async
+driver: `generate/` (LLMEngine, AsyncEngine), `embed/` (EmbeddingEngine, AsyncEmbedder),
+`transcribe/` (SpeechEngine, AsyncTranscriber). What they share sits here (config, errors, stats,
+task names, the worker spine, the step compiler, the size ladders); below them `step/` (one step
+as the device side reads it), `layers/`, `backends/`, `models/`, and `formats/` (pure I/O); `tools/`
+holds the offline tools.
 
-- `core/`: request, config, pages, scheduler, step plan: pure Python, no jax;
-- `executor/`: what runs step plans: in this process, or over one worker per host;
-- `runner/`: the device side (model runner, step programs, sampler, sharding);
-- `backends/`: the attention backends (cpu with its kernels, xla, tpu) and their KV cache layouts;
-- `model/`: the forward pass over levanter modules, checkpoint loading;
-- `formats/`: GGUF conversion and model sources.
-
-This package's `__init__` imports nothing heavy so that the serving layer can use `engine.core`
-and `engine.generate.driver` without jax.
+This package's `__init__` imports nothing heavy, so that the serving layer can use the engine's
+pure modules (`engine.generate.request`, the drivers, `engine.config`) without jax.
 """

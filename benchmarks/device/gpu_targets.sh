@@ -32,9 +32,9 @@ python3 -c "import jax, levanter.models.llama, engine.generate.engine; print(jax
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv 2>/dev/null | tee "$OUT/gpu.txt"
 
 PARTS=${1:-engine compile}
-[[ $PARTS == *engine* ]] && timeout 400 python3 benchmarks/engine_bench.py --shape "${SHAPE:-llama-3.2-1b}" --one-engine --batch "${BATCH:-1,16,64}" \
+[[ $PARTS == *engine* ]] && timeout 400 python3 -m benchmarks.engine_bench --shape "${SHAPE:-llama-3.2-1b}" --one-engine --batch "${BATCH:-1,16,64}" \
   --max-num-batched-tokens 2048 --prompt-len 128 --new-tokens 128 --repeats 3 --bandwidth-bound --replay \
   2>&1 | grep -v "^WARNING\|Warning" | tee "$OUT/engine_bench.txt"
 
-[[ $PARTS == *compile* ]] && timeout 400 python3 benchmarks/compile_bench.py --layers "${LAYERS:-4,32}" --backend "${BACKENDS:-xla,tpu}" --dtype bfloat16 \
+[[ $PARTS == *compile* ]] && timeout 400 python3 -m benchmarks.compile_bench --layers "${LAYERS:-4,32}" --backend "${BACKENDS:-xla,tpu}" --dtype bfloat16 \
   2>&1 | grep -v "^WARNING\|Warning" | tee "$OUT/compile_bench.txt"

@@ -80,12 +80,12 @@ class StepPlanner:
         inputs.q_start[len(plan.rows):] = end  # padding rows start where the tokens end: q_start stays sorted
         inputs.token_row[end:] = self.buckets.max_rows - 1
         rows = list(zip(slots, plan.rows))
-        sampling, switches = self._sampling_inputs(rows, bucket.rows, defer_masks)
+        sampling, switches = self._sampling_inputs(rows, bucket.samples, defer_masks)
         prompt_lps, prompt_rows = self._prompt_logprob_inputs(plan, starts)
         step = StepPlan(step_id, bucket, inputs, sampling, switches, prompt_lps,
                         previous.step_id if reads_previous else None)
         slot_of = {row.seq.request_id: slot for slot, row in rows if row.samples and not row.drafts}
-        return step, RowSlots(step_id, slots, slot_of, prompt_rows, bucket.rows)
+        return step, RowSlots(step_id, slots, slot_of, prompt_rows, bucket.samples)
 
     # ---- internals ----
 
@@ -209,7 +209,7 @@ def empty_step_plan(bucket: Bucket, buckets: ShapeBuckets, step_id: int,
                     switches: SamplerSwitches = SamplerSwitches()) -> StepPlan:
     """A step of padding only (every write goes to the scratch page): warm-up compiles with it
     exactly the arrays `StepPlanner.build` makes."""
-    n = bucket.rows
+    n = bucket.samples
     sampling = SamplingInputs(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
                               np.zeros(n, np.float32), np.zeros(n, np.uint32), np.zeros(n, np.int32))
     inputs = _empty_inputs(bucket, buckets)

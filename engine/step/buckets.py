@@ -45,8 +45,9 @@ class Bucket:
 
     tokens: int
     """T: token slots of the step (the forward program's size)."""
-    rows: int
-    """R: sampling slots the LM head and the sampler run on (at least the step's samples)."""
+    samples: int
+    """R: sampling slots the LM head and the sampler run on (at least the step's samples). Not
+    rows: a step's per-row arrays always have `ShapeBuckets.max_rows` rows."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +101,8 @@ class ShapeBuckets:
         smallest T and the smallest R of the compile units `ready` (default all) that hold them."""
         units = self.all() if ready is None else list(ready)
         tokens = [b.tokens for b in units if b.tokens >= num_tokens]
-        rows = [b.rows for b in units if b.rows >= num_samples]
-        if not tokens or not rows:
+        samples = [b.samples for b in units if b.samples >= num_samples]
+        if not tokens or not samples:
             raise ValueError(f"no compiled bucket holds a step of {num_tokens} tokens and {num_samples} samples "
                              f"(have {sorted(units)}); the scheduler must keep steps within the largest (engine bug)")
-        return Bucket(min(tokens), min(rows))
+        return Bucket(min(tokens), min(samples))

@@ -221,14 +221,14 @@ def _compile_all(steps, buckets, cache, mesh, vocab_size: int, axis_mapping,
     place = lambda tree: jax.tree_util.tree_map(  # noqa: E731 -- the step's host inputs as replicated types
         lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=replicated), tree)
     prev_tokens = jax.ShapeDtypeStruct((buckets.max_samples,), np.int32, sharding=replicated)
-    programs, sampler_rows = [], set()
+    programs, sampler_sizes = [], set()
     # No mesh context (jax.set_mesh): levanter evaluates a few constants eagerly while tracing, and
     # eagerly on a mesh of TPUs this host does not have cannot run. Shardings come with the arguments.
     with hax.axis_mapping(axis_mapping):
         for bucket in buckets.compile_order():
             try:
-                compiled = steps.compile_bucket(bucket, buckets, cache, prev_tokens, vocab_size, place,
-                                                samplers=() if bucket.rows in sampler_rows else WARM_SAMPLER_SWITCHES)
+                samplers = () if bucket.samples in sampler_sizes else WARM_SAMPLER_SWITCHES
+                compiled = steps.compile_bucket(bucket, buckets, cache, prev_tokens, vocab_size, place, samplers)
                 if draft is not None:
                     compiled += _compile_draft(draft, bucket, buckets, place, prev_tokens)
             except Exception as exc:  # noqa: BLE001 -- the compiler's word that a program cannot fit is a finding
@@ -238,7 +238,7 @@ def _compile_all(steps, buckets, cache, mesh, vocab_size: int, axis_mapping,
             for program in compiled:
                 programs.append(_program_report(program))
                 logger.info("%s compiled in %.1f s", program.name, program.seconds)
-            sampler_rows.add(bucket.rows)
+            sampler_sizes.add(bucket.samples)
     return programs, None
 
 

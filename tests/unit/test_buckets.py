@@ -62,7 +62,7 @@ def test_only_ready_buckets_are_taken():
     assert DEFAULT.for_step(1, 1, ready) == Bucket(32, 32)
     assert DEFAULT.for_step(40, 2, ready) == Bucket(512, 32)
     assert DEFAULT.for_step(40, 2, ready + [Bucket(1, 1), Bucket(8, 8)]) == Bucket(512, 8)
-    with pytest.raises(ValueError, match="have \\[Bucket\\(tokens=32, rows=32\\)\\]"):
+    with pytest.raises(ValueError, match="have \\[Bucket\\(tokens=32, samples=32\\)\\]"):
         DEFAULT.for_step(40, 2, ready[:1])
 
 
@@ -73,5 +73,5 @@ def test_every_step_the_scheduler_can_make_has_a_bucket():
     for tokens, rows in itertools.product(range(1, 513), (1, 2, 7, 31, 32)):
         if rows <= tokens:
             bucket = DEFAULT.for_step(tokens, rows)
-            assert bucket.tokens >= tokens and bucket.rows >= rows
-            assert bucket.tokens in {b.tokens for b in units} and bucket.rows in {b.rows for b in units}
+            assert bucket.tokens >= tokens and bucket.samples >= rows
+            assert bucket.tokens in {b.tokens for b in units} and bucket.samples in {b.samples for b in units}

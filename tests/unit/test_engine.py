@@ -359,7 +359,7 @@ def test_parity_holds_whichever_matmul_each_shape_runs(checkpoint_factory, monke
     assert layer_rows == {1, 8, 16, 24}
     assert layer.self_attn.q_proj.xla_rows == layer.self_attn.o_proj.xla_rows == layer.mlp.gate_up.xla_rows == want
     head = engine.executor.runner.model.lm_head
-    assert head.xla_rows == (frozenset({b.rows for b in engine.executor.facts.buckets.all()}) if on_xla
+    assert head.xla_rows == (frozenset({b.samples for b in engine.executor.facts.buckets.all()}) if on_xla
                              else frozenset())
     assert head.f32_rows == (head.xla_rows if cpu_matmul == "xla_f32" else frozenset())
     # each module holds the layouts its products read: panels (kernel), the plain matrix (XLA), or both

@@ -68,7 +68,7 @@ def table(seq: Sequence) -> list[int]:
 def test_rows_are_packed_decodes_first_and_only_the_end_is_padded():
     plan, planner, a, b = decode_and_chunk()
     step, slots = planner.build(plan, step_id=1)
-    assert step.bucket == Bucket(tokens=16, rows=4)
+    assert step.bucket == Bucket(tokens=16, samples=4)
     x = step.inputs
     assert x.tokens.tolist() == [33, *range(40, 48)] + [0] * 7
     assert x.positions.tolist() == [5, *range(8)] + [0] * 7

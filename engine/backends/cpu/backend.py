@@ -75,7 +75,7 @@ class CpuBackend(XlaBackend):
         products are read off the packed model's shapes first, so each module is made once, with
         only the layouts its chosen paths read."""
         shapes = buckets.all()
-        rows = {"layers": sorted({b.tokens for b in shapes}), "lm_head": sorted({b.rows for b in shapes})}
+        rows = {"layers": sorted({b.tokens for b in shapes}), "lm_head": sorted({b.samples for b in shapes})}
         abstract = eqx.filter_eval_shape(lambda m: self._packed(m, rows, lambda module, _: module), model)
         modules = _packed_modules(abstract, rows)
         products = [p for m, at in modules for p in _products(m, at)]

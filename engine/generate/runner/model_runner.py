@@ -248,7 +248,7 @@ class ModelRunner:
         warmup = ProgramWarmup(self.steps, self.draft_steps, self.buckets, vocab_size, types, self._global,
                                self._device_context)
         self.compiler = StepCompiler(self.buckets.compile_order(), warmup.compile_bucket,
-                                     lambda b: f"({b.tokens} tokens, {b.rows} rows)")
+                                     lambda b: f"({b.tokens} tokens, {b.samples} samples)")
 
     def _image_layout(self) -> Optional[ImageLayout]:
         if self.vision is None:

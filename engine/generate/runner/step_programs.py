@@ -117,7 +117,7 @@ class StepPrograms:
         arguments (or their types); `cache`, `prev_tokens` and `lora` may be types. Call under the
         mesh. A forward program compiled before comes from jit's in-memory cache."""
         plan = empty_step_plan(bucket, buckets, step_id=-1)
-        every_token = np.full((bucket.rows, mask_words(vocab_size)), -1, np.int32)
+        every_token = np.full((bucket.samples, mask_words(vocab_size)), -1, np.int32)
         inputs, sampling, masked = place((plan.inputs, plan.sampling, plan.sampling._replace(allowed=every_token)))
         start = time.perf_counter()
         lowered = self.lower_forward(cache, inputs, prev_tokens, lora, images)
@@ -129,7 +129,7 @@ class StepPrograms:
             for switches in samplers:
                 start = time.perf_counter()
                 compiled = self.lower_sample(rows, masked if switches.constrain else sampling, switches).compile()
-                programs.append(CompiledProgram(f"sample R={bucket.rows} {switches.name}", compiled,
+                programs.append(CompiledProgram(f"sample R={bucket.samples} {switches.name}", compiled,
                                                 time.perf_counter() - start))
         return programs
 
@@ -169,12 +169,12 @@ class ProgramWarmup:
         self.steps, self.draft_steps, self.buckets, self.vocab_size = steps, draft_steps, buckets, vocab_size
         self.types, self.place, self.on_devices = types, place, on_devices
         self._more_follow = len(buckets.compile_order()) > 1
-        self._sampler_rows: set[int] = set()
+        self._sampler_sizes: set[int] = set()
         self._owed: Optional[Bucket] = None
         """The first bucket, while its other sampler variants wait for the next compile."""
 
     def compile_bucket(self, bucket: Bucket) -> None:
-        first = not self._sampler_rows
+        first = not self._sampler_sizes
         with self.on_devices():
             if self._owed is not None:
                 owed, self._owed = self._owed, None
@@ -183,10 +183,10 @@ class ProgramWarmup:
                 self._compile(bucket, FIRST_SAMPLER_SWITCHES)
                 self._owed = bucket
             else:
-                self._compile(bucket, () if bucket.rows in self._sampler_rows else WARM_SAMPLER_SWITCHES)
+                self._compile(bucket, () if bucket.samples in self._sampler_sizes else WARM_SAMPLER_SWITCHES)
             if self.draft_steps is not None:
                 self._compile_draft(bucket)
-        self._sampler_rows.add(bucket.rows)
+        self._sampler_sizes.add(bucket.samples)
 
     def _compile(self, bucket: Bucket, samplers: Sequence[SamplerSwitches]) -> None:
         t = self.types
