@@ -59,7 +59,7 @@ from serve_app.text.responses import (
     CompletionFormatter,
     total_usage,
 )
-from serve_app.text.streams import merge_batches, with_keepalive
+from serve_app.text.streams import ChunkPacing, merge_batches, with_keepalive
 from serve_app.text.tokenizer import PromptInput
 from serve_app.text.tool_calls import (
     PARSER_TAGS,
@@ -132,10 +132,9 @@ class TextServer(Replica):
         self._max_image_pixels = config.max_image_pixels
         self._image_fetch = functools.partial(fetch_image, hosts=frozenset(h.lower() for h in config.image_url_hosts),
                                               max_bytes=config.max_image_bytes, timeout_s=config.image_fetch_timeout_s)
-        self._stream_interval_s = config.stream_batch_ms / 1000.0
-        self._stream_chunks_per_s = config.stream_chunks_per_s
+        self.pacing = ChunkPacing(config.stream_batch_ms / 1000.0, config.stream_chunks_per_s)
+        """The chunk interval of each open stream (they share stream_chunks_per_s)."""
         self._keepalive_s = config.stream_keepalive_s
-        self._open_streams = 0
         self._adapters = (ReplicaAdapters(self.driver.add_adapter, self.driver.remove_adapter, config.max_cpu_loras)
                           if engine_config.max_loras else None)
 
@@ -150,11 +149,10 @@ class TextServer(Replica):
 
     async def stream_chunks(self, request: OpenAIRequest, context: RequestContext) -> AsyncIterator[list[str]]:
         """JSON chunks of a streamed response, in batches; with include_usage, a last usage chunk."""
-        self._open_streams += 1
-        try:
+        with self.pacing.opened():
             async with self._planned(request, context) as plan:
                 finals = []
-                batches = merge_batches(self._runs(plan, context.arrival_time), self._chunk_interval,
+                batches = merge_batches(self._runs(plan, context.arrival_time), self.pacing.interval,
                                         flush=lambda update: update.finish_reason is not None)
                 # closed with this stream (a client gone): its engine requests end now, not when collected
                 async with contextlib.aclosing(with_keepalive(batches, self._keepalive_s)) as kept:
@@ -163,12 +161,6 @@ class TextServer(Replica):
                         yield [plan.formatter.chunk(u).model_dump_json() for u in batch]
                 if request.include_usage:
                     yield [plan.formatter.usage_chunk(total_usage(finals, plan.n)).model_dump_json()]
-        finally:
-            self._open_streams -= 1
-
-    def _chunk_interval(self) -> float:
-        """Seconds between two chunks of one stream: open streams share stream_chunks_per_s."""
-        return max(self._stream_interval_s, self._open_streams / self._stream_chunks_per_s)
 
     async def respond(self, request: OpenAIRequest, context: RequestContext) -> str:
         """The JSON of a whole (non-streamed) response."""

@@ -3,6 +3,7 @@
 A model server runs one engine request per choice (n > 1, batched prompts) and sends their output
 over one Ray streaming call. `merge_batches` interleaves the choices' streams and sends at most one
 batch per interval (the first at once), so the Ray hops are paid per batch, not per token.
+`ChunkPacing` sets that interval for each of a replica's open streams.
 
 Invariant: when the merged stream ends (exhausted, failed, closed or cancelled), every source
 stream has been closed, so each engine request still running has been aborted.
@@ -17,6 +18,30 @@ from typing import AsyncIterator, Callable, TypeVar, Union
 T = TypeVar("T")
 
 _DONE = object()
+
+
+class ChunkPacing:
+    """How often one stream of a replica may send a chunk: the open streams share
+    `chunks_per_s`, and no stream sends more often than every `min_interval_s`."""
+
+    def __init__(self, min_interval_s: float, chunks_per_s: float):
+        self.min_interval_s = min_interval_s
+        self.chunks_per_s = chunks_per_s
+        self.open_streams = 0
+        """Streams open now (each counted from its `opened()` until it ends)."""
+
+    @contextlib.contextmanager
+    def opened(self):
+        """Count one stream open while the block runs."""
+        self.open_streams += 1
+        try:
+            yield self
+        finally:
+            self.open_streams -= 1
+
+    def interval(self) -> float:
+        """Seconds between two chunks of one stream, now."""
+        return max(self.min_interval_s, self.open_streams / self.chunks_per_s)
 
 
 class _Failed:

@@ -585,13 +585,14 @@ def test_open_streams_share_the_chunk_rate_and_are_counted_back_down(client, ser
     S / rate between chunks (at least stream_batch_ms). A finished stream no longer counts."""
     events = stream(client, "/v1/completions", prompt="hello", max_tokens=5)
     assert events[-1] == "[DONE]"
-    assert server._open_streams == 0
-    rate, floor = server._stream_chunks_per_s, server._stream_interval_s
-    server._open_streams = 40
+    pacing = server.pacing
+    assert pacing.open_streams == 0
+    rate, floor = pacing.chunks_per_s, pacing.min_interval_s
+    pacing.open_streams = 40
     try:
-        assert server._chunk_interval() == pytest.approx(max(floor, 40 / rate))
+        assert pacing.interval() == pytest.approx(max(floor, 40 / rate))
     finally:
-        server._open_streams = 0
+        pacing.open_streams = 0
 
 
 def test_a_request_to_a_stopping_replica_is_a_503_with_retry_after(checkpoint):
