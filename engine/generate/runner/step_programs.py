@@ -1,6 +1,6 @@
 """A runner's jitted step programs over the model's flat weights: the forward program (its size:
 the bucket's tokens; it donates the KV cache) and the sampling program (its size: the bucket's
-rows), plus the prompt-logprobs program. Used by the `ModelRunner` to run steps and by the AOT
+sampling slots), plus the prompt-logprobs program. Used by the `ModelRunner` to run steps and by the AOT
 tool (engine.tools.aot_compile) to compile them for a TPU topology without running them.
 
 `ProgramWarmup` compiles them a bucket at a time, for engine.compiler's `StepCompiler`, without
@@ -43,10 +43,10 @@ class CompiledProgram:
 
 class StepPrograms:
     """The jitted functions: the forward program (its size: the bucket's tokens) and the sampling
-    program (its size: the bucket's rows), which runs the LM head on the rows that sample, so a
-    long prompt's step computes one row of logits. The model travels as its flat list of weight
-    arrays (the treedef is closed over): flattening equinox modules in Python on every call costs
-    ~1 ms a step, a list of arrays is flattened in C++. Hidden states and sampled tokens leave
+    program (its size: the bucket's sampling slots), which runs the LM head on the rows that
+    sample, so a long prompt's step computes one row of logits. The model travels as its flat list
+    of weight arrays (the treedef is closed over): jit flattens a list of arrays in C++, where
+    equinox modules would be flattened in Python on every call. Hidden states and sampled tokens leave
     replicated; the cache keeps its split by KV head."""
 
     def __init__(self, model: ServingModel, backend: AttentionBackend, mesh: Mesh, cache_sharding, max_samples: int,
@@ -136,7 +136,7 @@ class StepPrograms:
 
 def vocab_gather(mesh: Mesh, vocab_split: bool):
     """f(logits) -> logits computed where their slice of the vocabulary lives, then gathered: left
-    to itself, XLA gathered a tied embedding's whole weight every step (500 MiB for Llama-3.2-1B)."""
+    to itself, XLA gathers a tied embedding's whole weight onto every device every step."""
     replicated = sharding.replicated(mesh)
     by_vocab = NamedSharding(mesh, PartitionSpec(None, sharding.MODEL_AXIS)) if vocab_split else replicated
     constrain = jax.lax.with_sharding_constraint
