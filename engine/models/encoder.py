@@ -7,15 +7,16 @@ Reads a sentence-transformers checkpoint directory:
     sentence-transformers pools a plain Hugging Face checkpoint: the mean of its tokens, unnormalised.
   * sentence_bert_config.json: `max_seq_length`, the longest input the model was trained for.
 
-The forward pass is BERT's: word + position + token-type-0 embeddings and a LayerNorm, then layers
-of bidirectional self-attention and a GELU feed-forward block, each followed by a residual
-LayerNorm (post-norm). Padding is masked out of attention and pooling, so a row's embedding does
-not depend on what else shares its batch or how far it is padded.
+The forward pass is BERT's: word + position + token-type-0 embeddings and a LayerNorm, then
+engine.layers.transformer's encoder layers, post-norm (bidirectional self-attention and a GELU
+feed-forward block, each followed by a residual LayerNorm), q scaled before its dot with the keys.
+Padding is masked out of attention and pooling, so a row's embedding does not depend on what else
+shares its batch or how far it is padded.
 
-Named axes: "batch", "position" (and "key_position" inside attention), "embed", "qkv", "heads",
-"head_size", "mlp", "vocab". Weights are stored (In..., Out...), as `loading.inputs_first` lays
-out the decoder's, so no call transposes a weight. In bfloat16, the LayerNorm statistics, the
-softmax and the pooling run in float32; the output is always float32.
+Named axes: "batch", "vocab" and the layers' ("position", "key_position", "embed", ...). Weights are
+stored (In..., Out...), as `loading.inputs_first` lays out the decoder's, so no call transposes a
+weight. In bfloat16, the LayerNorm statistics, the softmax and the pooling run in float32; the
+output is always float32.
 """
 
 from __future__ import annotations
@@ -35,36 +36,37 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from engine.formats.checkpoint_config import declared_dtype, read_hf_config
+from engine.layers.transformer import (
+    EncoderLayer,
+    EncoderSizes,
+    KPos,
+    LayerAxes,
+    LayerKeys,
+    Pos,
+    TorchWeights,
+    layer_norm,
+    load_encoder_layer,
+)
 
 logger = logging.getLogger(__name__)
 
-Batch, Pos, KPos = "batch", "position", "key_position"
-_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
-"""BERT's `hidden_act` -> whether it is the tanh approximation of GELU (plain `gelu` is erf's)."""
+Batch = "batch"
+_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
+"""BERT's `hidden_act` values served (plain `gelu` is erf's GELU, the two others its tanh approximation)."""
 _POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len")
 """The pooling modes served, in the order sentence-transformers concatenates them."""
 _MASKED = -1e9
-"""Added to masked attention scores and max-pooling inputs: exp() of it is 0 in float32."""
+"""Given to max-pooling's inputs at padding: below any state."""
 
 
 @dataclasses.dataclass(frozen=True)
-class EncoderConfig:
+class EncoderConfig(EncoderSizes):
     """The sizes of a BERT encoder, from its config.json."""
 
     vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
     max_position_embeddings: int
-    layer_norm_eps: float
-    hidden_act: str
     dtype: str
     """The weights' dtype as config.json declares it (engine.formats.checkpoint_config.declared_dtype)."""
-
-    @property
-    def head_size(self) -> int:
-        return self.hidden_size // self.num_heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,36 +185,13 @@ class Embeddings(eqx.Module):
 
     def __call__(self, tokens: hax.NamedArray) -> hax.NamedArray:
         positions = self.position[Pos, : tokens.resolve_axis(Pos).size]
-        return _layer_norm(self.norm, self.word.take("vocab", tokens) + positions + self.token_type)
-
-
-class EncoderLayer(eqx.Module):
-    qkv: hnn.Linear
-    """embed -> (qkv, heads, head_size): query, key and value in one product."""
-    attn_out: hnn.Linear
-    attn_norm: hnn.LayerNorm
-    up: hnn.Linear
-    down: hnn.Linear
-    ffn_norm: hnn.LayerNorm
-    tanh_gelu: bool = eqx.field(static=True)
-
-    def __call__(self, x: hax.NamedArray, mask: hax.NamedArray) -> hax.NamedArray:
-        """x: [batch, position, embed]; mask: [batch, key_position], True for real tokens."""
-        qkv = self.qkv(x)
-        q, k, v = (qkv["qkv", i] for i in range(3))
-        q = q * jnp.asarray(1.0 / np.sqrt(q.resolve_axis("head_size").size), q.dtype)
-        k, v = k.rename({Pos: KPos}), v.rename({Pos: KPos})
-        scores = hax.where(mask, hax.dot(q, k, axis="head_size").astype(jnp.float32), _MASKED)
-        weights = hnn.softmax(scores, axis=KPos).astype(v.dtype)
-        attended = hax.dot(weights, v, axis=KPos)
-        x = _layer_norm(self.attn_norm, x + self.attn_out(attended))
-        hidden = hnn.gelu(self.up(x), approximate=self.tanh_gelu)
-        return _layer_norm(self.ffn_norm, x + self.down(hidden))
+        return layer_norm(self.norm, self.word.take("vocab", tokens) + positions + self.token_type)
 
 
 class Encoder(eqx.Module):
     embeddings: Embeddings
     layers: tuple[EncoderLayer, ...]
+    """Post-norm, q scaled before its dot with the keys, padding keys masked."""
 
     def __call__(self, tokens: hax.NamedArray, mask: hax.NamedArray) -> hax.NamedArray:
         """tokens, mask: [batch, position] -> last hidden states [batch, position, embed]."""
@@ -221,11 +200,6 @@ class Encoder(eqx.Module):
         for layer in self.layers:
             x = layer(x, key_mask)
         return x
-
-
-def _layer_norm(norm: hnn.LayerNorm, x: hax.NamedArray) -> hax.NamedArray:
-    """`norm` with float32 statistics, returned in x's dtype."""
-    return norm(x.astype(jnp.float32)).astype(x.dtype)
 
 
 def pool(hidden: hax.NamedArray, mask: hax.NamedArray, pooling: Pooling) -> jax.Array:
@@ -262,70 +236,31 @@ def embed(model: Encoder, tokens: jax.Array, mask: jax.Array, pooling: Pooling) 
 def load_encoder(checkpoint: EncoderCheckpoint, dtype: str) -> Encoder:
     """The encoder of `checkpoint` with its weights in `dtype` ("float32" or "bfloat16")."""
     state = _read_state_dict(checkpoint.transformer_dir)
-    config, dt = checkpoint.config, jnp.dtype(dtype)
-    axes = _Axes.of(config)
-
-    def array(name: str, names: tuple, shape: Optional[tuple] = None) -> hax.NamedArray:
-        value = state[name] if shape is None else state[name].reshape(shape)
-        return hax.named(jnp.asarray(value, dt), names)
-
-    def linear(prefix: str, In, Out) -> hnn.Linear:
-        in_shape = tuple(a.size for a in _spec(In))
-        out_shape = tuple(a.size for a in _spec(Out))
-        weight = state[f"{prefix}.weight"].T.reshape(in_shape + out_shape)  # torch keeps (out, in)
-        return hnn.Linear(hax.named(jnp.asarray(weight, dt), (*_spec(In), *_spec(Out))),
-                          array(f"{prefix}.bias", _spec(Out), out_shape), In, Out)
-
-    def norm(prefix: str) -> hnn.LayerNorm:
-        return hnn.LayerNorm(axes.embed, array(f"{prefix}.weight", (axes.embed,)),
-                             array(f"{prefix}.bias", (axes.embed,)), eps=config.layer_norm_eps)
-
-    def layer(i: int) -> EncoderLayer:
-        p = f"encoder.layer.{i}"
-        qkv_names = [f"{p}.attention.self.{n}" for n in ("query", "key", "value")]
-        state[f"{p}.qkv.weight"] = np.concatenate([state[f"{n}.weight"] for n in qkv_names], axis=0)
-        state[f"{p}.qkv.bias"] = np.concatenate([state[f"{n}.bias"] for n in qkv_names], axis=0)
-        return EncoderLayer(
-            qkv=linear(f"{p}.qkv", axes.embed, (axes.qkv, axes.heads, axes.head_size)),
-            attn_out=linear(f"{p}.attention.output.dense", (axes.heads, axes.head_size), axes.embed),
-            attn_norm=norm(f"{p}.attention.output.LayerNorm"),
-            up=linear(f"{p}.intermediate.dense", axes.embed, axes.mlp),
-            down=linear(f"{p}.output.dense", axes.mlp, axes.embed),
-            ffn_norm=norm(f"{p}.output.LayerNorm"),
-            tanh_gelu=_ACTIVATIONS[config.hidden_act],
-        )
-
+    config, weights = checkpoint.config, TorchWeights(state.__getitem__, jnp.dtype(dtype))
+    embed = LayerAxes.of(config).embed
     embeddings = Embeddings(
-        word=array("embeddings.word_embeddings.weight", (axes.vocab, axes.embed)),
-        position=array("embeddings.position_embeddings.weight", (axes.positions, axes.embed)),
-        token_type=hax.named(jnp.asarray(state["embeddings.token_type_embeddings.weight"][0], dt), (axes.embed,)),
-        norm=norm("embeddings.LayerNorm"),
+        word=weights.array("embeddings.word_embeddings.weight", (hax.Axis("vocab", config.vocab_size), embed)),
+        position=weights.array("embeddings.position_embeddings.weight",
+                               (hax.Axis(Pos, config.max_position_embeddings), embed)),
+        token_type=hax.named(jnp.asarray(state["embeddings.token_type_embeddings.weight"][0], weights.dtype),
+                             (embed,)),
+        norm=weights.norm("embeddings.LayerNorm", embed, config.layer_norm_eps),
     )
-    model = Encoder(embeddings, tuple(layer(i) for i in range(config.num_layers)))
+    layers = tuple(load_encoder_layer(weights, _layer_keys(i), config, pre_norm=False, scale_query=True)
+                   for i in range(config.num_layers))
+    model = Encoder(embeddings, layers)
     logger.info("loaded BERT encoder %s (%d layers, hidden %d, %s)", checkpoint.transformer_dir,
                 config.num_layers, config.hidden_size, dtype)
     return model
 
 
-@dataclasses.dataclass(frozen=True)
-class _Axes:
-    vocab: hax.Axis
-    positions: hax.Axis
-    embed: hax.Axis
-    qkv: hax.Axis
-    heads: hax.Axis
-    head_size: hax.Axis
-    mlp: hax.Axis
-
-    @staticmethod
-    def of(config: EncoderConfig) -> "_Axes":
-        return _Axes(hax.Axis("vocab", config.vocab_size), hax.Axis(Pos, config.max_position_embeddings),
-                     hax.Axis("embed", config.hidden_size), hax.Axis("qkv", 3), hax.Axis("heads", config.num_heads),
-                     hax.Axis("head_size", config.head_size), hax.Axis("mlp", config.intermediate_size))
-
-
-def _spec(axes) -> tuple[hax.Axis, ...]:
-    return (axes,) if isinstance(axes, hax.Axis) else tuple(axes)
+def _layer_keys(i: int) -> LayerKeys:
+    """Where `BertModel` keeps layer i's weights."""
+    p = f"encoder.layer.{i}"
+    return LayerKeys(query=f"{p}.attention.self.query", key=f"{p}.attention.self.key",
+                     value=f"{p}.attention.self.value", out=f"{p}.attention.output.dense",
+                     attn_norm=f"{p}.attention.output.LayerNorm", up=f"{p}.intermediate.dense",
+                     down=f"{p}.output.dense", mlp_norm=f"{p}.output.LayerNorm")
 
 
 def _read_state_dict(folder: Path) -> dict[str, np.ndarray]:

@@ -12,8 +12,9 @@ The forward pass is transformers' `LlavaModel.get_image_features`:
     dropped, as the convolution drops them. CLIP puts a class token first and has no bias; SigLIP has
     no class token and a bias. Plus learned position embeddings.
   * CLIP only: `pre_layrnorm`. The result is hidden state 0.
-  * pre-norm layers of bidirectional self-attention and an MLP (CLIP: quick_gelu; SigLIP:
-    gelu_pytorch_tanh); hidden state i is layer i's output. The post-layernorm (and SigLIP's
+  * engine.layers.transformer's encoder layers, pre-norm (bidirectional self-attention and an MLP;
+    CLIP: quick_gelu, SigLIP: gelu_pytorch_tanh), the scores accumulated in float32 and then scaled;
+    hidden state i is layer i's output. The post-layernorm (and SigLIP's
     pooling head) never reach LLaVA's features, so they are not loaded.
   * the hidden state `vision_feature_layer` picks (a list: those, concatenated on the embedding axis,
     in the list's order); "default" drops position 0 (CLIP's class token; with SigLIP, the first
@@ -22,9 +23,9 @@ The forward pass is transformers' `LlavaModel.get_image_features`:
 Only the layers up to the deepest selected hidden state are loaded and run.
 
 Named axes: "image", "channel", "patch_row"/"patch_col" (which patch), "pixel_row"/"pixel_col"
-(the pixel inside a patch), "position" (the tower's tokens; "key_position" inside attention),
-"embed", "qkv", "heads", "head_size", "mlp", "feature_layer" (the selected hidden states),
-"projection" (linear_1's output), "text_embed" (the decoder's hidden size). Weights are stored
+(the pixel inside a patch), the layers' ("position": the tower's tokens, "key_position", "embed",
+...), "feature_layer" (the selected hidden states), "projection" (linear_1's output), "text_embed"
+(the decoder's hidden size). Weights are stored
 (In..., Out...), as `loading.inputs_first` lays out the decoder's, so no call transposes a weight.
 In bfloat16, the LayerNorm statistics and the softmax (and its scores) run in float32.
 """
@@ -34,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 import equinox as eqx
@@ -46,35 +46,33 @@ import numpy as np
 
 from engine.formats.checkpoint_config import declared_dtype
 from engine.formats.llava import TOWERS, Layout, llava_configs, read_tensors
+from engine.layers.transformer import (
+    ACTIVATIONS,
+    EncoderLayer,
+    EncoderSizes,
+    LayerAxes,
+    LayerKeys,
+    Pos,
+    TorchWeights,
+    layer_norm,
+    load_encoder_layer,
+)
 
 logger = logging.getLogger(__name__)
 
-Image, Pos, KPos = "image", "position", "key_position"
-_ACTIVATIONS: dict[str, Callable[[hax.NamedArray], hax.NamedArray]] = {
-    "gelu": lambda x: hnn.gelu(x, approximate=False),
-    "gelu_new": lambda x: hnn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: hnn.gelu(x, approximate=True),
-    "quick_gelu": hnn.quick_gelu,
-}
-"""transformers' activation names (ACT2FN) served: `gelu` is erf's GELU, the two tanh ones are equal."""
+Image = "image"
 _STRATEGIES = ("default", "full")
 
 
 @dataclasses.dataclass(frozen=True)
-class VisionConfig:
-    """The sizes of a LLaVA vision tower and projector, from config.json (as transformers fills it)."""
+class VisionConfig(EncoderSizes):
+    """The sizes of a LLaVA vision tower and projector, from config.json (as transformers fills it).
+    `num_layers` counts the tower's layers; only `depth` of them run."""
 
     tower: str
     """"clip" or "siglip"."""
-    hidden_size: int
-    num_layers: int
-    """The tower's layers; only `depth` of them run."""
-    num_heads: int
-    intermediate_size: int
     image_size: int
     patch_size: int
-    layer_norm_eps: float
-    hidden_act: str
     feature_layers: tuple[int, ...]
     """The hidden states fed to the projector, as indices in 0..num_layers (0 is the embeddings), in the
     order they are concatenated; `vision_feature_layer` with negative indices resolved."""
@@ -87,10 +85,6 @@ class VisionConfig:
     """The prompt's placeholder token: each copy takes one row of `image_features`."""
     dtype: str
     """The weights' dtype as config.json declares it (engine.formats.checkpoint_config.declared_dtype)."""
-
-    @property
-    def head_size(self) -> int:
-        return self.hidden_size // self.num_heads
 
     @property
     def grid(self) -> int:
@@ -126,8 +120,8 @@ def read_vision_config(model_dir: str | Path) -> VisionConfig:
                          f"num_attention_heads {vision['num_attention_heads']}")
     for field, act in (("vision_config.hidden_act", vision["hidden_act"]),
                        ("projector_hidden_act", hf.get("projector_hidden_act", "gelu"))):
-        if act not in _ACTIVATIONS:
-            raise ValueError(f"{where} has {field} {act!r}; the engine supports {', '.join(_ACTIVATIONS)}")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"{where} has {field} {act!r}; the engine supports {', '.join(ACTIVATIONS)}")
     strategy = hf.get("vision_feature_select_strategy", "default")
     if strategy not in _STRATEGIES:
         raise ValueError(f"{where} has vision_feature_select_strategy {strategy!r}; transformers and the engine "
@@ -195,32 +189,7 @@ class PatchEmbedding(eqx.Module):
             first = hax.broadcast_axis(self.class_token, (x.resolve_axis(Image), hax.Axis(Pos, 1)))
             x = hax.concatenate(Pos, [first.rearrange((Image, Pos, "embed")), x])
         x = x + self.position
-        return x if self.pre_norm is None else _layer_norm(self.pre_norm, x)
-
-
-class VisionLayer(eqx.Module):
-    attn_norm: hnn.LayerNorm
-    qkv: hnn.Linear
-    """embed -> (qkv, heads, head_size): query, key and value in one product."""
-    attn_out: hnn.Linear
-    mlp_norm: hnn.LayerNorm
-    up: hnn.Linear
-    down: hnn.Linear
-    act: str = eqx.field(static=True)
-
-    def __call__(self, x: hax.NamedArray) -> hax.NamedArray:
-        """[image, position, embed] -> the same: pre-norm attention, then a pre-norm MLP, each residual."""
-        x = x + self._attend(_layer_norm(self.attn_norm, x))
-        return x + self.down(_ACTIVATIONS[self.act](self.up(_layer_norm(self.mlp_norm, x))))
-
-    def _attend(self, x: hax.NamedArray) -> hax.NamedArray:
-        qkv = self.qkv(x)
-        q, k, v = (qkv["qkv", i] for i in range(3))
-        k, v = k.rename({Pos: KPos}), v.rename({Pos: KPos})
-        scale = 1.0 / np.sqrt(q.resolve_axis("head_size").size)
-        scores = hax.dot(q, k, axis="head_size", preferred_element_type=jnp.float32) * scale
-        weights = hnn.softmax(scores, axis=KPos).astype(v.dtype)
-        return self.attn_out(hax.dot(weights, v, axis=KPos))
+        return x if self.pre_norm is None else layer_norm(self.pre_norm, x)
 
 
 class Projector(eqx.Module):
@@ -231,13 +200,14 @@ class Projector(eqx.Module):
     act: str = eqx.field(static=True)
 
     def __call__(self, features: hax.NamedArray) -> hax.NamedArray:
-        return self.linear_2(_ACTIVATIONS[self.act](self.linear_1(features)))
+        return self.linear_2(ACTIVATIONS[self.act](self.linear_1(features)))
 
 
 class VisionModel(eqx.Module):
     embeddings: PatchEmbedding
-    layers: tuple[VisionLayer, ...]
-    """The tower's first `config.depth` layers: none past the deepest selected hidden state."""
+    layers: tuple[EncoderLayer, ...]
+    """The tower's first `config.depth` layers (pre-norm, the scores scaled after their float32 dot, no
+    mask): none past the deepest selected hidden state."""
     projector: Projector
     config: VisionConfig = eqx.field(static=True)
 
@@ -262,11 +232,6 @@ def image_features(model: VisionModel, pixels: jax.Array) -> jax.Array:
     return model.projector(features).rearrange((Image, Pos, "text_embed")).array
 
 
-def _layer_norm(norm: hnn.LayerNorm, x: hax.NamedArray) -> hax.NamedArray:
-    """`norm` with float32 statistics, returned in x's dtype."""
-    return norm(x.astype(jnp.float32)).astype(x.dtype)
-
-
 # ---- loading ----
 
 
@@ -275,31 +240,28 @@ def load_vision(model_dir: str | Path, dtype: str) -> VisionModel:
     ("float32" or "bfloat16")."""
     root = Path(model_dir).expanduser().absolute()
     config = read_vision_config(root)
-    weights = _Weights.read(root, config, jnp.dtype(dtype))
-    layers = tuple(_vision_layer(weights, config, i) for i in range(config.depth))
-    model = VisionModel(_patch_embedding(weights, config), layers, _projector(weights, config), config)
+    weights, axes = TorchWeights(_Tensors.read(root, config).tensor, jnp.dtype(dtype)), _Axes.of(config)
+    layers = tuple(load_encoder_layer(weights, _layer_keys(i), config, pre_norm=True, scale_query=False)
+                   for i in range(config.depth))
+    model = VisionModel(_patch_embedding(weights, axes, config), layers, _projector(weights, axes, config), config)
     logger.info("loaded LLaVA %s vision tower %s (%d of %d layers, hidden %d, %d tokens per image, %s)", config.tower,
                 root, config.depth, config.num_layers, config.hidden_size, image_tokens(config), dtype)
     return model
 
 
-@dataclasses.dataclass
-class _Weights:
-    """The tower's and projector's tensors, named as `_vision_key` names them, made into haliax modules."""
+@dataclasses.dataclass(frozen=True)
+class _Tensors:
+    """The tower's and projector's tensors, named as `_vision_key` names them."""
 
     root: Path
     layout: Layout
     state: dict[str, np.ndarray]
-    dtype: jnp.dtype
-    axes: _Axes
-    eps: float
 
     @staticmethod
-    def read(root: Path, config: VisionConfig, dtype: jnp.dtype) -> _Weights:
+    def read(root: Path, config: VisionConfig) -> _Tensors:
         layout = Layout.of(root)
         state = read_tensors(root, lambda key: _vision_key(key, layout, config.depth) is not None)
-        state = {_vision_key(key, layout, config.depth): value for key, value in state.items()}
-        return _Weights(root, layout, state, dtype, _Axes.of(config), config.layer_norm_eps)
+        return _Tensors(root, layout, {_vision_key(key, layout, config.depth): value for key, value in state.items()})
 
     def tensor(self, name: str) -> np.ndarray:
         if name not in self.state:
@@ -307,57 +269,30 @@ class _Weights:
                              f"{self.layout.projector!r}): an incomplete or non-LLaVA checkpoint")
         return self.state[name]
 
-    def array(self, name: str, names: tuple) -> hax.NamedArray:
-        return hax.named(jnp.asarray(self.tensor(name), self.dtype), names)
 
-    def linear(self, prefix: str, In, Out, weight: np.ndarray | None = None, bias: bool = True) -> hnn.Linear:
-        in_shape = tuple(a.size for a in _spec(In))
-        out_shape = tuple(a.size for a in _spec(Out))
-        weight = self.tensor(f"{prefix}.weight").T if weight is None else weight  # torch keeps (out, in)
-        named = hax.named(jnp.asarray(weight.reshape(in_shape + out_shape), self.dtype), (*_spec(In), *_spec(Out)))
-        b = None
-        if bias:
-            b = hax.named(jnp.asarray(self.tensor(f"{prefix}.bias").reshape(out_shape), self.dtype), _spec(Out))
-        return hnn.Linear(named, b, In, Out)
-
-    def norm(self, prefix: str) -> hnn.LayerNorm:
-        embed = self.axes.embed
-        return hnn.LayerNorm(embed, self.array(f"{prefix}.weight", (embed,)), self.array(f"{prefix}.bias", (embed,)),
-                             eps=self.eps)
+def _layer_keys(i: int) -> LayerKeys:
+    """Where CLIP's and SigLIP's encoders keep layer i's weights."""
+    p = f"tower.encoder.layers.{i}"
+    return LayerKeys(query=f"{p}.self_attn.q_proj", key=f"{p}.self_attn.k_proj", value=f"{p}.self_attn.v_proj",
+                     out=f"{p}.self_attn.out_proj", attn_norm=f"{p}.layer_norm1", up=f"{p}.mlp.fc1",
+                     down=f"{p}.mlp.fc2", mlp_norm=f"{p}.layer_norm2")
 
 
-def _vision_layer(w: _Weights, config: VisionConfig, i: int) -> VisionLayer:
-    p, axes = f"tower.encoder.layers.{i}", w.axes
-    qkv = [f"{p}.self_attn.{n}_proj" for n in ("q", "k", "v")]
-    w.state[f"{p}.qkv.weight"] = np.concatenate([w.tensor(f"{n}.weight") for n in qkv], axis=0)
-    w.state[f"{p}.qkv.bias"] = np.concatenate([w.tensor(f"{n}.bias") for n in qkv], axis=0)
-    return VisionLayer(
-        attn_norm=w.norm(f"{p}.layer_norm1"),
-        qkv=w.linear(f"{p}.qkv", axes.embed, (axes.qkv, axes.heads, axes.head_size)),
-        attn_out=w.linear(f"{p}.self_attn.out_proj", (axes.heads, axes.head_size), axes.embed),
-        mlp_norm=w.norm(f"{p}.layer_norm2"),
-        up=w.linear(f"{p}.mlp.fc1", axes.embed, axes.mlp),
-        down=w.linear(f"{p}.mlp.fc2", axes.mlp, axes.embed),
-        act=config.hidden_act,
-    )
-
-
-def _patch_embedding(w: _Weights, config: VisionConfig) -> PatchEmbedding:
-    clip, axes = config.class_token, w.axes
+def _patch_embedding(w: TorchWeights, axes: _Axes, config: VisionConfig) -> PatchEmbedding:
+    clip = config.class_token
     conv = w.tensor("tower.embeddings.patch_embedding.weight").transpose(1, 2, 3, 0)  # (out, c, h, w) -> (c, h, w, out)
     return PatchEmbedding(
         patches=w.linear("tower.embeddings.patch_embedding", (axes.channel, axes.pixel_row, axes.pixel_col),
                          axes.embed, weight=conv, bias=not clip),
         class_token=w.array("tower.embeddings.class_embedding", (axes.embed,)) if clip else None,
         position=w.array("tower.embeddings.position_embedding.weight", (axes.positions, axes.embed)),
-        pre_norm=w.norm("tower.pre_layrnorm") if clip else None,
+        pre_norm=w.norm("tower.pre_layrnorm", axes.embed, config.layer_norm_eps) if clip else None,
         grid=config.grid,
         patch_size=config.patch_size,
     )
 
 
-def _projector(w: _Weights, config: VisionConfig) -> Projector:
-    axes = w.axes
+def _projector(w: TorchWeights, axes: _Axes, config: VisionConfig) -> Projector:
     return Projector(
         linear_1=w.linear("projector.linear_1", (axes.feature_layer, axes.embed), axes.projection,
                           bias=config.projector_bias),
@@ -387,10 +322,6 @@ class _Axes:
     pixel_col: hax.Axis
     positions: hax.Axis
     embed: hax.Axis
-    qkv: hax.Axis
-    heads: hax.Axis
-    head_size: hax.Axis
-    mlp: hax.Axis
     feature_layer: hax.Axis
     projection: hax.Axis
     text_embed: hax.Axis
@@ -399,11 +330,5 @@ class _Axes:
     def of(config: VisionConfig) -> _Axes:
         return _Axes(hax.Axis("channel", 3), hax.Axis("pixel_row", config.patch_size),
                      hax.Axis("pixel_col", config.patch_size), hax.Axis(Pos, config.positions),
-                     hax.Axis("embed", config.hidden_size), hax.Axis("qkv", 3), hax.Axis("heads", config.num_heads),
-                     hax.Axis("head_size", config.head_size), hax.Axis("mlp", config.intermediate_size),
-                     hax.Axis("feature_layer", len(config.feature_layers)),
+                     LayerAxes.of(config).embed, hax.Axis("feature_layer", len(config.feature_layers)),
                      hax.Axis("projection", config.text_hidden_size), hax.Axis("text_embed", config.text_hidden_size))
-
-
-def _spec(axes) -> tuple[hax.Axis, ...]:
-    return (axes,) if isinstance(axes, hax.Axis) else tuple(axes)
