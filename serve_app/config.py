@@ -30,6 +30,14 @@ from engine.generate.request import MAX_TOP_LOGPROBS
 from engine.transcribe.decoding import Fallback
 from serve_app.tasks import DEFAULT_TASK, TASK_NAMES, TASKS
 
+MOVED_ENGINES = {
+    "engine.llm_engine:LLMEngine": "engine.generate.engine:LLMEngine",
+    "engine.embedding_engine:EmbeddingEngine": "engine.embed.engine:EmbeddingEngine",
+    "engine.speech_engine:SpeechEngine": "engine.transcribe.engine:SpeechEngine",
+}
+"""The engines' import paths before the layout by task (2026-12), and where they are now: a config
+written before names the new path in its error instead of failing to import on the replica."""
+
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model", "source"}
 
 
@@ -222,6 +230,9 @@ class ModelConfig(BaseModel):
             raise ValueError(f"lora_modules adapt a text generation model; {self.model_id!r} is a {self.task} model")
         if ":" not in self.engine_cls:
             raise ValueError(f"engine_cls must look like 'module:Class', got {self.engine_cls!r}")
+        if self.engine_cls in MOVED_ENGINES:
+            raise ValueError(f"engine_cls {self.engine_cls!r} has moved: set engine_cls to "
+                             f"{MOVED_ENGINES[self.engine_cls]!r} (or leave it out for the task's default)")
         if self.stream_silence_timeout_s <= self.stream_keepalive_s:
             raise ValueError(f"stream_silence_timeout_s ({self.stream_silence_timeout_s:g}) must exceed "
                              f"stream_keepalive_s ({self.stream_keepalive_s:g}); raise it")

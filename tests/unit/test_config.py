@@ -89,6 +89,8 @@ def test_default_model_ids(spec, model_id):
         ({"model": "m", "engine": {"max_num_sequences": 8}}, "unknown engine fields ['max_num_sequences']"),
         ({"model": "m", "num_replica": 2}, "Extra inputs are not permitted"),
         ({"model": "m", "engine_cls": "engine.generate.engine.LLMEngine"}, "engine_cls must look like 'module:Class'"),
+        ({"model": "m", "engine_cls": "engine.llm_engine:LLMEngine"},
+         "engine_cls 'engine.llm_engine:LLMEngine' has moved: set engine_cls to 'engine.generate.engine:LLMEngine'"),
         ({"models": [{"model": "a"}, {"model": "/x/a"}]}, "model ids must be unique"),
         ({"models": [{"model": "a", "lora_modules": {"b": "/l"}}, {"model": "b"}]},
          "LoRA adapter names must be unique and differ from the model ids; ['b'] is used twice"),
