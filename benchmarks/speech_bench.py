@@ -30,7 +30,7 @@ import numpy as np
 
 
 def random_checkpoint(out: Path) -> Path:
-    """A random model of whisper-tiny's shape and vocabulary (tests/tiny_models.py)."""
+    """A random model of whisper-tiny's shape and vocabulary (tests/support/tiny_models.py)."""
     from tests.support.tiny_models import make_whisper_checkpoint
 
     return make_whisper_checkpoint(out, d_model=384, num_layers=4, num_heads=6, ffn_dim=1536,

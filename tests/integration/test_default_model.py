@@ -29,7 +29,7 @@ def test_default_model_answers_paris(smollm2_dir):
         for delta in engine.step():
             tokens += delta.token_ids
             finish = delta.finish_reason or finish
-    # transformers' greedy answer on the same checkpoint (tests/test_gguf.py checks it there)
+    # transformers' greedy answer on the same checkpoint (tests/unit/test_gguf.py checks it there)
     assert tokens == [504, 3575, 282, 4649, 314, 7042, 30, 2]
     assert tokenizer.decode(tokens, skip_special_tokens=True) == "The capital of France is Paris."
     assert finish is FinishReason.STOP

@@ -1,6 +1,6 @@
 """Models from the Hugging Face Hub and from S3 (engine.formats.hub, engine.formats.object_store).
 
-The Hub is tests/hub_server.py, a local server speaking the Hub's download API (`HF_ENDPOINT`);
+The Hub is tests/support/hub_server.py, a local server speaking the Hub's download API (`HF_ENDPOINT`);
 huggingface_hub reads its endpoint, token and offline mode when imported, so every Hub resolution
 runs in a fresh interpreter with the environment a replica would have. S3 is moto's server (a real
 S3 endpoint over HTTP, `AWS_ENDPOINT_URL`), read through s3fs as in production.

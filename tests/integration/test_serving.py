@@ -4,7 +4,7 @@ driven through HTTP by the official `openai` client (and httpx where exact bytes
 Ray Serve starts once for the whole session (`serving`) and is shut down at its end. The app serves
 the checkpoint twice, on one device and split over two (tensor_parallel_size 2, read from an S3
 bucket: moto's server), a Llama with 8 query heads on a replica over two host processes (num_hosts 2,
-downloaded from a Hugging Face Hub repo: tests/hub_server.py), and a slow fake engine whose
+downloaded from a Hugging Face Hub repo: tests/support/hub_server.py), and a slow fake engine whose
 requests can hold a replica's slots (the 429 test). It has an API key, so every /v1
 call authenticates, and small bounds (8 ongoing requests per replica, 8 queued) so that the 429
 path can be reached. (Ray Serve counts a request as queued until it is assigned to a
@@ -56,7 +56,7 @@ hold it split over 4 (gloo collectives)."""
 HUB_REPO = "test-org/tiny-llama-8heads"
 EIGHT_HEADS = dict(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
 MODEL_SLOW = "slow-fake"
-"""A replica whose engine is tests/fake_engine.py's SlowFakeEngine (20 ms a step): requests that
+"""A replica whose engine is tests/support/fake_engine.py's SlowFakeEngine (20 ms a step): requests that
 hold its slots for as long as a test needs, whatever the speed of the machine (the 429 test)."""
 MODEL_PAIR = "pair-fake"
 """Two replicas of fake_engine.FakeEngine behind the prefix-affinity router."""
@@ -70,6 +70,8 @@ MODEL_LLAVA = "tiny-llava"
 """tiny_models.make_llava_checkpoint: chat with image_url parts."""
 MAX_MODEL_LEN = 512
 REPO = Path(__file__).parents[2]
+FAKES = "tests.support.fake_engine"
+"""The fake engines' module (`engine_cls` FAKES:Class; the replicas find it with the repository on PYTHONPATH)."""
 DEFAULT_APP = REPO / "deploy" / "config.yaml"
 MAX_ONGOING = 8
 MAX_QUEUED = 8
@@ -129,10 +131,10 @@ def serving(checkpoint_factory, tmp_path_factory, whisper_dir, llava_dir):
                      "speculative": {"method": "ngram", "num_tokens": 3, "prompt_lookup_min": 1}},
                     {"model": HUB_REPO, "model_id": MODEL_2HOSTS, **engine, **two_hosts, "stream_batch_ms": 5,
                      "speculative": {"method": "draft_model", "model": str(checkpoint), "num_tokens": 3}},
-                    {"model": str(checkpoint), "model_id": MODEL_SLOW, **engine, "engine_cls": "tests.support.fake_engine:SlowFakeEngine",
+                    {"model": str(checkpoint), "model_id": MODEL_SLOW, **engine, "engine_cls": f"{FAKES}:SlowFakeEngine",
                      "env_vars": {"PYTHONPATH": str(REPO)}, "max_ongoing_requests": MAX_ONGOING,
                      "max_queued_requests": MAX_QUEUED, "stream_batch_ms": 5},
-                    {"model": str(checkpoint), "model_id": MODEL_FAULTY, **engine, "engine_cls": "tests.support.fake_engine:FaultyFakeEngine",
+                    {"model": str(checkpoint), "model_id": MODEL_FAULTY, **engine, "engine_cls": f"{FAKES}:FaultyFakeEngine",
                      "env_vars": {"PYTHONPATH": str(REPO)}, "step_timeout_s": 2,
                      "health_check_period_s": 1, "health_check_timeout_s": 5, "graceful_shutdown_timeout_s": 5,
                      "num_cpus": 0.1, "stream_batch_ms": 5,
@@ -142,7 +144,7 @@ def serving(checkpoint_factory, tmp_path_factory, whisper_dir, llava_dir):
                      "transcription_fallback": None},  # greedy windows, as the reference decodes
                     {"model": str(llava_dir), "model_id": MODEL_LLAVA, **engine, "num_cpus": 0.1, "warmup": False,
                      "cache_dir": str(tmp_path_factory.mktemp("llava-cache"))},
-                    {"model": str(checkpoint), "model_id": MODEL_PAIR, **engine, "engine_cls": "tests.support.fake_engine:FakeEngine",
+                    {"model": str(checkpoint), "model_id": MODEL_PAIR, **engine, "engine_cls": f"{FAKES}:FakeEngine",
                      "env_vars": {"PYTHONPATH": str(REPO)}, "num_replicas": 2, "num_cpus": 0.1},
                 ],
             }
@@ -763,7 +765,7 @@ def test_a_frozen_replica_ends_its_streams_and_is_replaced(serving, http):
 def drain_app(checkpoint: Path, graceful_shutdown_timeout_s: float):
     from serve_app import build_app
 
-    model = {"model": str(checkpoint), "model_id": "draining", "engine_cls": "tests.support.fake_engine:SlowFakeEngine",
+    model = {"model": str(checkpoint), "model_id": "draining", "engine_cls": f"{FAKES}:SlowFakeEngine",
              "env_vars": {"PYTHONPATH": str(REPO)}, "max_num_seqs": 8, "max_model_len": 4096,
              "num_cpus": 0.1, "stream_batch_ms": 5, "graceful_shutdown_timeout_s": graceful_shutdown_timeout_s}
     return build_app({"models": [model], "ingress_num_cpus": 0.05})
@@ -911,9 +913,9 @@ def test_models_that_cannot_start_get_a_503_that_says_why_and_the_others_keep_se
     (bad_config / "config.json").write_text('{"model_type": "llama", ')
     gate = tmp_path / "gate"
     env = {"PYTHONPATH": str(REPO), "JAX_SERVE_TEST_GATE": str(gate)}
-    fake = {"engine_cls": "tests.support.fake_engine:FakeEngine", "env_vars": env, "num_cpus": 0.05, "max_model_len": 64}
+    fake = {"engine_cls": f"{FAKES}:FakeEngine", "env_vars": env, "num_cpus": 0.05, "max_model_len": 64}
     models = [{"model": str(good), "model_id": "healthy", **fake},
-              {"model": str(good), "model_id": "gated", **fake, "engine_cls": "tests.support.fake_engine:GatedFakeEngine"},
+              {"model": str(good), "model_id": "gated", **fake, "engine_cls": f"{FAKES}:GatedFakeEngine"},
               {"model": str(bad_tokenizer), "model_id": "bad-tokenizer", **fake, "max_constructor_retry_count": 1},
               {"model": str(bad_config), "model_id": "bad-config", **fake, "max_constructor_retry_count": 1}]
     base = f"{serving.url}/startup"

@@ -1,4 +1,4 @@
-"""Tests that need several devices: tests/test_tensor_parallel.py runs this folder in its own
+"""Tests that need several devices: tests/integration/test_tensor_parallel.py runs this folder in its own
 pytest process with 4 host CPU devices (XLA_FLAGS must be set before jax starts), so the rest of
 the suite keeps one device. Run by hand with:
 

@@ -43,7 +43,7 @@ from tests.support.parity import (
 def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, scan_layers, backend):
     """cpu: the project's kernels (an AVX2 machine); xla: masked attention in plain JAX; tpu:
     ragged paged attention (levanter's reference implementation off TPU; the Pallas kernel itself in
-    tests/test_tpu_kernel.py)."""
+    tests/unit/test_tpu_kernel.py)."""
     model_dir = checkpoint_factory(family)
     engine = LLMEngine(EngineConfig(model=str(model_dir), scan_layers=scan_layers, attention_backend=backend,
                                     **TIGHT))

@@ -1,6 +1,6 @@
 """engine.formats.model_sources: spec resolution, error messages, and the cache's build-once invariants.
 
-Conversion and downloads are replaced by fakes here; tests/test_gguf.py runs the real ones.
+Conversion and downloads are replaced by fakes here; tests/unit/test_gguf.py runs the real ones.
 """
 
 from __future__ import annotations

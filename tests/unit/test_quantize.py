@@ -124,7 +124,7 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Ex
            "What is 12 times 7?", "Give me a tip for learning to cook."]
 NEW_TOKENS = 32
 PARIS = [504, 3575, 282, 4649, 314, 7042, 30]
-"""The tokens of "The capital of France is Paris." (tests/test_default_model.py)."""
+"""The tokens of "The capital of France is Paris." (tests/integration/test_default_model.py)."""
 
 
 @pytest.fixture(scope="module")

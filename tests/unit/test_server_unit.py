@@ -1,6 +1,6 @@
 """The model server and the ingress app in one process, on the fake engine (no Ray).
 
-The fake engine's output repeats the prompt (see tests/fake_engine.py), so every expected text,
+The fake engine's output repeats the prompt (see tests/support/fake_engine.py), so every expected text,
 count and logprob here is exact.
 """
 

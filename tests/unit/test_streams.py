@@ -1,6 +1,6 @@
 """serve_app.text.streams.merge_batches: interleaving, batching by window, failures, and closing.
 
-The timing tests run on virtual time (tests/virtual_clock.py): sleeps take no real time, and each
+The timing tests run on virtual time (tests/support/virtual_clock.py): sleeps take no real time, and each
 batch's contents and timestamp are exact on every machine."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""tests/tiny_models.py's options beyond the defaults the other tests use."""
+"""tests/support/tiny_models.py's options beyond the defaults the other tests use."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The tpu backend's Pallas kernel itself (not its reference) on CPUs, in Pallas' TPU interpret
 mode: the kernel against JAX's reference on a ragged batch, and engines that run it against
-transformers (tests/pallas_interpret.py says what the interpreter needed)."""
+transformers (tests/support/pallas_interpret.py says what the interpreter needed)."""
 
 from __future__ import annotations
 
