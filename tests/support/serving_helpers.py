@@ -1,6 +1,7 @@
 """Helpers shared by the serving tests: waiting on a condition, reading server-sent events,
-finding the Ray processes a test started, serving a checkpoint in this process, and holding a
-request inside its tokenizing."""
+finding the Ray processes a test started, serving a checkpoint in this process, holding a
+request inside its tokenizing, reading an app's metrics, holding a stream open, and transformers'
+reference answers."""
 
 from __future__ import annotations
 
@@ -82,9 +83,9 @@ def engine_worker_processes() -> list:
     return ray_processes(r"ray::EngineWorker")
 
 
-def model_server_processes(model_id: str) -> list:
-    """The processes of the Ray Serve replicas of `model_id`'s server (app "llm")."""
-    return ray_processes(rf"ray::ServeReplica:llm:TextServer-{re.escape(model_id)}(\.|\s|$)")
+def model_server_processes(app: str, model_id: str) -> list:
+    """The processes of the Ray Serve replicas of `model_id`'s server in the Serve application `app`."""
+    return ray_processes(rf"ray::ServeReplica:{re.escape(app)}:TextServer-{re.escape(model_id)}(\.|\s|$)")
 
 
 def templated_checkpoint(model_dir, out: Path, template: str, fixed_output: list[int] | None = None) -> Path:
@@ -125,3 +126,61 @@ def app_in_process(checkpoint, model_id: str, tracing=None, **args):
             yield server, http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
     finally:
         server.driver.shutdown()
+
+
+def metric(http, name: str, model_name: str, **labels) -> float:
+    """Sum of the samples of `name` (over replicas) of `model_name` whose labels include `labels`,
+    from the /metrics of the app `http` talks to."""
+    return sum(sample.value for sample in samples(http, name, model_name=model_name, **labels))
+
+
+def samples(http, name: str, **labels) -> list:
+    """The samples of `name` whose labels include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [sample for family in text_string_to_metric_families(http.get("/metrics").text)
+            for sample in family.samples if sample.name == name and labels.items() <= sample.labels.items()]
+
+
+def openai_error(message: str, param=None, type="invalid_request_error", code=None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class OpenStream:
+    """A long streamed completion of `prompt` (seconds of engine steps), read up to its first event
+    and held open until `close()`."""
+
+    def __init__(self, http, model: str, prompt: str, max_tokens: int = 480):
+        request = http.build_request(
+            "POST",
+            "/v1/completions",
+            json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True},
+        )
+        self.response = http.send(request, stream=True)
+        assert self.response.status_code == 200
+        self.lines = self.response.iter_lines()  # dropping this iterator would close the response
+        assert next(line for line in self.lines if line).startswith("data: {")
+
+    def close(self) -> None:
+        self.response.close()
+
+
+def hf_greedy(model, prompt_ids: list[int], count: int) -> list[int]:
+    """`count` tokens of greedy decoding by the transformers `model`, one argmax at a time."""
+    import torch
+
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(count):
+            next_id = model(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return ids[0, len(prompt_ids) :].tolist()
+
+
+def hf_prompt_logprobs(model, prompt_ids: list[int]) -> list[float]:
+    """The log-probability transformers' `model` gives each prompt token after the first."""
+    import torch
+
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0], dim=-1)
+    return [logprobs[i - 1, t].item() for i, t in enumerate(prompt_ids) if i > 0]

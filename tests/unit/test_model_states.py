@@ -1,5 +1,6 @@
 """serve_app.http.model_states: each model's state from what Serve says of its deployment, the replica's
-own error in one line, and a failure logged once. (Through Ray Serve: tests/integration/test_serving.py.)"""
+own error in one line, and a failure logged once. (Through Ray Serve:
+tests/integration/serving/test_serving_failure.py.)"""
 
 from __future__ import annotations
 

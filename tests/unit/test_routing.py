@@ -1,6 +1,6 @@
 """Cache-aware routing's pure parts (serve_app.http.routing): the text a request is keyed by, chained
 chunk hashes, and the per-replica history that picks the replica holding the longest prefix. The
-router itself runs in the Ray Serve integration tests (tests/integration/test_serving.py)."""
+router itself runs in the Ray Serve integration tests (tests/integration/serving/test_serving_text.py)."""
 
 from __future__ import annotations
 
