@@ -198,6 +198,11 @@ class EngineConfig:
     """Devices the model is split over (a ("data", "model") mesh of 1 x N): attention heads, KV
     heads, MLP and vocabulary on "model"; the KV cache split by KV head (KV heads repeated when
     fewer than N). N must divide the query heads and the MLP size."""
+    expert_parallel_size: Optional[int] = None
+    """For a mixture of experts over tensor_parallel_size > 1 devices: tensor_parallel_size splits
+    the experts over the devices whole (expert parallelism), 1 splits each expert's MLP as a dense
+    MLP's. None: whole experts when they divide evenly and an expert's MLP split N ways would be
+    narrower than 128 lanes (engine.generate.runner.sharding.plan_experts)."""
     async_scheduling: bool = True
     """Overlap host work with the device: plan and dispatch step N+1 while step N runs, its
     sampled tokens fed to N+1 on the device. The host's share of a step (planning, input arrays,

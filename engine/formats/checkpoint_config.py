@@ -12,8 +12,10 @@ from pathlib import Path
 
 from engine.formats.transformers_files import hf_config
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "gemma2", "gemma3_text")
-"""config.json `model_type`s the decoder loader reads (engine.models.loading maps each to levanter's)."""
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "gemma2", "gemma3_text",
+                      "qwen3_moe")
+"""config.json `model_type`s the decoder loader reads (engine.models.loading maps each to levanter's, or
+assembles it: engine.models.decoder)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,10 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     dtype: str
     """The weights' dtype as config.json declares it (float32 when it does not)."""
+    num_experts: int = 0
+    """Routed experts of each mixture-of-experts layer (0: a dense model)."""
+    expert_intermediate_size: int = 0
+    """The MLP size of one expert."""
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
@@ -66,7 +72,18 @@ def model_info(model_dir: str | Path) -> ModelInfo:
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         eos_token_ids=_eos_ids(Path(model_dir), hf),
         dtype=declared_dtype(hf),
+        **_experts(hf),
     )
+
+
+def _experts(hf: dict) -> dict:
+    """ModelInfo's expert fields: Mixtral's experts are `intermediate_size` wide, Qwen3-MoE's
+    `moe_intermediate_size`."""
+    count = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    if not count:
+        return {}
+    width = hf.get("moe_intermediate_size") or hf["intermediate_size"]
+    return {"num_experts": count, "expert_intermediate_size": width}
 
 
 def declared_dtype(hf: dict) -> str:

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
+from engine.layers.moe import MoE
+
 QUANTIZATIONS = ("int8",)
 
 
@@ -127,16 +129,11 @@ def _quantize_modules(tree):
             return Int8Linear.from_linear(module)
         if isinstance(module, hnn.MoELinear):
             return Int8MoELinear.from_moe_linear(module)
-        if _is_routed(module):  # levanter's sparse MoE block: a `gate` (the router) over `experts`
+        if isinstance(module, MoE):  # its router (`gate`) keeps its float weights
             return dataclasses.replace(module, experts=_quantize_modules(module.experts))
         return module
 
-    return jax.tree_util.tree_map(quantized, tree, is_leaf=lambda m: isinstance(m, (hnn.Linear, hnn.MoELinear))
-                                  or _is_routed(m))
-
-
-def _is_routed(module) -> bool:
-    return isinstance(module, eqx.Module) and hasattr(module, "gate") and hasattr(module, "experts")
+    return jax.tree_util.tree_map(quantized, tree, is_leaf=lambda m: isinstance(m, (hnn.Linear, hnn.MoELinear, MoE)))
 
 
 def quantize_model(model, quantization: str | None):

@@ -1,7 +1,9 @@
 """Loading local Hugging Face checkpoints into levanter models, one entry per model family.
 
 A family is a (config.json `model_type`, levanter config class) pair; levanter's HF converter reads
-the safetensors weights. Loading happens under the engine's device mesh (levanter needs one) from a
+the safetensors weights. The families levanter does not define are assembled from its parts
+(engine.models.decoder) and filled from the same state dict. A mixture of experts runs as
+engine.layers.moe's, whichever built it. Loading happens under the engine's device mesh (levanter needs one) from a
 local directory (engine.formats.model_sources fetched it): the path is made absolute so it is never
 mistaken for a Hub repo id.
 """
@@ -23,19 +25,23 @@ from levanter.compat.hf_checkpoints import HFCheckpointConverter
 from levanter.models.gemma import Gemma2Config, Gemma3Config
 from levanter.models.llama import LlamaConfig
 from levanter.models.mistral import MistralConfig
-from levanter.models.mixtral import MixtralConfig
+from levanter.models.mixtral import MixtralConfig, MixtralSparseMoeBlock
 from levanter.models.olmo import Olmo2Config
 from levanter.models.qwen import Qwen3Config, QwenConfig
 from transformers import AutoConfig
 
 from engine.formats.checkpoint_config import ModelInfo, model_info, read_hf_config
 from engine.formats.transformers_files import load_tokenizer
+from engine.layers.moe import from_levanter_mixtral
+from engine.models import decoder
 
 logger = logging.getLogger(__name__)
 
 _FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": QwenConfig, "qwen3": Qwen3Config,
-             "olmo2": Olmo2Config, "mixtral": MixtralConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3Config}
-"""levanter's config class of each family that engine.formats.checkpoint_config.SUPPORTED_FAMILIES names."""
+             "olmo2": Olmo2Config, "mixtral": MixtralConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3Config,
+             "qwen3_moe": Qwen3Config}
+"""levanter's config class of each family that engine.formats.checkpoint_config.SUPPORTED_FAMILIES names
+(for those engine.models.decoder assembles: the one its state dict is read with)."""
 
 
 def resolve_dtype(dtype: str, info: ModelInfo) -> str:
@@ -56,14 +62,13 @@ def load_model(model_dir: str | Path, dtype: str):
                                       tokenizer=load_tokenizer(path))
     if info.family == "qwen2":
         _fill_missing_qwen2_biases(converter, hf_config)
-    lev_config = _levanter_config(info, hf_config)
-    model = converter.load_pretrained(
-        lev_config.model_type,
-        ref=path,
-        config=lev_config,
-        resize_vocab_to_match_tokenizer=False,
-        dtype=jnp.dtype(dtype),
-    )
+    if info.family in decoder.FAMILIES:
+        state_dict = converter.load_state_dict(path, jnp.dtype(dtype))
+        model = decoder.load(hf_config, hax.Axis("vocab", info.vocab_size), state_dict)
+    else:
+        lev_config = _levanter_config(info, hf_config)
+        model = converter.load_pretrained(lev_config.model_type, ref=path, config=lev_config,
+                                          resize_vocab_to_match_tokenizer=False, dtype=jnp.dtype(dtype))
     model = _serving_layout(model, jnp.dtype(dtype))
     logger.info("loaded %s checkpoint %s (%d layers, %s)", info.family, path, info.num_layers, dtype)
     return model, info
@@ -73,12 +78,15 @@ def abstract_model(model_dir: str | Path, dtype: str, transform=lambda model: mo
     """(`transform` of the levanter model `load_model` would load, as shapes and dtypes only,
     ModelInfo): built from config.json alone (no weights, no tokenizer, no memory), for planning
     and ahead-of-time compiling. Its arrays are jax.ShapeDtypeStructs."""
-    info = model_info(model_dir)
-    lev_config = _levanter_config(info, read_hf_config(model_dir))
+    info, hf_config = model_info(model_dir), read_hf_config(model_dir)
     Vocab = hax.Axis("vocab", info.vocab_size)
 
     def build():
-        model = lev_config.model_type.init(Vocab, lev_config, key=jax.random.PRNGKey(0))
+        if info.family in decoder.FAMILIES:
+            model = decoder.init_model(hf_config, Vocab, key=jax.random.PRNGKey(0))
+        else:
+            lev_config = _levanter_config(info, hf_config)
+            model = own_moe(lev_config.model_type.init(Vocab, lev_config, key=jax.random.PRNGKey(0)))
         return transform(inputs_first(cast_floating(model, jnp.dtype(dtype))))
 
     return eqx.filter_eval_shape(build), info
@@ -116,13 +124,19 @@ def _fill_missing_qwen2_biases(converter, hf_config: dict) -> None:
 
 
 def _serving_layout(model, dtype):
-    """The loaded model in `dtype` (levanter keeps a bf16 checkpoint in bf16) and `inputs_first`:
-    one program for all weights, which takes the loaded arrays (donated: nothing else holds them)."""
+    """The loaded model in `dtype` (levanter keeps a bf16 checkpoint in bf16), `own_moe` and
+    `inputs_first`: one program for all weights, which takes the loaded arrays (donated: nothing else holds them)."""
     @functools.partial(eqx.filter_jit, donate="all")
     def relaid(model):
-        return inputs_first(cast_floating(model, dtype))
+        return inputs_first(cast_floating(own_moe(model), dtype))
 
     return relaid(model)
+
+
+def own_moe(model):
+    """`model` with levanter's Mixtral MoE blocks as engine.layers.moe's (the same arrays)."""
+    return jax.tree_util.tree_map(lambda m: from_levanter_mixtral(m) if isinstance(m, MixtralSparseMoeBlock) else m,
+                                  model, is_leaf=lambda m: isinstance(m, MixtralSparseMoeBlock))
 
 
 def inputs_first(model):

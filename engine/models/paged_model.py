@@ -17,7 +17,8 @@ Two layer loops (`ServingModel.from_levanter(model, rope, scan_layers)`):
   a stacked weight in place (the cpu backend's packed projections) get the whole stack and the
   layer index; other weights are sliced per layer (a dynamic slice, which XLA on CPU copies).
 - unrolled: each layer keeps its own weight buffers; compile time grows with depth.
-Each backend says which it runs by default (`AttentionBackend.scan_layers`). The cache is donated
+Each backend says which it runs by default (`AttentionBackend.scan_layers`); a model whose layers
+differ (engine.models.decoder's mix of dense and sparse MLPs) runs unrolled. The cache is donated
 and updated in place either way.
 
 LoRA (engine.layers.lora): with a pool of adapters, each adaptable projection's output gets its
@@ -35,9 +36,11 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
+from haliax.nn.scan import BlockSeq
 
 from engine.backends.base import KV_AXES, Q_AXES, AttentionBackend, LayerAttention
 from engine.layers.lora import LayerLora, LoraPool
+from engine.layers.moe import MoE
 from engine.layers.rope import Rope, rotate
 from engine.models.variant import Variant
 from engine.step.plan import StepInputs
@@ -61,7 +64,9 @@ class ServingModel(eqx.Module):
         """`place` puts each unstacked layer on its devices as it is made (a slice of a stacked
         array is not split as the stack was), so no more than one layer is ever replicated."""
         layers = model.transformer.layers
-        if not scan_layers:
+        if isinstance(layers, BlockSeq):  # layers unlike each other (dense and sparse MLPs) are never scanned
+            layers = tuple(place(layer) for layer in layers.blocks)
+        elif not scan_layers:
             layers = tuple(place(_layer_of(layers, jnp.int32(i))) for i in range(layers.Block.size))
         return ServingModel(model.embeddings, layers, model.transformer.norm, model.lm_head, rope, variant)
 
@@ -199,15 +204,15 @@ def _decoder_layer(layer, x, cache, index, rope, backend: AttentionBackend, step
 
 
 def _feed_forward(layer, h, lora: Optional[LayerLora]):
-    """The layer's MLP; for a mixture of experts (Mixtral), levanter's top-k routed experts (every
-    token of the step routed on its own) plus the shared MLP if there is one."""
+    """The layer's MLP: dense, or a mixture of experts (engine.layers.moe: `mlp`, or Mixtral's
+    `block_sparse_moe`) plus Mixtral's shared MLP if it has one."""
     moe = getattr(layer, "block_sparse_moe", None)
-    if moe is None and lora is not None and lora.adapts("gate_proj"):
-        return _adapted_mlp(layer.mlp, h, lora)
-    if moe is None:
-        return layer.mlp(h, key=None)
-    routed, _ = moe(h, key=None)  # (output, training statistics)
-    return routed if layer.shared_mlp is None else routed + layer.shared_mlp(h, key=None)
+    mlp = layer.mlp if moe is None else moe
+    if lora is not None and lora.adapts("gate_proj") and not isinstance(mlp, MoE):
+        return _adapted_mlp(mlp, h, lora)
+    out = mlp(h, key=None)
+    shared = getattr(layer, "shared_mlp", None)
+    return out if shared is None else out + shared(h, key=None)
 
 
 def _adapted_mlp(mlp, h, lora: LayerLora):

@@ -28,7 +28,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 def layer_types(hf: dict) -> list[str]:
     """Each layer's attention as transformers builds it: config.json's `layer_types`, else the
     family's rule (Gemma 2: even layers slide; Mistral, Mixtral: every layer, if it has a window;
-    Qwen 2 / 3 with `use_sliding_window`: the layers from `max_window_layers` on)."""
+    Qwen 2 / 3 / 3-MoE with `use_sliding_window`: the layers from `max_window_layers` on)."""
     layers = hf["num_hidden_layers"]
     kinds = hf.get("layer_types")
     if kinds is None:
@@ -40,7 +40,7 @@ def layer_types(hf: dict) -> list[str]:
             kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         elif family in ("mistral", "mixtral") and window is not None:
             kinds = ["sliding_attention"] * layers
-        elif family in ("qwen2", "qwen3") and hf.get("use_sliding_window") and window is not None:
+        elif family in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window") and window is not None:
             first = hf.get("max_window_layers", 28)
             kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         else:

@@ -132,7 +132,7 @@ def compile_for_topology(config, topology: str, chips_per_host: Optional[str] = 
     if size > len(devices):
         raise ValueError(f"tensor_parallel_size={size} needs {size} chips; {topology} has {len(devices)}")
     info = model_info(config.model)
-    layout = sharding.plan_layout(info, size)
+    layout = sharding.plan_layout(info, size, config.expert_parallel_size)
     mesh = Mesh(np.array(devices[:size]).reshape(1, size), ("data", sharding.MODEL_AXIS))
     backend = TpuBackend(mesh, sharding.MODEL_AXIS)
     model = _sharded_model(config, layout, mesh, backend)
@@ -192,7 +192,7 @@ def _draft(config, mesh, backend, buckets, pages: int) -> Optional[_Draft]:
         return None
     draft_config = dataclasses.replace(config, model=config.draft_model, speculative=None)
     info = model_info(draft_config.model)
-    layout = sharding.plan_layout(info, config.tensor_parallel_size)
+    layout = sharding.plan_layout(info, config.tensor_parallel_size, config.expert_parallel_size)
     model = _sharded_model(draft_config, layout, mesh, backend)
     cache, cache_sharding = _cache(draft_config, info, layout, mesh, backend, pages)
     shape = DraftShape(config.max_drafts, config.page_size)

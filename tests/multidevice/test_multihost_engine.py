@@ -147,3 +147,16 @@ def test_images_reach_every_host_and_answer_as_transformers_llava(two_hosts, tmp
                                           max_new_tokens=8, do_sample=False, eos_token_id=None,
                                           pad_token_id=0)[0, len(prompt):].tolist()
         assert got[str(i)] == expected, i
+
+
+def test_a_mixture_of_experts_split_whole_over_two_hosts_answers_as_transformers(two_hosts, checkpoint_factory):
+    """A Qwen3-MoE over the two hosts with expert parallelism (its 8 experts, 2 on each of the 4
+    devices; each device runs the rows routed to its own and the sums meet in one all-reduce over
+    gloo): greedy tokens and logprobs equal transformers'."""
+    model_dir = checkpoint_factory("qwen3_moe", hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_hosts=2, tensor_parallel_size=4, expert_parallel_size=4,
+                                    compilation_cache_dir=None, **TIGHT))
+    try:
+        assert_greedy_parity(engine, model_dir)
+    finally:
+        engine.shutdown()

@@ -18,9 +18,10 @@ EIGHT_HEADS = dict(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_si
 @pytest.mark.parametrize("family,sizes,tp,backend,scan", [
     ("llama", {}, 2, "auto", None), ("llama", {}, 4, "auto", None), ("qwen3", {}, 2, "auto", None),
     ("qwen3", EIGHT_HEADS, 4, "auto", None), ("llama", EIGHT_HEADS, 4, "auto", True), ("llama", {}, 2, "tpu", None),
-    ("olmo2", EIGHT_HEADS, 4, "auto", None), ("mixtral", EIGHT_HEADS, 4, "auto", True), ("gemma2", {}, 2, "auto", True)],
+    ("olmo2", EIGHT_HEADS, 4, "auto", None), ("mixtral", EIGHT_HEADS, 4, "auto", True), ("gemma2", {}, 2, "auto", True),
+    ("qwen3_moe", {}, 2, "tpu", None)],
     ids=["llama-tp2", "llama-tp4", "qwen3-tp2", "qwen3-8q2kv-tp4", "llama-8q2kv-tp4-scanned", "llama-tp2-tpu",
-         "olmo2-8q2kv-tp4", "mixtral-8q2kv-tp4-scanned", "gemma2-tp2-scanned"])
+         "olmo2-8q2kv-tp4", "mixtral-8q2kv-tp4-scanned", "gemma2-tp2-scanned", "qwen3-moe-tp2-tpu"])
 def test_sharded_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, sizes, tp, backend, scan):
     """Queueing, chunking and preemption as in the single-device parity tests. auto gives way to
     xla: the cpu backend's kernels cannot shard. The xla backend unrolls on a CPU unless asked to
@@ -140,21 +141,49 @@ def test_int8_weights_made_on_the_host_reach_the_devices_as_served(checkpoint_fa
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_mixtral_experts_split_over_the_devices(checkpoint_factory, quantization):
-    """Every expert's MLP splits by its intermediate dimension (as a dense MLP does): each device
-    holds a quarter of each of the 4 experts (int8: and of their scales); the router is replicated
-    (and kept in float)."""
-    engine = LLMEngine(EngineConfig(model=str(checkpoint_factory("mixtral", **EIGHT_HEADS)), tensor_parallel_size=4,
+def test_mixtral_experts_split_over_the_devices(checkpoint_factory, tmp_path, quantization):
+    """expert_parallel_size 1: every expert's MLP splits by its intermediate dimension (as a dense
+    MLP does): each device holds a quarter of each of the 4 experts (int8: and of their scales);
+    the router is replicated (and kept in float). Greedy tokens and logprobs are transformers'."""
+    from tests.support.parity import dequantized_copy
+
+    model_dir = checkpoint_factory("mixtral", **EIGHT_HEADS)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), tensor_parallel_size=4, expert_parallel_size=1,
                                     quantization=quantization, **TIGHT))
     moe = engine.executor.runner.model.layers[0].block_sparse_moe
     if quantization:
-        assert moe.experts.w1.weight.dtype == "int8" and moe.gate.weight.dtype == "float32"
-        assert shard_shapes(moe.experts.w1.scale.array) == [(4, 64)] * 4
-        assert shard_shapes(moe.experts.w2.scale.array) == [(4, 128)] * 4
-    assert [(ax.name, ax.size) for ax in moe.experts.w1.weight.axes] == [("experts", 4), ("embed", 128), ("mlp", 256)]
-    assert shard_shapes(moe.experts.w1.weight.array) == shard_shapes(moe.experts.w3.weight.array) == [(4, 128, 64)] * 4
-    assert shard_shapes(moe.experts.w2.weight.array) == [(4, 64, 128)] * 4
+        assert moe.experts.gate_proj.weight.dtype == "int8" and moe.gate.weight.dtype == "float32"
+        assert shard_shapes(moe.experts.gate_proj.scale.array) == [(4, 64)] * 4
+        assert shard_shapes(moe.experts.down_proj.scale.array) == [(4, 128)] * 4
+    assert [(ax.name, ax.size) for ax in moe.experts.gate_proj.weight.axes] == [("experts", 4), ("embed", 128),
+                                                                               ("expert_mlp", 256)]
+    assert shard_shapes(moe.experts.gate_proj.weight.array) == shard_shapes(moe.experts.up_proj.weight.array) == [
+        (4, 128, 64)] * 4
+    assert shard_shapes(moe.experts.down_proj.weight.array) == [(4, 64, 128)] * 4
     assert shard_shapes(moe.gate.weight.array) == [(128, 4)] * 4
+    assert_greedy_parity(engine, dequantized_copy(model_dir, tmp_path / "dequantized") if quantization else model_dir)
+
+
+@pytest.mark.parametrize("family,quantization", [("mixtral", None), ("mixtral", "int8"), ("qwen3_moe", None)])
+def test_experts_split_whole_over_the_devices_answer_as_transformers(checkpoint_factory, tmp_path, family,
+                                                                     quantization):
+    """Expert parallelism, as the planner picks it when an expert's MLP split 4 ways would be
+    narrower than 128 lanes: each device holds whole experts (Mixtral's 4: one each; Qwen3-MoE's
+    8: two each) and runs the rows routed to them; greedy tokens and logprobs are transformers'
+    (int8: on the weights int8 holds)."""
+    from tests.support.parity import dequantized_copy
+
+    model_dir = checkpoint_factory(family, **EIGHT_HEADS)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), tensor_parallel_size=4, quantization=quantization,
+                                    **TIGHT))
+    layer = engine.executor.runner.model.layers[0]
+    experts = getattr(layer, "block_sparse_moe", None) or layer.mlp
+    count = experts.experts.gate_proj.weight.resolve_axis("experts").size
+    width = experts.experts.gate_proj.weight.resolve_axis("expert_mlp").size
+    assert shard_shapes(experts.experts.gate_proj.weight.array) == [(count // 4, 128, width)] * 4
+    if quantization:
+        assert shard_shapes(experts.experts.gate_proj.scale.array) == [(count // 4, width)] * 4
+    assert_greedy_parity(engine, dequantized_copy(model_dir, tmp_path / "dequantized") if quantization else model_dir)
 
 
 def test_a_llava_decoder_split_over_two_devices_places_images_as_on_one(tmp_path):

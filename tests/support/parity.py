@@ -4,6 +4,9 @@ reference implementation) for the same prompts."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import torch
 import transformers
@@ -151,3 +154,21 @@ def llava_greedy(checkpoint, messages: list[dict], images: list, new_tokens: int
         out = model.generate(torch.tensor([ids]), pixel_values=pixels, max_new_tokens=new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
     return tokenizer.decode(out), len(ids)
+
+
+def dequantized_copy(model_dir: Path, out: Path) -> Path:
+    """A copy of the checkpoint whose float weights are the ones int8 serves: every matrix but a
+    router's rounded to 127 steps of its row's largest |w| (HF rows are output channels, experts'
+    included, and vocabulary rows), as `quantize` rounds them."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, w in tensors.items():
+            if w.ndim == 2 and not name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight")):
+                scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
+                scale = np.where(scale > 0, scale, np.float32(1))
+                tensors[name] = (np.clip(np.round(w / scale), -127, 127) * scale).astype(w.dtype)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return out

@@ -98,9 +98,12 @@ def make_checkpoint(
     seed: int = 0,
     tokenizer_vocab: int = 512,
     pad_tokenizer_vocab: bool = False,
+    decoder_sparse_step: int = 1,
+    norm_topk_prob: bool = True,
 ) -> Path:
     """Write a random `family` checkpoint (llama, qwen2, qwen3, mistral, mixtral, olmo2, gemma2,
-    gemma3: its text model) with a tokenizer.
+    gemma3: its text model; qwen3_moe: 8 experts of `intermediate_size` / 2, 2 a token, on every
+    `decoder_sparse_step`-th layer, dense MLPs on the others) with a tokenizer.
 
     `pad_tokenizer_vocab` pads the tokenizer to exactly `tokenizer_vocab` ids (see make_tokenizer).
 
@@ -142,6 +145,11 @@ def make_checkpoint(
     elif family == "mixtral":
         config = transformers.MixtralConfig(**common, rope_theta=10000.0, sliding_window=None, num_local_experts=4,
                                             num_experts_per_tok=2)
+    elif family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            **common, head_dim=hidden_size // num_heads, rope_theta=10000.0, use_sliding_window=False, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 2, norm_topk_prob=norm_topk_prob,
+            decoder_sparse_step=decoder_sparse_step, mlp_only_layers=[])
     elif family == "gemma2":  # windows of 16 tokens on even layers, soft-capped scores and logits
         config = transformers.Gemma2Config(**common, head_dim=hidden_size // num_heads, rope_theta=10000.0,
                                            sliding_window=16, query_pre_attn_scalar=12, attn_logit_softcapping=4.0,
@@ -155,7 +163,8 @@ def make_checkpoint(
     elif family == "olmo2":
         config = transformers.Olmo2Config(**common, rope_theta=10000.0)
     else:
-        raise ValueError(f"unknown family {family!r}; use llama, mistral, mixtral, qwen2, qwen3, olmo2, gemma2 or gemma3")
+        raise ValueError(f"unknown family {family!r}; use llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, olmo2, "
+                         "gemma2 or gemma3")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     _randomize_biases(model, initializer_range)

@@ -5,8 +5,6 @@ bfloat16 self on the cpu and xla backends."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
-from pathlib import Path
 
 import haliax as hax
 import haliax.nn as hnn
@@ -27,7 +25,7 @@ from engine.layers.quantize import (
     quantize,
     quantize_model,
 )
-from tests.support.parity import TIGHT, assert_greedy_parity
+from tests.support.parity import TIGHT, assert_greedy_parity, dequantized_copy
 
 
 def test_quantize_rounds_each_output_channel_to_its_own_scale():
@@ -86,31 +84,14 @@ def test_unknown_quantization_is_refused_by_name():
 
 # ---- parity: the int8 engine serves exactly the float model of its dequantized weights ----
 
-def dequantized_copy(model_dir: Path, out: Path) -> Path:
-    """A copy of the checkpoint whose float weights are the ones int8 serves: every matrix but a
-    router's rounded to 127 steps of its row's largest |w| (HF rows are output channels, experts'
-    included, and vocabulary rows), as `quantize` rounds them."""
-    from safetensors.numpy import load_file, save_file
-
-    shutil.copytree(model_dir, out)
-    for path in out.glob("*.safetensors"):
-        tensors = load_file(path)
-        for name, w in tensors.items():
-            if w.ndim == 2 and not name.endswith("block_sparse_moe.gate.weight"):
-                scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
-                scale = np.where(scale > 0, scale, np.float32(1))
-                tensors[name] = (np.clip(np.round(w / scale), -127, 127) * scale).astype(w.dtype)
-        save_file(tensors, str(path), metadata={"format": "pt"})
-    return out
-
-
 @pytest.mark.parametrize("family,backend,scan", [("llama", "cpu", False), ("mixtral", "xla", True),
-                                                 ("gemma2", "xla", False), ("qwen3", "tpu", False)])
+                                                 ("gemma2", "xla", False), ("qwen3", "tpu", False),
+                                                 ("qwen3_moe", "cpu", False)])
 def test_int8_engine_equals_transformers_on_the_dequantized_weights(checkpoint_factory, tmp_path, family, backend,
                                                                     scan):
     """Greedy tokens and logprobs (1e-3) of the int8 engine on the float checkpoint equal
     transformers' on the weights int8 holds: quantization is the only change, on every backend
-    (the cpu kernel's int8 products, XLA's, Mixtral's experts, a tied embedding)."""
+    (the cpu kernel's int8 products, XLA's, Mixtral's and Qwen3-MoE's experts, a tied embedding)."""
     model_dir = checkpoint_factory(family)
     engine = LLMEngine(EngineConfig(model=str(model_dir), quantization="int8", attention_backend=backend,
                                     scan_layers=scan, **TIGHT))

@@ -53,10 +53,11 @@ def test_the_kernel_equals_the_reference_on_a_ragged_batch(interpreter_fixes, dt
                                atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
 def test_an_engine_running_the_kernel_answers_as_transformers_does(checkpoint_factory, interpreted_kernel,  # noqa: F811
                                                                    family):
-    """Gemma 2: soft-capped scores, and its sliding layers chosen per layer of the scanned loop.
+    """Gemma 2: soft-capped scores, and its sliding layers chosen per layer of the scanned loop;
+    Qwen3-MoE: q/k norms and experts around the kernel.
     (Other families give the kernel what Llama does; test_engine.py runs them on the tpu backend
     with its reference attention, which the kernel tests above hold the kernel to.)"""
     model_dir = checkpoint_factory(family)

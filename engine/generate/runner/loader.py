@@ -120,7 +120,7 @@ class ModelLoader:
         if info.vocab_size != served.vocab_size:
             raise ValueError(f"the draft model {config.draft_model} has a vocabulary of {info.vocab_size} "
                              f"tokens, the served model {served.vocab_size}: a draft must share its tokenizer")
-        layout = sharding.plan_layout(info, config.tensor_parallel_size)
+        layout = sharding.plan_layout(info, config.tensor_parallel_size, config.expert_parallel_size)
         place = functools.partial(sharding.place, layout=layout, mesh=self.mesh)
         with self._on_devices(load_mapping(layout)):
             model, info = load_model(path, self.dtype)
@@ -164,10 +164,14 @@ class ModelLoader:
 
 def load_mapping(layout: sharding.TensorParallelLayout) -> dict[str, str]:
     """The axis mapping to load weights under: the layout's, but KV heads that are to be repeated
-    load whole (they split only after repeating)."""
+    load whole (they split only after repeating), and experts that split whole load with each
+    expert's MLP split instead (levanter's Mixtral names that axis `mlp`, as the dense MLP's), then
+    split whole when placed."""
     mapping = dict(layout.axis_mapping)
     if layout.kv_repeats > 1:
         mapping.pop("kv_head", None)
+    if mapping.pop("experts", None):
+        mapping["expert_mlp"] = sharding.MODEL_AXIS
     return mapping
 
 

@@ -121,7 +121,7 @@ def plan(config, tensor_parallel_size: int, memory_bytes: int, cache_bytes_per_p
         draft_weights, draft_page = _served(config, draft, model_info(draft), tensor_parallel_size, dtype,
                                             bytes_per_page)
         weights, per_page = weights + draft_weights, per_page + draft_page
-    layout = sharding.plan_layout(info, tensor_parallel_size)
+    layout = sharding.plan_layout(info, tensor_parallel_size, config.expert_parallel_size)
     extra, why = _loading_extra(info, layout, dtype, config.quantization is not None)
     return CapacityPlan(layout.size, weights, per_page, memory_bytes, config.page_size,
                         max_model_len(config, info), config.kv_cache_memory_fraction, config.num_pages, extra, why)
@@ -130,7 +130,7 @@ def plan(config, tensor_parallel_size: int, memory_bytes: int, cache_bytes_per_p
 def _served(config, path: str, info, tensor_parallel_size: int, dtype: str, bytes_per_page) -> tuple[int, int]:
     """(weight bytes, KV bytes per page) per device of the model at `path` (sizes `info`) as
     `config` serves it over `tensor_parallel_size` devices."""
-    layout = sharding.plan_layout(info, tensor_parallel_size)
+    layout = sharding.plan_layout(info, tensor_parallel_size, config.expert_parallel_size)
     model, _ = abstract_model(path, dtype, lambda m: serving_model(m, path, info, layout, True,
                                                                   quantization=config.quantization))
     shape = cache_shape(info, layout, config.page_size, 1, config.kv_cache_dtype or dtype)

@@ -80,7 +80,7 @@ class ModelRunner:
         info = model_info(config.model)
         self.dtype = resolve_dtype(config.dtype, info)
         self.kv_cache_dtype = config.kv_cache_dtype or self.dtype
-        self.layout = sharding.plan_layout(info, config.tensor_parallel_size)
+        self.layout = sharding.plan_layout(info, config.tensor_parallel_size, config.expert_parallel_size)
         self.mesh = sharding.make_mesh(config.tensor_parallel_size)
         self.backend = select_backend(config, self.dtype, self.mesh, sharding.MODEL_AXIS)
         max_model_len = _max_model_len(config, info)

@@ -3,7 +3,9 @@
 The devices of a replica form a ("data", "model") mesh of 1 x `tensor_parallel_size`. Through
 haliax's axis mapping, attention heads (`heads`, and `kv_head` of q/k/v), the MLP (`mlp`) and the
 vocabulary (`vocab`: the embedding and the LM head) are split on "model"; norms and the residual
-stream are replicated. Every device then attends with its own heads over its own share of the KV
+stream are replicated. A mixture of experts splits either each expert's MLP (`expert_mlp`, as a
+dense MLP) or the experts themselves (`experts`: expert parallelism, engine.layers.moe), each
+device then holding whole experts. Every device then attends with its own heads over its own share of the KV
 cache (split by KV head), and XLA adds the collectives: an all-reduce after o_proj and down_proj,
 a gather of the logits before sampling, so sampled tokens and logprobs come back replicated.
 
@@ -45,18 +47,23 @@ class TensorParallelLayout:
     shard_vocab: bool
     """Whether the vocabulary splits evenly (else the embedding and LM head are replicated)."""
 
+    expert_parallel: bool = False
+    """Whether the experts split over the devices whole (else each expert's MLP splits)."""
+
     @property
     def axis_mapping(self) -> dict[str, str]:
         if self.size == 1:
             return {}
         mapping = {"heads": MODEL_AXIS, "kv_head": MODEL_AXIS, "mlp": MODEL_AXIS}
+        mapping["experts" if self.expert_parallel else "expert_mlp"] = MODEL_AXIS
         if self.shard_vocab:
             mapping["vocab"] = MODEL_AXIS
         return mapping
 
 
-def plan_layout(info: ModelInfo, size: int) -> TensorParallelLayout:
-    """The layout of `info`'s model over `size` devices; ValueError if it cannot split evenly."""
+def plan_layout(info: ModelInfo, size: int, expert_parallel_size: Optional[int] = None) -> TensorParallelLayout:
+    """The layout of `info`'s model over `size` devices; ValueError if it cannot split evenly.
+    `expert_parallel_size` (1 or `size`; None: `plan_experts` picks) says how experts split."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
     if info.num_heads % size:
@@ -72,7 +79,33 @@ def plan_layout(info: ModelInfo, size: int) -> TensorParallelLayout:
     if size > 1 and not shard_vocab:
         logger.warning("vocabulary of %d tokens does not split over %d devices: embedding and LM head replicated",
                        info.vocab_size, size)
-    return TensorParallelLayout(size, max(1, size // kv), shard_vocab)
+    return TensorParallelLayout(size, max(1, size // kv), shard_vocab, plan_experts(info, size, expert_parallel_size))
+
+
+LANES = 128
+"""A TPU vector register's lanes: an expert's MLP split narrower than this runs its products in partial tiles."""
+
+
+def plan_experts(info: ModelInfo, size: int, expert_parallel_size: Optional[int]) -> bool:
+    """Whether `info`'s experts split whole over `size` devices (expert parallelism). Unset: when
+    they divide evenly and each expert's MLP, split `size` ways, would be narrower than a lane tile
+    (Qwen3-30B-A3B's 768 over 8 chips: 96) or uneven; else each expert's MLP splits. ValueError
+    for a size the mesh cannot hold, or a split the experts or their MLPs do not divide into."""
+    if expert_parallel_size not in (None, 1, size):
+        raise ValueError(f"expert_parallel_size must be 1 or tensor_parallel_size ({size}), got "
+                         f"{expert_parallel_size}: the experts split over the same devices as the rest of the model")
+    if size == 1 or not info.num_experts:
+        return False
+    divides, width = info.num_experts % size == 0, info.expert_intermediate_size
+    if expert_parallel_size is None:
+        expert_parallel_size = size if divides and (width // size < LANES or width % size) else 1
+    if expert_parallel_size == size and not divides:
+        raise ValueError(f"expert_parallel_size={size} does not divide the model's {info.num_experts} experts; "
+                         "set expert_parallel_size: 1 (each expert's MLP split instead)")
+    if expert_parallel_size == 1 and width % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's expert MLP size {width} nor its "
+                         f"{info.num_experts} experts; pick a divisor of one of them")
+    return expert_parallel_size == size
 
 
 def make_mesh(size: int) -> Mesh:

@@ -59,7 +59,7 @@ class Serving:
                 raise RuntimeError(f"the {concern!r} app was not deployed: no collected test asked for it")
             self.deploying[concern].result(timeout=600)
             url = f"{self.url}/{concern}"
-            wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 120, f"a healthy {concern} app")
+            wait_for(lambda: healthy(url), 120, f"a healthy {concern} app")
             http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
             client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
             self.apps[concern] = App(url, client, http)
@@ -76,6 +76,15 @@ class Serving:
         for app in self.apps.values():
             app.client.close()
             app.http.close()
+
+
+def healthy(url: str) -> bool:
+    """Whether the app at `url` answers /health with 200; an answer slow to come (the apps start at
+    once, on few cores) is a no, not an error."""
+    try:
+        return httpx.get(f"{url}/health", timeout=30).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def free_port() -> int:

@@ -1,0 +1,177 @@
+"""A mixture of experts (Mixtral, Qwen3-MoE): a router scores every expert for each token, the
+token's hidden state goes through its top-k experts (gated MLPs), and their outputs are summed with
+the router's weights, as transformers computes them.
+
+Dispatch: a step's (token, choice) pairs are sorted by expert so that each expert's rows are
+contiguous, the experts run as grouped products over those rows (haliax's `MoELinear`:
+`jax.lax.ragged_dot`, or a quantized product with the same call), and each output goes back to its
+token. The expert weights are stacked (experts, in, out). Over several devices either each
+expert's MLP splits (`expert_mlp`, as a dense MLP does) or the experts split whole (`experts`:
+expert parallelism, `dispatch_split`), as engine.generate.runner.sharding's axis mapping says.
+
+The checkpoint's experts are one module per expert (`{prefix}.{i}.{gate,up,down}_proj.weight` in
+Qwen3-MoE, `w1`, `w3`, `w2` in Mixtral); `ExpertMlps.from_state_dict` stacks them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+from haliax.state_dict import ModuleWithStateDictSerialization, StateDict, with_prefix
+from jax.sharding import PartitionSpec
+
+EXPERTS = "experts"
+EXPERT_MLP = "expert_mlp"
+"""An expert's MLP axis: named apart from a dense MLP's, so experts split over the devices (expert
+parallelism, axis `experts`) or each expert's MLP does (`expert_mlp`), whatever the dense MLPs do."""
+TOP = "top_experts"
+ROWS = "expert_rows"
+"""The step's (token, choice) pairs, sorted by expert."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How a token's experts and their weights follow from the router's logits: a softmax over all
+    experts (in float32), the `top_k` largest, rescaled to sum to 1 if `normalize`."""
+
+    top_k: int
+    normalize: bool = True
+    """Mixtral always; Qwen3-MoE as its `norm_topk_prob` says."""
+
+    def choose(self, logits: NamedArray) -> tuple[NamedArray, NamedArray]:
+        """(weights f32[..., top_experts], experts i32[..., top_experts]) of router logits [..., experts]."""
+        logits = logits.rearrange((..., EXPERTS))
+        probs = jax.nn.softmax(logits.array.astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.normalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        axes = (*logits.axes[:-1], hax.Axis(TOP, self.top_k))
+        return hax.named(weights, axes), hax.named(experts, axes)
+
+
+class ExpertMlps(ModuleWithStateDictSerialization):
+    """Every expert's gated MLP, down(act(gate(x)) * up(x)), stacked on the `experts` axis; rows come
+    grouped by expert (`group_sizes`, in expert order)."""
+
+    gate_proj: hnn.MoELinear
+    up_proj: hnn.MoELinear
+    down_proj: hnn.MoELinear
+    act: Callable = eqx.field(static=True)
+    names: tuple[str, str, str] = eqx.field(static=True, default=("gate_proj", "up_proj", "down_proj"))
+    """The checkpoint's names of the gate, up and down projections of one expert."""
+
+    @staticmethod
+    def init(Experts: hax.Axis, Embed: hax.Axis, Mlp: hax.Axis, act: Callable, *, key,
+             names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> "ExpertMlps":
+        k_gate, k_up, k_down = jax.random.split(key, 3)
+        return ExpertMlps(hnn.MoELinear.init(Experts, Embed, Mlp, key=k_gate, use_bias=False),
+                          hnn.MoELinear.init(Experts, Embed, Mlp, key=k_up, use_bias=False),
+                          hnn.MoELinear.init(Experts, Mlp, Embed, key=k_down, use_bias=False), act, names)
+
+    def __call__(self, rows: NamedArray, group_sizes: NamedArray) -> NamedArray:
+        hidden = self.act(self.gate_proj(rows, group_sizes)) * self.up_proj(rows, group_sizes)
+        return self.down_proj(hidden, group_sizes)
+
+    def from_state_dict(self, state_dict: StateDict, prefix: Optional[str] = None) -> "ExpertMlps":
+        """Each projection stacked from the per-expert (out, in) weights of the checkpoint, after
+        any leading (layer) axes the state dict already stacked."""
+        count = self.gate_proj.Experts.size
+
+        def stacked(name: str) -> jax.Array:
+            weights = [state_dict[with_prefix(prefix, f"{i}.{name}.weight")] for i in range(count)]
+            return jnp.stack([jnp.swapaxes(w, -1, -2) for w in weights], axis=-3)
+
+        arrays = [stacked(name) for name in self.names]
+        return eqx.tree_at(lambda m: [m.gate_proj.weight.array, m.up_proj.weight.array, m.down_proj.weight.array],
+                           self, arrays)
+
+
+class MoE(ModuleWithStateDictSerialization):
+    """A sparse MoE block: `gate` (the router, embed -> experts), `experts`, `routing`."""
+
+    gate: hnn.Linear
+    experts: ExpertMlps
+    routing: Routing = eqx.field(static=True)
+
+    @staticmethod
+    def init(Embed: hax.Axis, Experts: hax.Axis, Mlp: hax.Axis, routing: Routing, act: Callable, *,
+             key) -> "MoE":
+        k_router, k_experts = jax.random.split(key)
+        router = hnn.Linear.init(Embed, Experts, key=k_router, use_bias=False, out_first=True)
+        return MoE(router, ExpertMlps.init(Experts, Embed, Mlp, act, key=k_experts), routing)
+
+    def __call__(self, x: NamedArray, *, key=None) -> NamedArray:
+        """x (position, embed) -> (position, embed)."""
+        del key
+        weights, chosen = self.routing.choose(self.gate(x, key=None))
+        axis = hax.partitioning.physical_axis_name(EXPERTS)
+        if axis is None:
+            return dispatch(x, weights, chosen, self.experts)
+        return dispatch_split(x, weights, chosen, self.experts, axis)
+
+
+def dispatch(x: NamedArray, weights: NamedArray, chosen: NamedArray, experts: ExpertMlps) -> NamedArray:
+    """Σ_k weights[t, k] · expert_{chosen[t, k]}(x[t]) for every token t of x (position, embed):
+    the (token, choice) pairs sorted by expert, run as grouped products, put back in token order.
+    A choice at or past `experts`' count names an expert held elsewhere and adds nothing."""
+    Pos, Embed = x.axes
+    Top = weights.resolve_axis(TOP)
+    Experts = experts.gate_proj.weight.resolve_axis(EXPERTS)
+    flat = chosen.rearrange((Pos, Top)).array.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # choices held elsewhere sort last, in no group
+    Rows = hax.Axis(ROWS, flat.size)
+    rows = hax.named(x.array[order // Top.size], (Rows, Embed))
+    group_sizes = hax.named(jnp.bincount(flat, length=Experts.size).astype(jnp.int32), Experts)
+    out = experts(rows, group_sizes).rearrange((Rows, Embed)).array
+    by_token = jnp.zeros_like(out).at[order].set(out).reshape(Pos.size, Top.size, Embed.size)
+    held = (flat < Experts.size).reshape(Pos.size, Top.size, 1)
+    scaled = jnp.where(held, by_token * weights.rearrange((Pos, Top)).array.astype(out.dtype)[..., None], 0)
+    return hax.named(scaled.sum(axis=1), (Pos, Embed))
+
+
+def dispatch_split(x: NamedArray, weights: NamedArray, chosen: NamedArray, experts: ExpertMlps,
+                   axis: str) -> NamedArray:
+    """`dispatch` with the experts split over the mesh axis `axis` (expert parallelism): the tokens
+    are replicated, so each device runs the rows of its own experts, and the partial sums add up
+    over `axis` (one all-reduce, as after a tensor-parallel MLP)."""
+    leaves, treedef = jax.tree_util.tree_flatten(experts, is_leaf=lambda leaf: isinstance(leaf, NamedArray))
+    specs = [hax.partitioning.pspec_for_axis(leaf.axes) for leaf in leaves]
+
+    def local(x_, weights_, chosen_, *arrays):
+        mine = jax.tree_util.tree_unflatten(treedef, [
+            hax.named(a, tuple(ax.resize(n) for ax, n in zip(leaf.axes, a.shape))) for leaf, a in zip(leaves, arrays)])
+        count = mine.gate_proj.weight.resolve_axis(EXPERTS).size
+        mine = jax.tree_util.tree_map(  # the grouped products' own `Experts` axis, resized as their arrays
+            lambda linear: dataclasses.replace(linear, Experts=linear.Experts.resize(count)), mine,
+            is_leaf=lambda m: isinstance(getattr(m, "Experts", None), hax.Axis))
+        shifted = chosen_ - jax.lax.axis_index(axis) * count
+        shifted = jnp.where((shifted >= 0) & (shifted < count), shifted, count)
+        out = dispatch(hax.named(x_, x.axes), hax.named(weights_, weights.axes), hax.named(shifted, chosen.axes), mine)
+        return jax.lax.psum(out.array, axis)
+
+    replicated = PartitionSpec()
+    out = jax.shard_map(local, in_specs=(replicated, replicated, replicated, *specs), out_specs=replicated,
+                        check_vma=False)(x.array, weights.array, chosen.array, *(leaf.array for leaf in leaves))
+    return hax.named(out, x.axes)
+
+
+def from_levanter_mixtral(block) -> MoE:
+    """levanter's `MixtralSparseMoeBlock` (loaded) as a `MoE` over the same arrays, its experts'
+    `mlp` axis renamed `expert_mlp`."""
+    experts = block.experts
+    w1, w3, w2 = (_renamed(linear, experts.Mlp.name, EXPERT_MLP) for linear in (experts.w1, experts.w3, experts.w2))
+    mlps = ExpertMlps(w1, w3, w2, experts.act, ("w1", "w3", "w2"))
+    return MoE(block.gate, mlps, Routing(block.config.num_experts_per_tok, normalize=True))
+
+
+def _renamed(linear: hnn.MoELinear, old: str, new: str) -> hnn.MoELinear:
+    rename = lambda axis: axis.alias(new) if axis.name == old else axis  # noqa: E731
+    return dataclasses.replace(linear, weight=linear.weight.rename({old: new}), In=rename(linear.In),
+                               Out=rename(linear.Out))

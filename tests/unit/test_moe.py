@@ -1,0 +1,128 @@
+"""engine.layers.moe against transformers' MoE blocks, and Qwen3-MoE checkpoints through the engine
+(engine.models.decoder): greedy tokens and logprobs equal transformers', dense and sparse layers
+mixed, on every backend."""
+
+from __future__ import annotations
+
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.formats.checkpoint_config import ModelInfo
+from engine.generate.engine import LLMEngine
+from engine.generate.runner.sharding import plan_experts, plan_layout
+from engine.layers.moe import MoE, Routing, dispatch
+from engine.models.decoder import sparse_layers
+from tests.support.parity import TIGHT, assert_greedy_parity
+
+Pos, Embed, Experts, Mlp = hax.Axis("position", 7), hax.Axis("embed", 16), hax.Axis("experts", 5), hax.Axis("mlp", 12)
+
+
+def torch_block(moe: MoE, norm_topk_prob: bool):
+    """transformers' Qwen3-MoE block holding `moe`'s weights."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(hidden_size=Embed.size, num_experts=Experts.size, num_experts_per_tok=moe.routing.top_k,
+                            moe_intermediate_size=Mlp.size, norm_topk_prob=norm_topk_prob, hidden_act="silu")
+    block = Qwen3MoeSparseMoeBlock(config)
+    tensor = lambda named, *axes: torch.tensor(np.asarray(named.rearrange(axes).array))  # noqa: E731
+    with torch.no_grad():
+        block.gate.weight.copy_(tensor(moe.gate.weight, Experts, Embed))
+        for i, expert in enumerate(block.experts):
+            expert.gate_proj.weight.copy_(tensor(moe.experts.gate_proj.weight, Experts, Mlp, Embed)[i])
+            expert.up_proj.weight.copy_(tensor(moe.experts.up_proj.weight, Experts, Mlp, Embed)[i])
+            expert.down_proj.weight.copy_(tensor(moe.experts.down_proj.weight, Experts, Embed, Mlp)[i])
+    return block
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_a_block_computes_what_transformers_qwen3_moe_block_does(normalize):
+    moe = MoE.init(Embed, Experts, Mlp, Routing(2, normalize), hnn.silu, key=jax.random.PRNGKey(0))
+    x = hax.random.normal(jax.random.PRNGKey(1), (Pos, Embed))
+    want, _ = torch_block(moe, normalize)(torch.tensor(np.asarray(x.array))[None])
+    np.testing.assert_allclose(np.asarray(moe(x).array), want[0].detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_sums_each_tokens_chosen_experts_with_its_weights():
+    """Tokens that share an expert, an expert no token chose, and a token that chose one expert
+    twice (weights 0.25 + 0.75) each get Σ weight · expert(x)."""
+    moe = MoE.init(Embed, Experts, Mlp, Routing(2), hnn.silu, key=jax.random.PRNGKey(2))
+    x = hax.random.normal(jax.random.PRNGKey(3), (Pos, Embed))
+    Top = hax.Axis("top_experts", 2)
+    chosen = hax.named(jnp.array([[0, 3], [3, 0], [1, 1], [4, 0], [0, 4], [1, 3], [3, 4]], jnp.int32), (Pos, Top))
+    weights = hax.named(jax.random.uniform(jax.random.PRNGKey(4), (Pos.size, 2)).at[2].set(jnp.array([0.25, 0.75])),
+                        (Pos, Top))
+
+    def expert(e: int, row):
+        w = lambda linear: linear.weight.rearrange((Experts, linear.In, linear.Out)).array[e]  # noqa: E731
+        return (jax.nn.silu(row @ w(moe.experts.gate_proj)) * (row @ w(moe.experts.up_proj))) @ w(moe.experts.down_proj)
+
+    want = [sum(weights.array[t, k] * expert(int(chosen.array[t, k]), x.array[t]) for k in range(2))
+            for t in range(Pos.size)]
+    got = dispatch(x, weights, chosen, moe.experts)
+    assert got.axes == (Pos, Embed)
+    np.testing.assert_allclose(np.asarray(got.array), np.stack(want), rtol=1e-5, atol=1e-5)
+
+
+def test_the_sparse_layers_are_those_transformers_makes_sparse():
+    hf = {"num_hidden_layers": 6, "num_experts": 8}
+    assert sparse_layers(hf) == [True] * 6
+    assert sparse_layers({**hf, "decoder_sparse_step": 2}) == [False, True] * 3
+    assert sparse_layers({**hf, "mlp_only_layers": [0, 4]}) == [False, True, True, True, False, True]
+    assert sparse_layers({**hf, "num_experts": 0}) == [False] * 6
+
+
+@pytest.mark.parametrize("scan_layers,backend", [(False, "cpu"), (True, "xla"), (False, "tpu")])
+def test_qwen3_moe_answers_as_transformers(checkpoint_factory, scan_layers, backend):
+    """Every layer sparse (8 experts, 2 a token, top-k weights renormalized): stacked, so the scanned
+    loop runs it too."""
+    model_dir = checkpoint_factory("qwen3_moe")
+    engine = LLMEngine(EngineConfig(model=str(model_dir), attention_backend=backend, scan_layers=scan_layers,
+                                    **TIGHT))
+    assert isinstance(engine.executor.runner.model.first_layer.mlp, MoE)
+    assert_greedy_parity(engine, model_dir)
+
+
+def test_qwen3_moe_with_dense_and_sparse_layers_answers_as_transformers(checkpoint_factory):
+    """Every other layer sparse (decoder_sparse_step 2), the top-k weights not renormalized: the
+    layers differ, so they run unrolled even where a scanned loop is asked for."""
+    model_dir = checkpoint_factory("qwen3_moe", decoder_sparse_step=2, norm_topk_prob=False)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), attention_backend="cpu", scan_layers=True, **TIGHT))
+    layers = engine.executor.runner.model.layers
+    assert isinstance(layers, tuple) and [isinstance(layer.mlp, MoE) for layer in layers] == [False, True]
+    assert_greedy_parity(engine, model_dir)
+
+
+def moe_info(experts: int, width: int) -> ModelInfo:
+    return ModelInfo(family="qwen3_moe", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=8, head_dim=8,
+                     intermediate_size=512, vocab_size=512, max_position_embeddings=512, eos_token_ids=(1,),
+                     dtype="float32", num_experts=experts, expert_intermediate_size=width)
+
+
+def test_the_planner_splits_experts_whole_when_their_split_mlps_would_be_narrower_than_a_lane_tile():
+    assert plan_experts(moe_info(128, 768), 8, None) is True  # Qwen3-30B-A3B on 8 chips: 96 lanes each
+    assert plan_experts(moe_info(8, 14336), 8, None) is False  # Mixtral-8x7B: 1792 lanes each
+    assert plan_experts(moe_info(8, 14336), 8, 8) is True  # asked for
+    assert plan_experts(moe_info(6, 768), 4, None) is False  # 6 experts do not split 4 ways; 192 lanes each
+    assert plan_experts(moe_info(128, 768), 1, None) is False
+    assert plan_experts(moe_info(0, 0), 8, None) is False  # dense
+    layout = plan_layout(moe_info(128, 768), 8)
+    assert layout.axis_mapping["experts"] == "model" and "expert_mlp" not in layout.axis_mapping
+    assert plan_layout(moe_info(8, 14336), 8).axis_mapping["expert_mlp"] == "model"
+
+
+def test_an_expert_split_that_cannot_be_made_is_refused_with_what_can():
+    with pytest.raises(ValueError, match=r"expert_parallel_size must be 1 or tensor_parallel_size \(8\), got 4"):
+        plan_experts(moe_info(128, 768), 8, 4)
+    with pytest.raises(ValueError, match="expert_parallel_size=4 does not divide the model's 6 experts; set "
+                                         "expert_parallel_size: 1"):
+        plan_experts(moe_info(6, 768), 4, 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's expert MLP size 766 nor "
+                                         "its 6 experts"):
+        plan_experts(moe_info(6, 766), 4, None)
