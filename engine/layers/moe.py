@@ -79,6 +79,11 @@ class ExpertMlps(ModuleWithStateDictSerialization):
         hidden = self.act(self.gate_proj(rows, group_sizes)) * self.up_proj(rows, group_sizes)
         return self.down_proj(hidden, group_sizes)
 
+    def one(self, expert: jax.Array, rows: jax.Array) -> jax.Array:
+        """Expert `expert`'s MLP over `rows` f[R, embed] (plain arrays)."""
+        hidden = self.act(_product(self.gate_proj, expert, rows)) * _product(self.up_proj, expert, rows)
+        return _product(self.down_proj, expert, hidden)
+
     def from_state_dict(self, state_dict: StateDict, prefix: Optional[str] = None) -> "ExpertMlps":
         """Each projection stacked from the per-expert (out, in) weights of the checkpoint, after
         any leading (layer) axes the state dict already stacked."""
@@ -93,12 +98,32 @@ class ExpertMlps(ModuleWithStateDictSerialization):
                            self, arrays)
 
 
+def _product(linear, expert: jax.Array, rows: jax.Array) -> jax.Array:
+    """rows @ expert `expert`'s weight of a grouped product (haliax's MoELinear, or an int8 one
+    with its per-expert scales), in float32, rounded to the rows' dtype. A bfloat16 weight is held
+    as its bits (`for_platform`) and widened here, one expert at a time: XLA on CPUs would widen a
+    bfloat16 array whole, every expert, before the loop."""
+    weight = linear.weight.rearrange((linear.Experts, linear.In, linear.Out)).array[expert]
+    if weight.dtype == jnp.uint16:
+        weight = jax.lax.bitcast_convert_type(weight.astype(jnp.uint32) << 16, jnp.float32)
+    out = rows.astype(jnp.float32) @ weight.astype(jnp.float32)
+    scale = getattr(linear, "scale", None)
+    if scale is not None:
+        out = out * scale.rearrange((linear.Experts, linear.Out)).array[expert]
+    out = out.astype(rows.dtype)
+    return out if linear.bias is None else out + linear.bias.array
+
+
 class MoE(ModuleWithStateDictSerialization):
     """A sparse MoE block: `gate` (the router, embed -> experts), `experts`, `routing`."""
 
     gate: hnn.Linear
     experts: ExpertMlps
     routing: Routing = eqx.field(static=True)
+    tiled: bool = eqx.field(static=True, default=False)
+    """Run the experts tile by tile (`dispatch_tiled`): where a grouped product runs as a product
+    over every expert (XLA on CPUs; `for_platform` sets it, and only it may hold bfloat16 expert
+    weights as bits)."""
 
     @staticmethod
     def init(Embed: hax.Axis, Experts: hax.Axis, Mlp: hax.Axis, routing: Routing, act: Callable, *,
@@ -111,10 +136,11 @@ class MoE(ModuleWithStateDictSerialization):
         """x (position, embed) -> (position, embed)."""
         del key
         weights, chosen = self.routing.choose(self.gate(x, key=None))
+        run = dispatch_tiled if self.tiled else dispatch
         axis = hax.partitioning.physical_axis_name(EXPERTS)
         if axis is None:
-            return dispatch(x, weights, chosen, self.experts)
-        return dispatch_split(x, weights, chosen, self.experts, axis)
+            return run(x, weights, chosen, self.experts)
+        return dispatch_split(x, weights, chosen, self.experts, axis, run)
 
 
 def dispatch(x: NamedArray, weights: NamedArray, chosen: NamedArray, experts: ExpertMlps) -> NamedArray:
@@ -136,11 +162,12 @@ def dispatch(x: NamedArray, weights: NamedArray, chosen: NamedArray, experts: Ex
     return hax.named(scaled.sum(axis=1), (Pos, Embed))
 
 
-def dispatch_split(x: NamedArray, weights: NamedArray, chosen: NamedArray, experts: ExpertMlps,
-                   axis: str) -> NamedArray:
-    """`dispatch` with the experts split over the mesh axis `axis` (expert parallelism): the tokens
-    are replicated, so each device runs the rows of its own experts, and the partial sums add up
-    over `axis` (one all-reduce, as after a tensor-parallel MLP)."""
+def dispatch_split(x: NamedArray, weights: NamedArray, chosen: NamedArray, experts: ExpertMlps, axis: str,
+                   run=dispatch) -> NamedArray:
+    """`run` (`dispatch` or `dispatch_tiled`) with the experts split over the mesh axis `axis`
+    (expert parallelism): the tokens are replicated, so each device runs the rows of its own
+    experts, and the partial sums add up over `axis` (one all-reduce, as after a tensor-parallel
+    MLP)."""
     leaves, treedef = jax.tree_util.tree_flatten(experts, is_leaf=lambda leaf: isinstance(leaf, NamedArray))
     specs = [hax.partitioning.pspec_for_axis(leaf.axes) for leaf in leaves]
 
@@ -153,13 +180,66 @@ def dispatch_split(x: NamedArray, weights: NamedArray, chosen: NamedArray, exper
             is_leaf=lambda m: isinstance(getattr(m, "Experts", None), hax.Axis))
         shifted = chosen_ - jax.lax.axis_index(axis) * count
         shifted = jnp.where((shifted >= 0) & (shifted < count), shifted, count)
-        out = dispatch(hax.named(x_, x.axes), hax.named(weights_, weights.axes), hax.named(shifted, chosen.axes), mine)
+        out = run(hax.named(x_, x.axes), hax.named(weights_, weights.axes), hax.named(shifted, chosen.axes), mine)
         return jax.lax.psum(out.array, axis)
 
     replicated = PartitionSpec()
     out = jax.shard_map(local, in_specs=(replicated, replicated, replicated, *specs), out_specs=replicated,
                         check_vma=False)(x.array, weights.array, chosen.array, *(leaf.array for leaf in leaves))
     return hax.named(out, x.axes)
+
+
+def dispatch_tiled(x: NamedArray, weights: NamedArray, chosen: NamedArray, experts: ExpertMlps,
+                   tile: int = 8) -> NamedArray:
+    """`dispatch` for CPUs, where XLA runs a grouped product as a product over every expert: the
+    rows sorted by expert, each expert's padded to whole tiles of `tile` rows, and a loop over the
+    tiles that hold rows runs each through its own expert alone. A step then reads each chosen
+    expert's weights once per tile of its rows and computes only those rows (and the padding)."""
+    Pos, Embed = x.axes
+    Top = weights.resolve_axis(TOP)
+    count = experts.gate_proj.weight.resolve_axis(EXPERTS).size
+    flat = chosen.rearrange((Pos, Top)).array.reshape(-1)
+    rows = flat.size
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]
+    held = expert < count
+    sizes = jnp.bincount(flat, length=count)
+    tiles = (sizes + tile - 1) // tile
+    tile_end = jnp.cumsum(tiles)
+    rank = jnp.arange(rows) - (jnp.cumsum(sizes) - sizes)[jnp.minimum(expert, count - 1)]
+    max_tiles = -(-rows // tile) + min(count, rows)  # every expert's last tile may be partly empty
+    slot = jnp.where(held, (tile_end - tiles)[jnp.minimum(expert, count - 1)] * tile + rank, max_tiles * tile)
+    padded = jnp.zeros((max_tiles * tile, Embed.size), x.dtype).at[slot].set(x.array[order // Top.size], mode="drop")
+    tile_expert = jnp.searchsorted(tile_end, jnp.arange(max_tiles), side="right")
+
+    def run_tile(i, out):
+        start = i * tile
+        ys = experts.one(tile_expert[i], jax.lax.dynamic_slice_in_dim(padded, start, tile))
+        return jax.lax.dynamic_update_slice_in_dim(out, ys, start, axis=0)
+
+    out = jax.lax.fori_loop(0, tile_end[-1], run_tile, jnp.zeros_like(padded))
+    by_choice = jnp.zeros((rows, Embed.size), x.dtype).at[order].set(out[jnp.minimum(slot, max_tiles * tile - 1)])
+    scaled = jnp.where((flat < count)[:, None], by_choice * weights.rearrange((Pos, Top)).array.reshape(
+        -1, 1).astype(x.dtype), 0)
+    return hax.named(scaled.reshape(Pos.size, Top.size, Embed.size).sum(axis=1), (Pos, Embed))
+
+
+def for_platform(model, platform: str):
+    """`model` with every MoE set to run as suits `platform`: on "cpu", tile by tile, its bfloat16
+    expert weights held as their bits (`_product` widens them)."""
+    def bits(leaf):
+        if isinstance(leaf, NamedArray) and leaf.dtype == jnp.bfloat16:
+            return hax.named(jax.lax.bitcast_convert_type(leaf.array, jnp.uint16), leaf.axes)
+        return leaf
+
+    def prepared(moe: MoE) -> MoE:
+        if platform != "cpu":
+            return moe
+        experts = jax.tree_util.tree_map(bits, moe.experts, is_leaf=lambda leaf: isinstance(leaf, NamedArray))
+        return dataclasses.replace(moe, experts=experts, tiled=True)
+
+    return jax.tree_util.tree_map(lambda m: prepared(m) if isinstance(m, MoE) else m, model,
+                                  is_leaf=lambda m: isinstance(m, MoE))
 
 
 def from_levanter_mixtral(block) -> MoE:

@@ -4,6 +4,8 @@ mixed, on every backend."""
 
 from __future__ import annotations
 
+import functools
+
 import haliax as hax
 import haliax.nn as hnn
 import jax
@@ -16,7 +18,7 @@ from engine.config import EngineConfig
 from engine.formats.checkpoint_config import ModelInfo
 from engine.generate.engine import LLMEngine
 from engine.generate.runner.sharding import plan_experts, plan_layout
-from engine.layers.moe import MoE, Routing, dispatch
+from engine.layers.moe import MoE, Routing, dispatch, dispatch_tiled, for_platform
 from engine.models.decoder import sparse_layers
 from tests.support.parity import TIGHT, assert_greedy_parity
 
@@ -49,25 +51,47 @@ def test_a_block_computes_what_transformers_qwen3_moe_block_does(normalize):
     np.testing.assert_allclose(np.asarray(moe(x).array), want[0].detach().numpy(), rtol=1e-5, atol=1e-5)
 
 
-def test_dispatch_sums_each_tokens_chosen_experts_with_its_weights():
-    """Tokens that share an expert, an expert no token chose, and a token that chose one expert
-    twice (weights 0.25 + 0.75) each get Σ weight · expert(x)."""
+@pytest.mark.parametrize("run", [dispatch, dispatch_tiled, functools.partial(dispatch_tiled, tile=2)],
+                         ids=["grouped", "tiled-8", "tiled-2"])
+def test_dispatch_sums_each_tokens_chosen_experts_with_its_weights(run):
+    """Tokens that share an expert, an expert no token chose, a token that chose one expert twice
+    (weights 0.25 + 0.75), and choices of experts held on other devices (5 and 9: past this
+    device's 5) that add nothing: each token gets Σ weight · expert(x) over its choices held here.
+    Tiles of 2 rows: experts 0 and 3 fill more than one."""
     moe = MoE.init(Embed, Experts, Mlp, Routing(2), hnn.silu, key=jax.random.PRNGKey(2))
     x = hax.random.normal(jax.random.PRNGKey(3), (Pos, Embed))
     Top = hax.Axis("top_experts", 2)
-    chosen = hax.named(jnp.array([[0, 3], [3, 0], [1, 1], [4, 0], [0, 4], [1, 3], [3, 4]], jnp.int32), (Pos, Top))
+    chosen = hax.named(jnp.array([[0, 3], [3, 0], [1, 1], [4, 0], [0, 5], [9, 3], [3, 4]], jnp.int32), (Pos, Top))
     weights = hax.named(jax.random.uniform(jax.random.PRNGKey(4), (Pos.size, 2)).at[2].set(jnp.array([0.25, 0.75])),
                         (Pos, Top))
 
     def expert(e: int, row):
+        if e >= Experts.size:
+            return jnp.zeros_like(row)
         w = lambda linear: linear.weight.rearrange((Experts, linear.In, linear.Out)).array[e]  # noqa: E731
         return (jax.nn.silu(row @ w(moe.experts.gate_proj)) * (row @ w(moe.experts.up_proj))) @ w(moe.experts.down_proj)
 
     want = [sum(weights.array[t, k] * expert(int(chosen.array[t, k]), x.array[t]) for k in range(2))
             for t in range(Pos.size)]
-    got = dispatch(x, weights, chosen, moe.experts)
+    got = jax.jit(run)(x, weights, chosen, moe.experts)
     assert got.axes == (Pos, Embed)
     np.testing.assert_allclose(np.asarray(got.array), np.stack(want), rtol=1e-5, atol=1e-5)
+
+
+def test_on_cpus_bfloat16_experts_are_held_as_bits_and_run_tile_by_tile():
+    """`for_platform(.., "cpu")`: the expert weights' bfloat16 bits (uint16, the same bytes), widened
+    one expert at a time inside the loop; the output equals the grouped products' on the bfloat16
+    weights widened to float32 (the router keeps its dtype)."""
+    moe = MoE.init(Embed, Experts, Mlp, Routing(2), hnn.silu, key=jax.random.PRNGKey(5))
+    moe = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16) if isinstance(a, jax.Array) else a, moe)
+    x = hax.random.normal(jax.random.PRNGKey(6), (Pos, Embed))
+    on_cpu = for_platform(moe, "cpu")
+    assert on_cpu.tiled and on_cpu.experts.gate_proj.weight.dtype == jnp.uint16
+    on_tpu = for_platform(moe, "tpu")
+    assert on_cpu.gate.weight.dtype == on_tpu.experts.gate_proj.weight.dtype == jnp.bfloat16 and not on_tpu.tiled
+    widened = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32) if isinstance(a, jax.Array) else a, moe)
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda m, x: m(x))(on_cpu, x).array),
+                               np.asarray(widened(x).array), rtol=1e-5, atol=1e-5)
 
 
 def test_the_sparse_layers_are_those_transformers_makes_sparse():
@@ -85,7 +109,8 @@ def test_qwen3_moe_answers_as_transformers(checkpoint_factory, scan_layers, back
     model_dir = checkpoint_factory("qwen3_moe")
     engine = LLMEngine(EngineConfig(model=str(model_dir), attention_backend=backend, scan_layers=scan_layers,
                                     **TIGHT))
-    assert isinstance(engine.executor.runner.model.first_layer.mlp, MoE)
+    moe = engine.executor.runner.model.first_layer.mlp
+    assert isinstance(moe, MoE) and moe.tiled  # on CPUs, expert by expert (the grouped path: the tests above)
     assert_greedy_parity(engine, model_dir)
 
 

@@ -27,6 +27,7 @@ from engine.formats.checkpoint_config import ModelInfo, model_info, read_hf_conf
 from engine.formats.llava import VISION_LINK
 from engine.formats.model_sources import resolve_model
 from engine.generate.runner import sharding
+from engine.layers import moe
 from engine.layers.lora import LoraPool, LoraShape, load_slot
 from engine.layers.quantize import quantize_model
 from engine.layers.rope import Rope
@@ -106,8 +107,7 @@ class ModelLoader:
         if host is not None:
             logger.info("weights made %s on %s, then placed on the devices", config.quantization, host)
         with self._on_devices():
-            return LoadedModel(self.backend.prepare(serving, self.buckets, measure=config.warmup), info, layout,
-                               lora_shape)
+            return LoadedModel(self._prepared(serving), info, layout, lora_shape)
 
     def load_draft(self, served: ModelInfo) -> Optional[LoadedModel]:
         """The draft model of `speculative: {method: draft_model}`, made on the devices and prepared
@@ -126,7 +126,7 @@ class ModelLoader:
             model, info = load_model(path, self.dtype)
             serving = serving_model(model, path, info, layout, self.scan_layers, place, config.quantization)
         with self._on_devices(layout.axis_mapping):
-            draft = self.backend.prepare(serving, self.buckets, measure=config.warmup)
+            draft = self._prepared(serving)
         logger.info("draft model %s: %d layers, %d guesses per row", path, info.num_layers, config.max_drafts)
         return LoadedModel(draft, info, layout, None)
 
@@ -157,6 +157,11 @@ class ModelLoader:
         logger.info("LoRA: %d slots of rank %d for %s (%.1f MiB)", shape.slots, shape.rank,
                     ", ".join(shape.projections), sum(a.nbytes for a in jax.tree_util.tree_leaves(pool)) / 2**20)
         return LoraSlots(pool, jax.jit(load_slot, donate_argnums=(0,), out_shardings=shardings), shape)
+
+    def _prepared(self, serving: ServingModel) -> ServingModel:
+        """`serving` laid out for the backend, its experts run as suits the devices' platform."""
+        prepared = self.backend.prepare(serving, self.buckets, measure=self.config.warmup)
+        return moe.for_platform(prepared, self.backend.platform)
 
     def _on_devices(self, mapping: Optional[dict[str, str]] = None):
         return sharding.mesh_context(self.mesh, self.layout.axis_mapping if mapping is None else mapping)

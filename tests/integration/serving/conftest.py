@@ -59,7 +59,7 @@ class Serving:
                 raise RuntimeError(f"the {concern!r} app was not deployed: no collected test asked for it")
             self.deploying[concern].result(timeout=600)
             url = f"{self.url}/{concern}"
-            wait_for(lambda: healthy(url), 120, f"a healthy {concern} app")
+            wait_for(lambda: healthy(url), 300, f"a healthy {concern} app")
             http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
             client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
             self.apps[concern] = App(url, client, http)
