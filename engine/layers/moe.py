@@ -135,12 +135,14 @@ class MoE(ModuleWithStateDictSerialization):
     def __call__(self, x: NamedArray, *, key=None) -> NamedArray:
         """x (position, embed) -> (position, embed)."""
         del key
-        weights, chosen = self.routing.choose(self.gate(x, key=None))
+        logits = self.gate(x, key=None)
         run = dispatch_tiled if self.tiled else dispatch
         axis = hax.partitioning.physical_axis_name(EXPERTS)
         if axis is None:
-            return run(x, weights, chosen, self.experts)
-        return dispatch_split(x, weights, chosen, self.experts, axis, run)
+            return run(x, *self.routing.choose(logits), self.experts)
+        # the router's columns split with the experts: gather its logits (one small all-gather) before the top-k
+        logits = hax.named(jax.lax.with_sharding_constraint(logits.array, PartitionSpec()), logits.axes)
+        return dispatch_split(x, *self.routing.choose(logits), self.experts, axis, run)
 
 
 def dispatch(x: NamedArray, weights: NamedArray, chosen: NamedArray, experts: ExpertMlps) -> NamedArray:

@@ -38,7 +38,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, page_size=args.page_size, attention_backend="tpu",
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                          tensor_parallel_size=args.tensor_parallel_size or chips, compilation_cache_dir=None,
+                          tensor_parallel_size=args.tensor_parallel_size or chips,
+                          expert_parallel_size=args.expert_parallel_size, compilation_cache_dir=None,
                           speculative=speculative)
     start = time.perf_counter()
     report = compile_for_topology(config, args.topology, args.chips_per_host)
@@ -57,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: libtpu's for the generation)")
     parser.add_argument("--tensor-parallel-size", type=int, default=0,
                         help="chips the replica spans (default: every chip of the topology)")
+    parser.add_argument("--expert-parallel-size", type=int, default=None,
+                        help="a mixture of experts: 1 splits each expert's MLP, the tensor-parallel size splits the "
+                             "experts whole (default: the planner's choice)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-dtype", default=None)
     parser.add_argument("--quantization", default=None, choices=["int8"], help="weight-only quantization")

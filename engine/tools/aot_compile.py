@@ -222,9 +222,10 @@ def _compile_all(steps, buckets, cache, mesh, vocab_size: int, axis_mapping,
         lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=replicated), tree)
     prev_tokens = jax.ShapeDtypeStruct((buckets.max_samples,), np.int32, sharding=replicated)
     programs, sampler_sizes = [], set()
-    # No mesh context (jax.set_mesh): levanter evaluates a few constants eagerly while tracing, and
-    # eagerly on a mesh of TPUs this host does not have cannot run. Shardings come with the arguments.
-    with hax.axis_mapping(axis_mapping):
+    # No concrete mesh context (jax.set_mesh): levanter evaluates a few constants eagerly while
+    # tracing, and eagerly on a mesh of TPUs this host does not have cannot run. Shardings come with
+    # the arguments; the abstract mesh is there for shard_map (engine.layers.moe's expert parallelism).
+    with hax.axis_mapping(axis_mapping), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         for bucket in buckets.compile_order():
             try:
                 samplers = () if bucket.samples in sampler_sizes else WARM_SAMPLER_SWITCHES

@@ -102,6 +102,34 @@ def test_gemma_sliding_layers_compile_for_a_tpu(tmp_path, config):
     assert len(report["programs"]) == 14 and report["fits"] is True
 
 
+QWEN3_MOE = {**TINY, "model_type": "qwen3_moe", "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 128, "norm_topk_prob": True, "hidden_act": "silu"}
+
+
+@pytest.mark.parametrize("expert_parallel_size", [None, 1], ids=["whole-experts", "split-expert-mlps"])
+def test_a_mixture_of_experts_compiles_for_a_tpu_with_its_experts_split(tmp_path, expert_parallel_size):
+    """A Qwen3-MoE of 8 experts over 4 chips. Whole experts (the planner's choice: an expert's 128
+    split 4 ways would be 32 lanes): 2 per chip, each chip's rows through its own, the layer's sums
+    in one all-reduce, and the router's logits gathered once per layer before its top-k. Each
+    expert's MLP split: the collectives of a dense model. The weights per chip are the planner's."""
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(QWEN3_MOE))
+    extra = () if expert_parallel_size is None else ("--expert-parallel-size", str(expert_parallel_size))
+    report = aot(tmp_path / "moe", "v5e:2x2", 4, tmp_path / "report.json", *extra)
+    assert len(report["programs"]) == 14 and report["fits"] is True
+    layers = QWEN3_MOE["num_hidden_layers"]
+    forwards = [p["collectives"] for p in report["programs"] if p["name"].startswith("forward")]
+    if expert_parallel_size is None:  # T=1 reduces the gathered logits; more tokens gather them
+        assert forwards == [{"all-gather": layers, "all-reduce": 2 * layers + 1}, {"all-reduce": 3 * layers + 1},
+                            {"all-gather": layers, "all-reduce": 2 * layers + 1},
+                            {"all-gather": layers, "all-reduce": 2 * layers + 1}]
+    else:
+        assert forwards == [{"all-reduce": 2 * layers + 1}] * 4
+    config = EngineConfig(model=str(tmp_path / "moe"), expert_parallel_size=expert_parallel_size, **ENGINE)
+    plan = memory_plan.plan(config, 4, capacity.TPU_CHIPS["v5e"].hbm_bytes)
+    assert report["weight_bytes"] == report["planned_weight_bytes"] == plan.weight_bytes
+
+
 def test_int8_weights_compile_for_a_tpu_at_half_the_bytes(tiny_dir, tmp_path):
     """Every program compiles with int8 weights; per chip they take the planner's figure, half of
     bfloat16's plus a float32 scale per output channel."""
