@@ -8,9 +8,10 @@ its own route prefix in one Ray instance, so that a model that breaks fails only
   a replica, so a burst can be turned away even when slots are free: the queue bound must exceed the
   largest burst a test sends.)
 - `multidevice`: the same checkpoint split over two devices (`MODEL_TP2`, read from an S3 bucket:
-  moto's server, with a LoRA adapter and n-gram speculation), and a Llama with 8 query heads on a
+  moto's server, with a LoRA adapter and n-gram speculation), a Llama with 8 query heads on a
   replica over two host processes (`MODEL_2HOSTS`, downloaded from a Hugging Face Hub repo:
-  tests/support/hub_server.py, with a draft model).
+  tests/support/hub_server.py, with a draft model), and a Qwen3-MoE with its experts split over
+  two devices (`MODEL_MOE`).
 - `media`: the default app's embedding model, a Whisper and a LLaVA checkpoint.
 - `failure`: a fake engine that fails or hangs on command (`MODEL_FAULTY`).
 
@@ -43,6 +44,9 @@ MODEL_2HOSTS = "tiny-llama-2hosts"
 host processes (num_hosts 2): the leader schedules, two EngineWorkers with 2 host CPU devices each
 hold it split over 4 (gloo collectives)."""
 HUB_REPO = "test-org/tiny-llama-8heads"
+MODEL_MOE = "tiny-qwen3-moe"
+"""tiny_models' qwen3_moe checkpoint (8 experts) over 2 host devices, 4 experts whole on each (the
+planner's choice: an expert's MLP of 64 split in two would be 32 lanes)."""
 EIGHT_HEADS = dict(hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
 EMBEDDER = "all-minilm-l6-v2"
 """The default app's embedding model, as deploy/config.yaml configures it."""
@@ -74,6 +78,7 @@ class Sources:
     """Where the apps' models come from: local checkpoints, and the Hub and S3 servers' settings."""
 
     checkpoint: Path
+    moe: Path
     whisper: Optional[Path]
     llava: Optional[Path]
     """The media app's checkpoints (None when it is not deployed)."""
@@ -114,6 +119,7 @@ def multidevice_models(sources: Sources) -> list[dict]:
          "speculative": {"method": "ngram", "num_tokens": 3, "prompt_lookup_min": 1}},
         {"model": HUB_REPO, "model_id": MODEL_2HOSTS, **ENGINE, **two_hosts,
          "speculative": {"method": "draft_model", "model": str(sources.checkpoint), "num_tokens": 3}},
+        {"model": str(sources.moe), "model_id": MODEL_MOE, **ENGINE, **tp2, "env_vars": TWO_DEVICES, "num_cpus": 0.1},
     ]
 
 

@@ -265,6 +265,7 @@ class ModelRunner:
             "kv_cache_dtype": self.kv_cache_dtype,
             "quantization": self.config.quantization or "none",
             "tensor_parallel_size": str(self.layout.size),
+            "expert_parallel_size": str(self.layout.size if self.layout.expert_parallel else 1),
             "num_devices": str(len(devices)),
             "device_kind": devices[0].device_kind,
             "mesh": ",".join(f"{name}={size}" for name, size in self.mesh.shape.items()),

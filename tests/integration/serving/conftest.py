@@ -118,7 +118,8 @@ def serving(request, checkpoint_factory, tmp_path_factory):
         s3.upload(checkpoint, S3_URI)
         adapters = tmp_path_factory.mktemp("adapters")
         make_lora_adapter(checkpoint, adapters / "every", seed=1)
-        sources = Sources(checkpoint=checkpoint, adapters=adapters, s3_env=s3.env,
+        sources = Sources(checkpoint=checkpoint, moe=checkpoint_factory("qwen3_moe"), adapters=adapters,
+                          s3_env=s3.env,
                           whisper=request.getfixturevalue("whisper_dir") if media else None,
                           llava=request.getfixturevalue("llava_dir") if media else None,
                           hub_env={"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0",

@@ -203,7 +203,8 @@ def test_models_that_cannot_start_get_a_503_that_says_why_and_the_others_keep_se
                  "both broken models to fail and the healthy one to run")
         tokenizer_error = "ValueError: Tokenizer class NoSuchTokenizer does not exist or is not currently imported."
         assert states() == {"healthy": ("ready", None), "gated": ("starting", None),
-                            "bad-tokenizer": ("failed", tokenizer_error), "bad-config": ("failed", states()["bad-config"][1])}
+                            "bad-tokenizer": ("failed", tokenizer_error),
+                            "bad-config": ("failed", states()["bad-config"][1])}
         assert states()["bad-config"][1].startswith("JSONDecodeError: ")
 
         for model, message in (("bad-tokenizer", f"model 'bad-tokenizer' failed to start: {tokenizer_error}; fix its "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support.serving_apps import ADAPTER_TP2, HUB_REPO, MODEL, MODEL_2HOSTS, MODEL_TP2, S3_URI
+from tests.support.serving_apps import ADAPTER_TP2, HUB_REPO, MODEL, MODEL_2HOSTS, MODEL_MOE, MODEL_TP2, S3_URI
 from tests.support.serving_helpers import (
     OpenStream,
     engine_worker_processes,
@@ -34,10 +34,11 @@ def http(multidevice_app):
     return multidevice_app.http
 
 
-def test_models(client, serving):
-    assert [m.id for m in client.models.list().data] == [MODEL_TP2, MODEL_2HOSTS, ADAPTER_TP2]
+def test_models(client, serving, checkpoint_factory):
+    assert [m.id for m in client.models.list().data] == [MODEL_TP2, MODEL_2HOSTS, MODEL_MOE, ADAPTER_TP2]
     roots = {m.id: m.model_extra["root"] for m in client.models.list().data}
-    assert roots == {MODEL_TP2: S3_URI, MODEL_2HOSTS: f"{HUB_REPO}@main", ADAPTER_TP2: str(serving.adapters / "every")}
+    assert roots == {MODEL_TP2: S3_URI, MODEL_2HOSTS: f"{HUB_REPO}@main",
+                     MODEL_MOE: str(checkpoint_factory("qwen3_moe")), ADAPTER_TP2: str(serving.adapters / "every")}
     assert client.models.retrieve(ADAPTER_TP2).model_extra["parent"] == MODEL_TP2
 
 
@@ -76,7 +77,8 @@ def test_404_for_an_unknown_model_names_the_adapters_too(client):
         client.completions.create(model="gpt-5", prompt="x")
     assert info.value.status_code == 404
     assert info.value.body == {
-        "message": f"the model 'gpt-5' does not exist; served models: ['{MODEL_2HOSTS}', '{MODEL_TP2}']; "
+        "message": f"the model 'gpt-5' does not exist; served models: ['{MODEL_2HOSTS}', '{MODEL_TP2}', "
+                   f"'{MODEL_MOE}']; "
                    f"LoRA adapters: ['{ADAPTER_TP2}']",
         "type": "invalid_request_error",
         "param": "model",
@@ -111,6 +113,30 @@ def test_a_tensor_parallel_replica_answers_as_the_single_device_one(client, http
     assert tp1.labels["dtype"] == tp2.labels["dtype"] == "float32"  # dtype auto: the checkpoint's own
     (guessed,) = samples(http, "vllm:spec_decode_num_draft_tokens_total", model_name=MODEL_TP2)
     assert guessed.value > 0
+
+
+def test_a_mixture_of_experts_split_over_two_devices_answers_as_transformers(serving, client, http,
+                                                                            checkpoint_factory):
+    """A Qwen3-MoE with expert parallelism (4 of its 8 experts on each device, the planner's
+    choice): completions streamed or not are transformers' greedy tokens, and the info metric says
+    how it runs."""
+    import torch
+    import transformers
+
+    model_dir = checkpoint_factory("qwen3_moe")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt in (PROMPT, "Once upon a time"):
+        got = client.completions.create(model=MODEL_MOE, prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == serving.greedy_text(serving.tokenizer.encode(prompt), 12, reference)
+    want = client.chat.completions.create(model=MODEL_MOE, messages=MESSAGES, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(model=MODEL_MOE, messages=MESSAGES, max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.choices[0].message.content
+    (info,) = samples(http, "jax_serve:engine_info", model_name=MODEL_MOE)
+    assert {k: info.labels[k] for k in ("tensor_parallel_size", "expert_parallel_size", "num_devices", "mesh")} == {
+        "tensor_parallel_size": "2", "expert_parallel_size": "2", "num_devices": "2", "mesh": "data=1,model=2"}
 
 
 def test_a_replica_over_two_hosts_answers_as_transformers(serving, client, http):
