@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Optional
 
 from engine.formats.transformers_files import hf_config
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "gemma2", "gemma3_text",
-                      "qwen3_moe")
+                      "qwen3_moe", "phi3")
 """config.json `model_type`s the decoder loader reads (engine.models.loading maps each to levanter's, or
 assembles it: engine.models.decoder)."""
 
@@ -38,6 +39,9 @@ class ModelInfo:
     """Routed experts of each mixture-of-experts layer (0: a dense model)."""
     expert_intermediate_size: int = 0
     """The MLP size of one expert."""
+    long_rope_from: Optional[int] = None
+    """longrope (Phi-3): a sequence longer than this rotates with its long factors, all its tokens
+    (engine.layers.rope; the scheduler recomputes one that grows past it). None: one RoPE."""
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
@@ -72,8 +76,16 @@ def model_info(model_dir: str | Path) -> ModelInfo:
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         eos_token_ids=_eos_ids(Path(model_dir), hf),
         dtype=declared_dtype(hf),
+        long_rope_from=_long_rope_from(hf),
         **_experts(hf),
     )
+
+
+def _long_rope_from(hf: dict) -> Optional[int]:
+    scaling = hf.get("rope_scaling") or {}
+    if scaling.get("rope_type", scaling.get("type")) != "longrope":
+        return None
+    return hf.get("original_max_position_embeddings") or hf["max_position_embeddings"]
 
 
 def _experts(hf: dict) -> dict:

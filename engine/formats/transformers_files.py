@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 """The RoPE scalings the engine runs (levanter's)."""
 
 TRANSFORMERS5_TOKENIZERS = ("TokenizersBackend",)
@@ -28,7 +28,7 @@ _TOKENIZER_FIELDS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_to
 
 def hf_config(config: dict) -> dict:
     """config.json as transformers 4 and levanter read it, whichever transformers wrote it.
-    ValueError naming what the engine cannot run (an unknown RoPE type, partial rotary embeddings)."""
+    ValueError naming what the engine cannot run (an unknown RoPE type)."""
     config = dict(config)
     if isinstance(config.get("rope_parameters"), dict):
         rope = dict(config.pop("rope_parameters"))
@@ -45,9 +45,6 @@ def hf_config(config: dict) -> dict:
     if kind not in ROPE_TYPES:
         raise ValueError(f"config.json asks for RoPE type {kind!r}, which the engine does not implement; "
                          f"supported: {', '.join(ROPE_TYPES)}")
-    if config.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"config.json sets partial_rotary_factor={config['partial_rotary_factor']}; the engine "
-                         "rotates whole heads only")
     return config
 
 

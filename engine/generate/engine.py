@@ -95,6 +95,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 prefill_chunk=config.prefill_chunk or config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
+                long_rope_from=self.executor.facts.info.long_rope_from,
             ),
             self.allocator,
             self._adapters.slots,

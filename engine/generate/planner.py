@@ -114,6 +114,7 @@ class StepPlanner:
         else:
             inputs.sample_index[slot : slot + row.num_samples] = np.arange(offset + row.length - 1, offset + count)
         inputs.adapter[k] = seq.adapter_slot
+        inputs.long_rope[k] = seq.long_rope
         if end <= seq.num_known_tokens:
             return False
         # the row's last token is the one `previous` is sampling
@@ -237,4 +238,5 @@ def _empty_inputs(bucket: Bucket, buckets: ShapeBuckets) -> StepInputs:
         q_lens=np.zeros(r, np.int32),
         sample_index=np.zeros(samples, np.int32),
         adapter=np.full(r, -1, np.int32),
+        long_rope=np.zeros(r, np.bool_),
     )

@@ -89,11 +89,15 @@ class Sequence:
     """The device slot of `adapter` while the sequence runs (-1: none)."""
     image_slots: list[int] = dataclasses.field(default_factory=list)
     """The image slots (engine.generate.images) the prompt's images hold until the sequence ends."""
+    long_rope: bool = False
+    """Whether the sequence runs with longrope's long factors (SchedulerConfig.long_rope_from)."""
 
     @property
     def hash_root(self) -> int:
-        """The prefix hash before the first page: the base model's, or one per adapter."""
-        return 0 if self.adapter is None else hash(("lora", self.adapter.uid))
+        """The prefix hash before the first page: the base model's, or one per adapter; pages of
+        longrope's long factors apart from the short ones'."""
+        root = 0 if self.adapter is None else hash(("lora", self.adapter.uid))
+        return hash(("long_rope", root)) if self.long_rope else root
 
     @property
     def token_ids(self) -> list[int]:
@@ -177,6 +181,9 @@ class SchedulerConfig:
     """Tokens of one row at most (a prompt longer than this takes several steps)."""
     max_model_len: int
     """Tokens (prompt + output) of one sequence at most."""
+    long_rope_from: Optional[int] = None
+    """longrope: a sequence longer than this runs with the long factors, its cache computed with
+    them (ModelInfo.long_rope_from); None: one RoPE."""
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "max_model_len"):
@@ -255,6 +262,11 @@ class Scheduler:
             for seq in [s for s in self.running if (s.num_pending == 1) == decoding]:
                 if seq.status is not Status.RUNNING or budget == 0 or self._at_length_limit(seq):
                     continue
+                if self._outgrew_short_rope(seq):  # recomputed with the long factors, as transformers does
+                    seq.long_rope, seq.page_hashes = True, []
+                    self._requeue(seq, plan)
+                    budget = limit - plan.num_tokens
+                    continue
                 length = min(seq.num_pending, self.config.prefill_chunk, budget)
                 guesses = drafts.get(seq.request_id, [])[: budget - length] if decoding else []
                 num_preempted = len(plan.preempted)
@@ -275,6 +287,8 @@ class Scheduler:
                 continue
             fresh = not seq.pages
             if fresh:
+                if self._outgrew_short_rope(seq):
+                    seq.long_rope, seq.page_hashes = True, []
                 self._match_prefix(seq)
             length = min(seq.num_pending, self.config.prefill_chunk, budget)
             needed = self._pages_needed(seq, length)
@@ -297,6 +311,11 @@ class Scheduler:
             self._add_row(plan, Row(seq, seq.num_computed, length))
             self._register_full_pages(seq, seq.num_computed + length)  # an n>1 sibling may match them next
             budget -= length
+
+    def _outgrew_short_rope(self, seq: Sequence) -> bool:
+        """Whether `seq` now needs longrope's long factors and does not run with them yet."""
+        limit = self.config.long_rope_from
+        return limit is not None and not seq.long_rope and seq.num_tokens > limit
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         """Whether the output tokens already planned (some still in flight) end the sequence."""
@@ -328,6 +347,10 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, plan: Plan) -> None:
         """Free all of `seq`'s pages and requeue it at the front; drop its row if it has one."""
+        self._requeue(seq, plan)
+        self.num_preemptions += 1
+
+    def _requeue(self, seq: Sequence, plan: Plan) -> None:
         plan.decode = [row for row in plan.decode if row.seq is not seq]
         plan.prefill = [row for row in plan.prefill if row.seq is not seq]
         self.running.remove(seq)
@@ -337,7 +360,6 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         plan.preempted.append(seq)
-        self.num_preemptions += 1
 
     def _pin_adapter(self, seq: Sequence, plan: Plan) -> None:
         """Give a sequence being admitted its adapter's slot; a slot newly given is loaded first."""

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 _FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": QwenConfig, "qwen3": Qwen3Config,
              "olmo2": Olmo2Config, "mixtral": MixtralConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3Config,
-             "qwen3_moe": Qwen3Config}
+             "qwen3_moe": Qwen3Config, "phi3": LlamaConfig}
 """levanter's config class of each family that engine.formats.checkpoint_config.SUPPORTED_FAMILIES names
 (for those engine.models.decoder assembles: the one its state dict is read with)."""
 

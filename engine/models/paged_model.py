@@ -123,7 +123,7 @@ def forward(model: ServingModel, backend: AttentionBackend, cache, inputs: StepI
         x = x * jnp.asarray(model.variant.embed_scale, x.dtype)
     x = x.astype(backend.activation_dtype(x.dtype))
     positions = hax.named(inputs.positions, Pos)
-    rope = model.rope.tables(positions)
+    rope = model.rope.tables(positions, inputs.long_rope[inputs.token_row])
     local_rope = None if model.variant.local_rope is None else model.variant.local_rope.tables(positions)
     step = backend.begin_step(inputs)
     if isinstance(model.layers, tuple):

@@ -27,7 +27,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 def layer_types(hf: dict) -> list[str]:
     """Each layer's attention as transformers builds it: config.json's `layer_types`, else the
-    family's rule (Gemma 2: even layers slide; Mistral, Mixtral: every layer, if it has a window;
+    family's rule (Gemma 2: even layers slide; Mistral, Mixtral, Phi-3: every layer, if it has a window;
     Qwen 2 / 3 / 3-MoE with `use_sliding_window`: the layers from `max_window_layers` on)."""
     layers = hf["num_hidden_layers"]
     kinds = hf.get("layer_types")
@@ -38,7 +38,7 @@ def layer_types(hf: dict) -> list[str]:
         elif family == "gemma3_text":
             pattern = hf.get("sliding_window_pattern", 6)
             kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-        elif family in ("mistral", "mixtral") and window is not None:
+        elif family in ("mistral", "mixtral", "phi3") and window is not None:
             kinds = ["sliding_attention"] * layers
         elif family in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window") and window is not None:
             first = hf.get("max_window_layers", 28)

@@ -47,6 +47,7 @@ class StepInputs(NamedTuple):
     q_lens: np.ndarray  # i32[S] tokens of the row in this step (0 for padding rows)
     sample_index: np.ndarray  # i32[N] token each sampling slot samples after (N: max_samples; the head reads [0, R))
     adapter: np.ndarray  # i32[S] LoRA slot of the row's adapter (-1: the base model; padding rows too)
+    long_rope: np.ndarray  # bool[S] the row's sequence rotates with longrope's long factors (engine.layers.rope)
 
 
 class SamplingInputs(NamedTuple):

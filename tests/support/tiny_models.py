@@ -100,10 +100,12 @@ def make_checkpoint(
     pad_tokenizer_vocab: bool = False,
     decoder_sparse_step: int = 1,
     norm_topk_prob: bool = True,
+    longrope_from: int = 32,
 ) -> Path:
     """Write a random `family` checkpoint (llama, qwen2, qwen3, mistral, mixtral, olmo2, gemma2,
     gemma3: its text model; qwen3_moe: 8 experts of `intermediate_size` / 2, 2 a token, on every
-    `decoder_sparse_step`-th layer, dense MLPs on the others) with a tokenizer.
+    `decoder_sparse_step`-th layer, dense MLPs on the others; phi3: half of each head rotated, longrope's
+    long factors past `longrope_from` tokens) with a tokenizer.
 
     `pad_tokenizer_vocab` pads the tokenizer to exactly `tokenizer_vocab` ids (see make_tokenizer).
 
@@ -150,6 +152,12 @@ def make_checkpoint(
             **common, head_dim=hidden_size // num_heads, rope_theta=10000.0, use_sliding_window=False, num_experts=8,
             num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 2, norm_topk_prob=norm_topk_prob,
             decoder_sparse_step=decoder_sparse_step, mlp_only_layers=[])
+    elif family == "phi3":  # Phi-4-mini's half-rotated heads; Phi-3-128k's longrope
+        rotated = hidden_size // num_heads // 2
+        config = transformers.Phi3Config(**common, rope_theta=10000.0, partial_rotary_factor=0.5, sliding_window=None,
+                                         original_max_position_embeddings=longrope_from, rope_scaling={
+                                             "type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0][:rotated // 2],
+                                             "long_factor": [2.0, 3.0, 8.0, 16.0][:rotated // 2]})
     elif family == "gemma2":  # windows of 16 tokens on even layers, soft-capped scores and logits
         config = transformers.Gemma2Config(**common, head_dim=hidden_size // num_heads, rope_theta=10000.0,
                                            sliding_window=16, query_pre_attn_scalar=12, attn_logit_softcapping=4.0,
@@ -163,8 +171,8 @@ def make_checkpoint(
     elif family == "olmo2":
         config = transformers.Olmo2Config(**common, rope_theta=10000.0)
     else:
-        raise ValueError(f"unknown family {family!r}; use llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, olmo2, "
-                         "gemma2 or gemma3")
+        raise ValueError(f"unknown family {family!r}; use llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, phi3, "
+                         "olmo2, gemma2 or gemma3")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     _randomize_biases(model, initializer_range)

@@ -372,7 +372,7 @@ def test_the_kernel_and_the_xla_backend_attend_a_packed_step_alike():
     inputs = StepInputs(zeros, positions, zeros, zeros - 1, token_row, pages,
                         kv_lens=np.array([9, 10, 2, 0], np.int32), q_start=np.array([0, 1, 5, 7], np.int32),
                         q_lens=np.array([1, 4, 2, 0], np.int32), sample_index=np.zeros(4, np.int32),
-                        adapter=np.full(4, -1, np.int32))
+                        adapter=np.full(4, -1, np.int32), long_rope=np.zeros(4, np.bool_))
     inputs = StepInputs(*map(jnp.asarray, inputs))
     q = rng.standard_normal((tokens, heads, group, dim)).astype(np.float32) * 0.5
     lens = np.asarray(visible_tokens(inputs))

@@ -39,11 +39,13 @@ from tests.support.parity import (
     ("llama", False, "tpu"), ("qwen3", False, "cpu"), ("qwen3", False, "tpu"), ("qwen2", False, "cpu"),
     ("mistral", True, "cpu"), ("olmo2", False, "cpu"), ("olmo2", True, "xla"), ("olmo2", False, "tpu"),
     ("mixtral", False, "cpu"), ("mixtral", True, "xla"), ("mixtral", False, "tpu"), ("gemma2", False, "cpu"),
-    ("gemma2", True, "xla"), ("gemma3", False, "cpu"), ("gemma3", True, "xla")])
+    ("gemma2", True, "xla"), ("gemma3", False, "cpu"), ("gemma3", True, "xla"), ("phi3", False, "cpu"),
+    ("phi3", True, "xla"), ("phi3", False, "tpu")])
 def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint_factory, family, scan_layers, backend):
     """cpu: the project's kernels (an AVX2 machine); xla: masked attention in plain JAX; tpu:
     ragged paged attention (levanter's reference implementation off TPU; the Pallas kernel itself in
-    tests/unit/test_tpu_kernel.py)."""
+    tests/unit/test_tpu_kernel.py). Phi-3: fused projections split on load, half of each head rotated,
+    and longrope's long factors past 32 tokens (sequences that grow past it recomputed with them)."""
     model_dir = checkpoint_factory(family)
     engine = LLMEngine(EngineConfig(model=str(model_dir), scan_layers=scan_layers, attention_backend=backend,
                                     **TIGHT))

@@ -54,3 +54,28 @@ def test_rotating_with_the_steps_tables_equals_transformers():
     # float32 angles: at position 4095 one ulp of the angle is 2.4e-4 rad, in either implementation
     np.testing.assert_allclose(np.asarray(got.array)[:6], want[:6], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(got.array)[6], want[6], atol=5e-4)
+
+
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
+def test_longrope_with_half_rotated_heads_rotates_as_transformers_phi3(long):
+    """Phi-3's longrope (Phi-4-mini's partial_rotary_factor 0.5: 8 of 16 dims rotated, the rest
+    passed through): the short factors for a sequence within original_max_position_embeddings, the
+    long ones past it, both scaled by the attention factor of 4096 / 512."""
+    scaling = {"type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [1.5, 3.0, 6.0, 12.0]}
+    config = {**BASE, "num_attention_heads": 8, "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+              "original_max_position_embeddings": 512, "rope_scaling": scaling}
+    rope = Rope.from_hf_config(config, head_dim=16)
+    Pos, Heads, Head = hax.Axis("position", 4), hax.Axis("heads", 2), hax.Axis("head_size", 16)
+    positions = hax.named(jnp.array([0, 7, 300, 511] if not long else [0, 7, 600, 2000], jnp.int32), Pos)
+    x = hax.random.normal(jax.random.PRNGKey(1), (Pos, Heads, Head))
+    got = jax.jit(lambda x, p: rotate(x, rope.tables(p, jnp.full(4, long)), Head))(x, positions)
+
+    hf = transformers.Phi3Config(hidden_size=128, num_attention_heads=8, max_position_embeddings=4096,
+                                 rope_theta=10000.0, partial_rotary_factor=0.5, original_max_position_embeddings=512,
+                                 rope_scaling=scaling)
+    hf_rope = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(hf)
+    q = torch.tensor(np.asarray(x.array)).permute(1, 0, 2)[None]  # (batch, heads, position, d)
+    cos, sin = hf_rope(q, torch.tensor(np.asarray(positions.array))[None])
+    want = transformers.models.phi3.modeling_phi3.apply_rotary_pos_emb(q, q, cos, sin)[0][0].permute(1, 0, 2)
+    np.testing.assert_allclose(np.asarray(got.array), want.numpy(), rtol=1e-5, atol=1e-5)
+    assert np.asarray(got.array)[:, :, 8:].tolist() == np.asarray(x.array)[:, :, 8:].tolist()

@@ -762,3 +762,28 @@ def test_random_runs_keep_invariants_and_free_every_page():
         shared += sim.sched.prefix_hits
         assert len(sim.done) >= 1
     assert preemptions > 20 and shared > 100  # the runs do exercise preemption and prefix reuse
+
+
+def test_a_sequence_that_outgrows_longropes_short_factors_is_recomputed_once_with_the_long_ones():
+    """long_rope_from 12 (Phi-3's longrope): a 10-token prompt runs with the short factors until its
+    13th token is to be computed; then it is requeued, its pages freed, and recomputed whole with
+    the long ones (as transformers' generate recomputes its cache), not counted as a preemption. A
+    14-token prompt runs long from its first step. Pages computed long hash apart from short ones,
+    so neither kind is found by the other's prefix lookup."""
+    sched = Scheduler(SchedulerConfig(8, 64, 16, 64, long_rope_from=12), PageAllocator(64, 4, True))
+    sim = Sim(sched)
+    a, b = seq("a", 10, max_tokens=6), seq("b", 14, max_tokens=2)
+    sim.add(a)
+    assert rows(sim.step().prefill) == [("a", 0, 10)] and not a.long_rope
+    assert rows(sim.step().decode) == [("a", 10, 1)]
+    assert rows(sim.step().decode) == [("a", 11, 1)] and not a.long_rope and a.num_tokens == 13
+    plan = sim.step()
+    assert plan.rows == [] and plan.preempted == [a] and a.long_rope and a.status is Status.WAITING
+    sim.add(b)
+    plan = sim.step()
+    assert rows(plan.prefill) == [("a", 0, 13), ("b", 0, 14)] and a.long_rope and b.long_rope
+    assert a.page_hashes[0] != prefix_hashes(a.token_ids[:4], 4)[0]
+    assert sched.num_preemptions == 0
+    while sched.has_work():
+        sim.step()
+    sim.check_all_free()

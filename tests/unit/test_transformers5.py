@@ -63,12 +63,9 @@ def test_a_transformers_5_tokenizer_reads_as_the_one_it_was_saved_from():
 
 
 @pytest.mark.parametrize("rope, message", [
-    ({"rope_theta": 10000.0, "rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
-     "config.json asks for RoPE type 'longrope', which the engine does not implement; supported: default, linear, "
-     "llama3, yarn"),
     ({"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0},
      "config.json asks for RoPE type 'dynamic', which the engine does not implement; supported: default, linear, "
-     "llama3, yarn"),
+     "llama3, yarn, longrope"),
     ({"full_attention": {"rope_theta": 1e6, "rope_type": "default"},
       "sliding_attention": {"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0}},
      'config.json sets RoPE per layer type ({"full_attention": {"rope_theta": 1000000.0, "rope_type": "default"}, '
@@ -93,9 +90,11 @@ def test_gemma3s_rope_per_layer_type_reads_as_transformers_4_wrote_it():
 
 
 def test_transformers_4_rope_scaling_of_an_unknown_type_is_refused_too():
-    with pytest.raises(ValueError, match="RoPE type 'longrope'"):
-        hf_config({"rope_theta": 10000.0, "rope_scaling": {"type": "longrope", "factor": 2.0}})
-    with pytest.raises(ValueError, match="partial_rotary_factor=0.5; the engine rotates whole heads only"):
-        hf_config({"partial_rotary_factor": 0.5})
-    with pytest.raises(ValueError, match="partial_rotary_factor=0.25; the engine rotates whole heads only"):
-        hf_config({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.25}})
+    with pytest.raises(ValueError, match="RoPE type 'dynamic'"):
+        hf_config({"rope_theta": 10000.0, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+
+
+def test_a_partial_rotary_factor_is_read_from_either_place():
+    assert hf_config({"partial_rotary_factor": 0.5})["partial_rotary_factor"] == 0.5
+    read = hf_config({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.25}})
+    assert read == {"rope_theta": 1e4, "rope_scaling": None, "partial_rotary_factor": 0.25}

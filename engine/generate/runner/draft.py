@@ -117,4 +117,5 @@ def _decode_inputs(draft: DraftInputs, tokens, positions, shape: DraftShape) -> 
         q_lens=jnp.ones(rows, jnp.int32),
         sample_index=index,
         adapter=jnp.full(rows, -1, jnp.int32),
+        long_rope=jnp.zeros(rows, jnp.bool_),  # a draft model with longrope guesses with its short factors
     )
