@@ -61,6 +61,9 @@ ingress ends after 3 s of silence (keepalives every 0.5 s)."""
 CONCERNS = ("text", "multidevice", "media", "failure")
 """The apps, each deployed under /<concern> as the Serve application <concern>."""
 
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+"""What the tests send when the words do not matter."""
 MAX_MODEL_LEN = 512
 MAX_ONGOING = 8
 MAX_QUEUED = 8

@@ -12,11 +12,8 @@ import httpx
 import pytest
 
 from tests.support.fake_engine import FAIL, FAULT_MARK, HANG
-from tests.support.serving_apps import FAKES, MODEL_FAULTY, REPO
+from tests.support.serving_apps import FAKES, MESSAGES, MODEL_FAULTY, PROMPT, REPO
 from tests.support.serving_helpers import OpenStream, model_server_processes, wait_for
-
-PROMPT = "The quick brown fox"
-MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")

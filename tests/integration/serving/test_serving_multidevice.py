@@ -8,7 +8,17 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support.serving_apps import ADAPTER_TP2, HUB_REPO, MODEL, MODEL_2HOSTS, MODEL_MOE, MODEL_TP2, S3_URI
+from tests.support.serving_apps import (
+    ADAPTER_TP2,
+    HUB_REPO,
+    MESSAGES,
+    MODEL,
+    MODEL_2HOSTS,
+    MODEL_MOE,
+    MODEL_TP2,
+    PROMPT,
+    S3_URI,
+)
 from tests.support.serving_helpers import (
     OpenStream,
     engine_worker_processes,
@@ -20,8 +30,6 @@ from tests.support.tiny_models import make_lora_adapter
 
 openai = pytest.importorskip("openai")
 
-PROMPT = "The quick brown fox"
-MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")

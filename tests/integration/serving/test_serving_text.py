@@ -11,7 +11,17 @@ import re
 import httpx
 import pytest
 
-from tests.support.serving_apps import API_KEY, MAX_MODEL_LEN, MAX_ONGOING, MAX_QUEUED, MODEL, MODEL_PAIR, MODEL_SLOW
+from tests.support.serving_apps import (
+    API_KEY,
+    MAX_MODEL_LEN,
+    MAX_ONGOING,
+    MAX_QUEUED,
+    MESSAGES,
+    MODEL,
+    MODEL_PAIR,
+    MODEL_SLOW,
+    PROMPT,
+)
 from tests.support.serving_helpers import (
     OpenStream,
     metric,
@@ -23,8 +33,6 @@ from tests.support.serving_helpers import (
 openai = pytest.importorskip("openai")
 
 EXTRA = 14
-PROMPT = "The quick brown fox"
-MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
