@@ -31,6 +31,9 @@ EXPERTS = "experts"
 EXPERT_MLP = "expert_mlp"
 """An expert's MLP axis: named apart from a dense MLP's, so experts split over the devices (expert
 parallelism, axis `experts`) or each expert's MLP does (`expert_mlp`), whatever the dense MLPs do."""
+SCORES = "expert_scores"
+"""The router's output axis: one score per expert, named apart from `experts` so that the router
+stays whole on every device when the experts split (its logits then need no gathering)."""
 TOP = "top_experts"
 ROWS = "expert_rows"
 """The step's (token, choice) pairs, sorted by expert."""
@@ -46,8 +49,8 @@ class Routing:
     """Mixtral always; Qwen3-MoE as its `norm_topk_prob` says."""
 
     def choose(self, logits: NamedArray) -> tuple[NamedArray, NamedArray]:
-        """(weights f32[..., top_experts], experts i32[..., top_experts]) of router logits [..., experts]."""
-        logits = logits.rearrange((..., EXPERTS))
+        """(weights f32[..., top_experts], experts i32[..., top_experts]) of router logits [..., expert_scores]."""
+        logits = logits.rearrange((..., SCORES))
         probs = jax.nn.softmax(logits.array.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.top_k)
         if self.normalize:
@@ -129,20 +132,18 @@ class MoE(ModuleWithStateDictSerialization):
     def init(Embed: hax.Axis, Experts: hax.Axis, Mlp: hax.Axis, routing: Routing, act: Callable, *,
              key) -> "MoE":
         k_router, k_experts = jax.random.split(key)
-        router = hnn.Linear.init(Embed, Experts, key=k_router, use_bias=False, out_first=True)
+        router = hnn.Linear.init(Embed, Experts.alias(SCORES), key=k_router, use_bias=False, out_first=True)
         return MoE(router, ExpertMlps.init(Experts, Embed, Mlp, act, key=k_experts), routing)
 
     def __call__(self, x: NamedArray, *, key=None) -> NamedArray:
         """x (position, embed) -> (position, embed)."""
         del key
-        logits = self.gate(x, key=None)
+        weights, chosen = self.routing.choose(self.gate(x, key=None))
         run = dispatch_tiled if self.tiled else dispatch
         axis = hax.partitioning.physical_axis_name(EXPERTS)
         if axis is None:
-            return run(x, *self.routing.choose(logits), self.experts)
-        # the router's columns split with the experts: gather its logits (one small all-gather) before the top-k
-        logits = hax.named(jax.lax.with_sharding_constraint(logits.array, PartitionSpec()), logits.axes)
-        return dispatch_split(x, *self.routing.choose(logits), self.experts, axis, run)
+            return run(x, weights, chosen, self.experts)
+        return dispatch_split(x, weights, chosen, self.experts, axis, run)
 
 
 def dispatch(x: NamedArray, weights: NamedArray, chosen: NamedArray, experts: ExpertMlps) -> NamedArray:
@@ -246,11 +247,13 @@ def for_platform(model, platform: str):
 
 def from_levanter_mixtral(block) -> MoE:
     """levanter's `MixtralSparseMoeBlock` (loaded) as a `MoE` over the same arrays, its experts'
-    `mlp` axis renamed `expert_mlp`."""
+    `mlp` axis renamed `expert_mlp` and its router's `experts` axis `expert_scores`."""
     experts = block.experts
     w1, w3, w2 = (_renamed(linear, experts.Mlp.name, EXPERT_MLP) for linear in (experts.w1, experts.w3, experts.w2))
     mlps = ExpertMlps(w1, w3, w2, experts.act, ("w1", "w3", "w2"))
-    return MoE(block.gate, mlps, Routing(block.config.num_experts_per_tok, normalize=True))
+    gate = block.gate
+    router = dataclasses.replace(gate, weight=gate.weight.rename({EXPERTS: SCORES}), Out=gate.Out.alias(SCORES))
+    return MoE(router, mlps, Routing(block.config.num_experts_per_tok, normalize=True))
 
 
 def _renamed(linear: hnn.MoELinear, old: str, new: str) -> hnn.MoELinear:

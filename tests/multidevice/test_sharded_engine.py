@@ -183,6 +183,7 @@ def test_experts_split_whole_over_the_devices_answer_as_transformers(checkpoint_
     assert shard_shapes(experts.experts.gate_proj.weight.array) == [(count // 4, 128, width)] * 4
     if quantization:
         assert shard_shapes(experts.experts.gate_proj.scale.array) == [(count // 4, width)] * 4
+    assert shard_shapes(experts.gate.weight.array) == [(128, count)] * 4  # the router whole on every device
     assert_greedy_parity(engine, dequantized_copy(model_dir, tmp_path / "dequantized") if quantization else model_dir)
 
 

@@ -35,7 +35,7 @@ def torch_block(moe: MoE, norm_topk_prob: bool):
     block = Qwen3MoeSparseMoeBlock(config)
     tensor = lambda named, *axes: torch.tensor(np.asarray(named.rearrange(axes).array))  # noqa: E731
     with torch.no_grad():
-        block.gate.weight.copy_(tensor(moe.gate.weight, Experts, Embed))
+        block.gate.weight.copy_(tensor(moe.gate.weight, Experts.alias("expert_scores"), Embed))
         for i, expert in enumerate(block.experts):
             expert.gate_proj.weight.copy_(tensor(moe.experts.gate_proj.weight, Experts, Mlp, Embed)[i])
             expert.up_proj.weight.copy_(tensor(moe.experts.up_proj.weight, Experts, Mlp, Embed)[i])
