@@ -118,7 +118,7 @@ def _product(linear, expert: jax.Array, rows: jax.Array) -> jax.Array:
 
 
 class MoE(ModuleWithStateDictSerialization):
-    """A sparse MoE block: `gate` (the router, embed -> experts), `experts`, `routing`."""
+    """A sparse MoE block: `gate` (the router, embed -> expert_scores), `experts`, `routing`."""
 
     gate: hnn.Linear
     experts: ExpertMlps
