@@ -14,6 +14,7 @@ from serve_app.config import AppConfig
 from serve_app.http.backends import LocalBackend
 from serve_app.http.ingress import create_app
 from serve_app.replicas.generate import TextServer
+from tests.support.serving_helpers import openai_error
 
 jsonschema = pytest.importorskip("jsonschema")  # installed with ray; openapi-spec-validator is not
 
@@ -91,10 +92,6 @@ def refs(node) -> list[str]:
 def validator(document: dict, ref: str):
     """A JSON Schema validator of `ref` whose `#/components/...` refs resolve in `document`."""
     return jsonschema.Draft202012Validator({"$ref": ref, "components": document["components"]})
-
-
-def openai_error(message: str, param=None, type="invalid_request_error", code=None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def test_the_document_lists_exactly_the_routes(document):

@@ -24,7 +24,7 @@ from serve_app.protocol.chat import ChatCompletionRequest
 from serve_app.protocol.completions import CompletionRequest
 from serve_app.protocol.context import RequestContext
 from serve_app.replicas.generate import TextServer
-from tests.support.serving_helpers import held_in_tokenizing, sse_events, wait_for
+from tests.support.serving_helpers import held_in_tokenizing, openai_error, sse_events, wait_for
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 128
@@ -89,10 +89,6 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
-
-
-def openai_error(message: str, param=None, type="invalid_request_error", code=None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 # ---- completions ----
