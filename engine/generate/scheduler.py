@@ -262,8 +262,7 @@ class Scheduler:
             for seq in [s for s in self.running if (s.num_pending == 1) == decoding]:
                 if seq.status is not Status.RUNNING or budget == 0 or self._at_length_limit(seq):
                     continue
-                if self._outgrew_short_rope(seq):  # recomputed with the long factors, as transformers does
-                    seq.long_rope, seq.page_hashes = True, []
+                if self._take_long_rope(seq):  # recomputed with the long factors, as transformers does
                     self._requeue(seq, plan)
                     budget = limit - plan.num_tokens
                     continue
@@ -287,8 +286,7 @@ class Scheduler:
                 continue
             fresh = not seq.pages
             if fresh:
-                if self._outgrew_short_rope(seq):
-                    seq.long_rope, seq.page_hashes = True, []
+                self._take_long_rope(seq)
                 self._match_prefix(seq)
             length = min(seq.num_pending, self.config.prefill_chunk, budget)
             needed = self._pages_needed(seq, length)
@@ -312,10 +310,14 @@ class Scheduler:
             self._register_full_pages(seq, seq.num_computed + length)  # an n>1 sibling may match them next
             budget -= length
 
-    def _outgrew_short_rope(self, seq: Sequence) -> bool:
-        """Whether `seq` now needs longrope's long factors and does not run with them yet."""
+    def _take_long_rope(self, seq: Sequence) -> bool:
+        """Switch `seq` to longrope's long factors if it has outgrown the short ones (its page
+        hashes then start from another root); whether it switched now."""
         limit = self.config.long_rope_from
-        return limit is not None and not seq.long_rope and seq.num_tokens > limit
+        if limit is None or seq.long_rope or seq.num_tokens <= limit:
+            return False
+        seq.long_rope, seq.page_hashes = True, []
+        return True
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         """Whether the output tokens already planned (some still in flight) end the sequence."""

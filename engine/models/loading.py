@@ -3,9 +3,9 @@
 A family is a (config.json `model_type`, levanter config class) pair; levanter's HF converter reads
 the safetensors weights. The families levanter does not define are assembled from its parts
 (engine.models.decoder) and filled from the same state dict. A mixture of experts runs as
-engine.layers.moe's, whichever built it. Loading happens under the engine's device mesh (levanter needs one) from a
-local directory (engine.formats.model_sources fetched it): the path is made absolute so it is never
-mistaken for a Hub repo id.
+engine.layers.moe's, whichever built it. Loading happens under the engine's device mesh (levanter
+needs one) from a local directory (engine.formats.model_sources fetched it): the path is made
+absolute so it is never mistaken for a Hub repo id.
 """
 
 from __future__ import annotations
