@@ -89,30 +89,38 @@ class ExpertMlps(ModuleWithStateDictSerialization):
 
     def from_state_dict(self, state_dict: StateDict, prefix: Optional[str] = None) -> "ExpertMlps":
         """Each projection stacked from the per-expert (out, in) weights of the checkpoint, after
-        any leading (layer) axes the state dict already stacked."""
+        any leading (layer) axes the state dict already stacked; a float8 projection (one with
+        `loaded`, engine.layers.fp8) with its scales."""
         count = self.gate_proj.Experts.size
 
-        def stacked(name: str) -> jax.Array:
-            weights = [state_dict[with_prefix(prefix, f"{i}.{name}.weight")] for i in range(count)]
-            return jnp.stack([jnp.swapaxes(w, -1, -2) for w in weights], axis=-3)
+        def stacked(name: str, tensor: str = "weight") -> jax.Array:
+            arrays = [jnp.asarray(state_dict[with_prefix(prefix, f"{i}.{name}.{tensor}")]) for i in range(count)]
+            lead = jnp.ndim(state_dict[with_prefix(prefix, f"0.{name}.weight")]) - 2
+            return jnp.stack(arrays, axis=lead)
 
-        arrays = [stacked(name) for name in self.names]
-        return eqx.tree_at(lambda m: [m.gate_proj.weight.array, m.up_proj.weight.array, m.down_proj.weight.array],
-                           self, arrays)
+        def filled(linear, name: str):
+            if hasattr(linear, "loaded"):
+                return linear.loaded(stacked(name), stacked(name, linear.scale_name))
+            weight = jnp.swapaxes(stacked(name), -1, -2)
+            return eqx.tree_at(lambda m: m.weight.array, linear, weight)
+
+        fields = ("gate_proj", "up_proj", "down_proj")
+        return eqx.tree_at(lambda m: [getattr(m, f) for f in fields], self,
+                           [filled(getattr(self, f), name) for f, name in zip(fields, self.names)])
 
 
 def _product(linear, expert: jax.Array, rows: jax.Array) -> jax.Array:
-    """rows @ expert `expert`'s weight of a grouped product (haliax's MoELinear, or an int8 one
-    with its per-expert scales), in float32, rounded to the rows' dtype. A bfloat16 weight is held
-    as its bits (`for_platform`) and widened here, one expert at a time: XLA on CPUs would widen a
+    """rows @ expert `expert`'s weight of a grouped product (haliax's MoELinear, or a quantized one:
+    its `expert_product`), in float32, rounded to the rows' dtype. A bfloat16 weight is held as its
+    bits (`for_platform`) and widened here, one expert at a time: XLA on CPUs would widen a
     bfloat16 array whole, every expert, before the loop."""
-    weight = linear.weight.rearrange((linear.Experts, linear.In, linear.Out)).array[expert]
-    if weight.dtype == jnp.uint16:
-        weight = jax.lax.bitcast_convert_type(weight.astype(jnp.uint32) << 16, jnp.float32)
-    out = rows.astype(jnp.float32) @ weight.astype(jnp.float32)
-    scale = getattr(linear, "scale", None)
-    if scale is not None:
-        out = out * scale.rearrange((linear.Experts, linear.Out)).array[expert]
+    if hasattr(linear, "expert_product"):
+        out = linear.expert_product(expert, rows)
+    else:
+        weight = linear.weight.rearrange((linear.Experts, linear.In, linear.Out)).array[expert]
+        if weight.dtype == jnp.uint16:
+            weight = jax.lax.bitcast_convert_type(weight.astype(jnp.uint32) << 16, jnp.float32)
+        out = rows.astype(jnp.float32) @ weight.astype(jnp.float32)
     out = out.astype(rows.dtype)
     return out if linear.bias is None else out + linear.bias.array
 

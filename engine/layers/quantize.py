@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
+from engine.layers.fp8 import is_fp8
 from engine.layers.moe import MoE
 
 QUANTIZATIONS = ("int8",)
@@ -72,6 +73,12 @@ class Int8MoELinear(eqx.Module):
         weight, scale = quantize(linear.weight, linear.In)
         return Int8MoELinear(weight, scale.rearrange((..., linear.Experts, linear.Out)), linear.bias, linear.Experts,
                              linear.In, linear.Out, linear.use_gmm)
+
+    def expert_product(self, expert: jax.Array, rows: jax.Array) -> jax.Array:
+        """rows f[R, In] @ expert `expert`'s weight, in float32, scaled by its own scales."""
+        weight = self.weight.rearrange((self.Experts, self.In, self.Out)).array[expert]
+        out = rows.astype(jnp.float32) @ weight.astype(jnp.float32)
+        return out * self.scale.rearrange((self.Experts, self.Out)).array[expert]
 
     def __call__(self, inputs: NamedArray, group_sizes: NamedArray, *, key=None) -> NamedArray:
         del key
@@ -143,6 +150,9 @@ def quantize_model(model, quantization: str | None):
         return model
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported; use one of {QUANTIZATIONS} or none")
+    if any(is_fp8(m) for m in jax.tree_util.tree_leaves(model, is_leaf=is_fp8)):
+        raise ValueError(f"quantization {quantization!r} quantizes a checkpoint's float weights, and this "
+                         "checkpoint's are FP8 already: serve it without `quantization`")
     model = _quantize_modules(model)
     embeddings = model.embeddings
     if isinstance(getattr(embeddings, "token_embeddings", None), hnn.Embedding):

@@ -96,12 +96,14 @@ def load(hf: dict, Vocab: hax.Axis, state_dict: dict):
     """The model of `hf` with the checkpoint's `state_dict` (transformers' names), placed as the
     context's axis mapping splits it (call under the engine's mesh)."""
     template = eqx.filter_eval_shape(init_model, hf, Vocab, key=jax.random.PRNGKey(0))
-
-    @hax.named_jit
-    def filled(template, state_dict):
-        return hax.shard(from_torch_compatible_state_dict(template, state_dict))
-
     return filled(template, unfused(hf, state_dict))
+
+
+@hax.named_jit
+def filled(template, state_dict: dict):
+    """`template` (shapes) filled from `state_dict` (transformers' names), placed as the context's
+    axis mapping splits it."""
+    return hax.shard(from_torch_compatible_state_dict(template, state_dict))
 
 
 def unfused(hf: dict, state_dict: dict) -> dict:

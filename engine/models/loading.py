@@ -31,7 +31,10 @@ from levanter.models.qwen import Qwen3Config, QwenConfig
 from transformers import AutoConfig
 
 from engine.formats.checkpoint_config import ModelInfo, model_info, read_hf_config
+from engine.formats.checkpoint_quantization import CheckpointQuantization, read_quantization
+from engine.formats.safetensors_files import read_checkpoint
 from engine.formats.transformers_files import load_tokenizer
+from engine.layers.fp8 import FP8, dequantize_host, is_fp8, with_fp8
 from engine.layers.moe import from_levanter_mixtral
 from engine.models import decoder
 
@@ -50,7 +53,8 @@ def resolve_dtype(dtype: str, info: ModelInfo) -> str:
 
 
 def load_model(model_dir: str | Path, dtype: str):
-    """Load the levanter LM-head model for `model_dir` in `dtype` ("float32" or "bfloat16").
+    """Load the levanter LM-head model for `model_dir` in `dtype` ("float32" or "bfloat16"); a
+    checkpoint's FP8 weights stay FP8 (engine.layers.fp8).
 
     Call under the engine's mesh and axis mapping (`haliax.partitioning.set_mesh`,
     `haliax.axis_mapping`): levanter places the weights as the mapping splits them.
@@ -58,38 +62,79 @@ def load_model(model_dir: str | Path, dtype: str):
     path = str(Path(model_dir).expanduser().absolute())
     info = model_info(path)
     hf_config = read_hf_config(path)
-    converter = HFCheckpointConverter(_FAMILIES[info.family], reference_checkpoint=path,
-                                      tokenizer=load_tokenizer(path))
-    if info.family == "qwen2":
-        _fill_missing_qwen2_biases(converter, hf_config)
-    if info.family in decoder.FAMILIES:
-        state_dict = converter.load_state_dict(path, jnp.dtype(dtype))
-        model = decoder.load(hf_config, hax.Axis("vocab", info.vocab_size), state_dict)
+    quantization = read_quantization(hf_config)
+    Vocab = hax.Axis("vocab", info.vocab_size)
+    if quantization is not None:
+        model = _load_fp8(path, info, hf_config, quantization)
+    elif info.family in decoder.FAMILIES:
+        converter = HFCheckpointConverter(_FAMILIES[info.family], reference_checkpoint=path,
+                                          tokenizer=load_tokenizer(path))
+        model = decoder.load(hf_config, Vocab, converter.load_state_dict(path, jnp.dtype(dtype)))
     else:
+        converter = HFCheckpointConverter(_FAMILIES[info.family], reference_checkpoint=path,
+                                          tokenizer=load_tokenizer(path))
+        if info.family == "qwen2":
+            load = converter.load_state_dict
+            object.__setattr__(converter, "load_state_dict",
+                               lambda ref=None, dtype=None: _with_qwen2_biases(load(ref, dtype), hf_config))
         lev_config = _levanter_config(info, hf_config)
         model = converter.load_pretrained(lev_config.model_type, ref=path, config=lev_config,
                                           resize_vocab_to_match_tokenizer=False, dtype=jnp.dtype(dtype))
     model = _serving_layout(model, jnp.dtype(dtype))
-    logger.info("loaded %s checkpoint %s (%d layers, %s)", info.family, path, info.num_layers, dtype)
+    logger.info("loaded %s checkpoint %s (%d layers, %s%s)", info.family, path, info.num_layers, dtype,
+                "" if quantization is None else f", {quantization.method} FP8 weights")
     return model, info
+
+
+def _load_fp8(path: str, info: ModelInfo, hf_config: dict, quantization: CheckpointQuantization):
+    """The model of an FP8 checkpoint, read by engine.formats.safetensors_files (levanter's reader
+    refuses float8): each weight the checkpoint holds in FP8 with its scales stays so, but a
+    router's, which is widened to float here."""
+    tensors = read_checkpoint(path)
+    fp8 = {name.removesuffix(".weight") for name, array in tensors.items()
+           if name.endswith(".weight") and array.dtype == FP8}
+    Vocab = hax.Axis("vocab", info.vocab_size)
+    names: set[str] = set()
+
+    def build():
+        model, quantized = with_fp8(_template(info, hf_config, Vocab), quantization, fp8.__contains__)
+        names.update(quantized)
+        return model
+
+    template = eqx.filter_eval_shape(build)
+    for name in fp8 - names:
+        scale = tensors[f"{name}.{quantization.scale_name}"]
+        tensors[f"{name}.weight"] = dequantize_host(tensors[f"{name}.weight"], scale, quantization.block)
+    if info.family == "qwen2":
+        tensors = _with_qwen2_biases(tensors, hf_config)
+    return decoder.filled(template, decoder.unfused(hf_config, tensors))
 
 
 def abstract_model(model_dir: str | Path, dtype: str, transform=lambda model: model):
     """(`transform` of the levanter model `load_model` would load, as shapes and dtypes only,
     ModelInfo): built from config.json alone (no weights, no tokenizer, no memory), for planning
-    and ahead-of-time compiling. Its arrays are jax.ShapeDtypeStructs."""
+    and ahead-of-time compiling. Its arrays are jax.ShapeDtypeStructs; FP8 weights are those
+    the checkpoint's quantization_config names."""
     info, hf_config = model_info(model_dir), read_hf_config(model_dir)
+    quantization = read_quantization(hf_config)
     Vocab = hax.Axis("vocab", info.vocab_size)
 
     def build():
-        if info.family in decoder.FAMILIES:
-            model = decoder.init_model(hf_config, Vocab, key=jax.random.PRNGKey(0))
-        else:
-            lev_config = _levanter_config(info, hf_config)
-            model = own_moe(lev_config.model_type.init(Vocab, lev_config, key=jax.random.PRNGKey(0)))
+        model = _template(info, hf_config, Vocab)
+        if quantization is not None:
+            model, _ = with_fp8(model, quantization, quantization.quantizes)
         return transform(inputs_first(cast_floating(model, jnp.dtype(dtype))))
 
     return eqx.filter_eval_shape(build), info
+
+
+def _template(info: ModelInfo, hf_config: dict, Vocab: hax.Axis):
+    """A model of the checkpoint's family and sizes with random weights, its MoEs engine.layers.moe's
+    (call under `eqx.filter_eval_shape`)."""
+    if info.family in decoder.FAMILIES:
+        return decoder.init_model(hf_config, Vocab, key=jax.random.PRNGKey(0))
+    lev_config = _levanter_config(info, hf_config)
+    return own_moe(lev_config.model_type.init(Vocab, lev_config, key=jax.random.PRNGKey(0)))
 
 
 def _levanter_config(info: ModelInfo, hf_config: dict):
@@ -102,25 +147,18 @@ def _levanter_config(info: ModelInfo, hf_config: dict):
     return family.from_hf_config(hf)
 
 
-def _fill_missing_qwen2_biases(converter, hf_config: dict) -> None:
+def _with_qwen2_biases(state: dict, hf_config: dict) -> dict:
     """HF Qwen2 has biases on q/k/v only; levanter's Qwen2 puts one on every linear and norm. Zero
     biases for the others make the two the same function."""
-    load = converter.load_state_dict
     hidden, inter = hf_config["hidden_size"], hf_config["intermediate_size"]
     shapes = {"mlp.gate_proj": inter, "mlp.up_proj": inter, "mlp.down_proj": hidden, "self_attn.o_proj": hidden,
               "input_layernorm": hidden, "post_attention_layernorm": hidden}
-
-    def load_with_zero_biases(ref=None, dtype=None):
-        state = load(ref, dtype)
-        for layer in range(hf_config["num_hidden_layers"]):
-            for name, size in shapes.items():
-                key = f"model.layers.{layer}.{name}.bias"
-                if key not in state:
-                    state[key] = np.zeros(size, np.asarray(state[f"model.layers.{layer}.{name}.weight"]).dtype)
-        state.setdefault("model.norm.bias", np.zeros(hidden, np.asarray(state["model.norm.weight"]).dtype))
-        return state
-
-    object.__setattr__(converter, "load_state_dict", load_with_zero_biases)
+    dtype = np.asarray(state["model.norm.weight"]).dtype
+    for layer in range(hf_config["num_hidden_layers"]):
+        for name, size in shapes.items():
+            state.setdefault(f"model.layers.{layer}.{name}.bias", np.zeros(size, dtype))
+    state.setdefault("model.norm.bias", np.zeros(hidden, dtype))
+    return state
 
 
 def _serving_layout(model, dtype):
@@ -153,13 +191,17 @@ def inputs_first(model):
 
 
 def cast_floating(model, dtype):
-    """Cast every floating-point weight of `model` to `dtype`."""
+    """Cast every floating-point weight of `model` to `dtype`, but FP8 weights and their scales."""
     def cast(leaf):
+        if is_fp8(leaf):
+            return leaf if leaf.bias is None else dataclasses.replace(leaf, bias=cast(leaf.bias))
+        if isinstance(leaf, hax.NamedArray):
+            return hax.named(cast(leaf.array), leaf.axes)
         if eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != dtype:
             return leaf.astype(dtype)
         return leaf
 
-    return jax.tree_util.tree_map(cast, model)
+    return jax.tree_util.tree_map(cast, model, is_leaf=lambda x: is_fp8(x) or isinstance(x, hax.NamedArray))
 
 
 def _hf_kwargs(hf_config: dict) -> dict:

@@ -5,7 +5,6 @@ format's own layout), single files and sharded checkpoints."""
 from __future__ import annotations
 
 import json
-import struct
 
 import ml_dtypes
 import numpy as np
@@ -13,18 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from engine.formats.safetensors_files import E8M0, read_checkpoint, read_file
-
-
-def write(path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
-    """A safetensors file of `tensors` (name -> (dtype name, array)), laid out as the format says."""
-    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
-    for name, (dtype, array) in tensors.items():
-        blob = np.ascontiguousarray(array).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    encoded = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))
+from tests.support.fp8_checkpoints import write_safetensors as write
 
 
 def test_the_usual_dtypes_read_as_the_safetensors_library_reads_them(tmp_path):

@@ -23,7 +23,6 @@ import logging
 from typing import Iterator, Optional
 
 import haliax as hax
-import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from levanter.layers.attention import Attention
 
 from engine.formats.checkpoint_config import ModelInfo
+from engine.layers.fp8 import is_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -197,13 +197,15 @@ def _renorm(norm, reshape):
     return dataclasses.replace(norm, weight=weight, bias=bias, axis=axis)
 
 
-def _relinear(linear: hnn.Linear, reshape) -> hnn.Linear:
-    """`linear` with its weight, bias and output axes passed through `reshape` (a NamedArray map)."""
+def _relinear(linear, reshape):
+    """`linear` (haliax's, or an FP8 one with its scales) with its weight, bias and output axes
+    passed through `reshape` (a NamedArray map)."""
     weight = reshape(linear.weight)
     bias = None if linear.bias is None else reshape(linear.bias)
     out_names = [ax.name for ax in hax.axis_spec_to_tuple(linear.Out)]
     Out = tuple(weight.resolve_axis(name) for name in out_names)
-    return dataclasses.replace(linear, weight=weight, bias=bias, Out=Out)
+    scales = {"scale": reshape(linear.scale)} if is_fp8(linear) else {}
+    return dataclasses.replace(linear, weight=weight, bias=bias, Out=Out, **scales)
 
 
 def _repeat_axis(x: hax.NamedArray, kv_head: hax.Axis) -> hax.NamedArray:

@@ -1,0 +1,242 @@
+"""Linear layers over FP8 weights as checkpoints ship them (engine.formats.checkpoint_quantization):
+the weight's bytes stay float8 e4m3 on the devices, its float32 scales beside it, and a product
+widens the weight (exactly: an e4m3 value times its float32 scale is rounded once, as transformers'
+dequantization rounds it) to the activations' dtype and sums in float32.
+
+The modules keep the named axes of the ones they replace (haliax's `Linear`, `MoELinear`, laid
+out inputs first), so tensor parallelism, repeated KV heads and scanned layers treat them as any
+weight. A checkpoint scales blocks of the flattened (out, in) matrix; here the scales are named as
+the weight is, every axis whole but the innermost of `In` and of `Out`, which has one entry per
+`f` values: f divides the block size (so each entry lies in one block, and reading the checkpoint's
+blocks at that granularity is exact), the axis (so entries never straddle its rows), and the
+axis's share on one device (so a device holds the scales of its own part). For a block of 128 the
+scales take 1/32 of the weight's bytes or less.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from haliax import NamedArray
+from haliax.nn.scan import BlockSeq, Stacked
+from haliax.state_dict import ModuleWithStateDictSerialization, with_prefix
+
+from engine.formats.checkpoint_quantization import CheckpointQuantization
+from engine.layers.moe import ExpertMlps, MoE
+
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def scale_axes(axes: tuple[hax.Axis, ...], block: int) -> tuple[hax.Axis, ...]:
+    """The scales' axes for a weight's `axes` (its In or its Out) scaled in blocks of `block`
+    flattened values (0: all of them), as the module docstring says."""
+    *outer, inner = axes
+    block = block or math.prod(ax.size for ax in axes)
+    f = math.gcd(block, inner.size, inner.size // _shards(inner.name))
+    return (*outer, inner.resize(inner.size // f))
+
+
+def _shards(name: str) -> int:
+    """How many parts the context's axis mapping splits axis `name` into (1 outside a mesh)."""
+    try:
+        return hax.partitioning.physical_axis_size(name) or 1
+    except ValueError:  # no mesh
+        return 1
+
+
+def _block_index(axes: tuple[hax.Axis, ...], scaled: tuple[hax.Axis, ...], block: int) -> np.ndarray:
+    """For each scale entry over `scaled` (flattened), the checkpoint's block along `axes` it lies in."""
+    full = math.prod(ax.size for ax in axes)
+    f = axes[-1].size // scaled[-1].size
+    starts = np.arange(full).reshape(-1, axes[-1].size)[:, ::f].reshape(-1)
+    return starts // (block or full)
+
+
+def dequantized(weight: NamedArray, scale: NamedArray, dtype) -> NamedArray:
+    """weight * scale (each scale entry repeated over the values it scales) in `dtype`."""
+    for index, ax in enumerate(scale.axes):
+        size = weight.resolve_axis(ax.name).size
+        if size != ax.size:
+            scale = hax.named(jnp.repeat(scale.array, size // ax.size, axis=index),
+                              scale.axes[:index] + (ax.resize(size),) + scale.axes[index + 1:])
+    return (weight.astype(jnp.float32) * scale).astype(dtype)
+
+
+def from_checkpoint(weight: jax.Array, scale: jax.Array, lead: tuple[hax.Axis, ...], In: tuple[hax.Axis, ...],
+                     Out: tuple[hax.Axis, ...], Scaled: tuple[tuple, tuple], block: tuple[int, int]):
+    """(weight (lead, *In, *Out), scale (lead, *In', *Out')) of a checkpoint's weight [..., out, in]
+    (float8) and its scales [..., out blocks, in blocks] (or fewer dimensions for one scale)."""
+    ScaledIn, ScaledOut = Scaled
+    sizes = lambda axes: tuple(ax.size for ax in axes)  # noqa: E731
+    w = hax.named(jnp.asarray(weight).reshape(*sizes(lead), *sizes(Out), *sizes(In)), (*lead, *Out, *In))
+    blocks = [-(-math.prod(sizes(axes)) // b) if b else 1 for axes, b in ((Out, block[0]), (In, block[1]))]
+    s = jnp.asarray(scale, jnp.float32).reshape(*sizes(lead), *blocks)
+    s = jnp.take(s, _block_index(Out, ScaledOut, block[0]), axis=-2)
+    s = jnp.take(s, _block_index(In, ScaledIn, block[1]), axis=-1)
+    s = hax.named(s.reshape(*sizes(lead), *sizes(ScaledOut), *sizes(ScaledIn)), (*lead, *ScaledOut, *ScaledIn))
+    return w.rearrange((..., *In, *Out)).astype(FP8), s.rearrange((..., *ScaledIn, *ScaledOut))
+
+
+class Fp8Linear(eqx.Module):
+    """haliax's `Linear` over a float8 weight (..., *In, *Out) and float32 scales (..., *In', *Out')."""
+
+    weight: NamedArray
+    scale: NamedArray
+    bias: NamedArray | None
+    In: tuple[hax.Axis, ...] = eqx.field(static=True)
+    Out: tuple[hax.Axis, ...] = eqx.field(static=True)
+    block: tuple[int, int] = eqx.field(static=True)
+    """The checkpoint's (output rows, input columns) per scale, 0 for a whole dimension."""
+    scale_name: str = eqx.field(static=True)
+
+    @staticmethod
+    def like(linear: hnn.Linear, quantization: CheckpointQuantization) -> "Fp8Linear":
+        """An (all-zero) FP8 linear layer of `linear`'s axes, to be filled from a checkpoint."""
+        In, Out = hax.axis_spec_to_tuple(linear.In), hax.axis_spec_to_tuple(linear.Out)
+        lead = tuple(ax for ax in linear.weight.axes if ax not in In + Out)
+        scale = hax.zeros((*lead, *scale_axes(In, quantization.block[1]), *scale_axes(Out, quantization.block[0])))
+        return Fp8Linear(hax.zeros((*lead, *In, *Out), dtype=FP8), scale, linear.bias, In, Out, quantization.block,
+                         quantization.scale_name)
+
+    def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
+        del key
+        weight = dequantized(self.weight, self.scale, inputs.dtype)
+        out = hax.dot(inputs, weight, axis=self.In, preferred_element_type=jnp.float32).astype(inputs.dtype)
+        return out if self.bias is None else out + self.bias
+
+    def scaled_axes(self) -> tuple[tuple, tuple]:
+        return (tuple(self.scale.resolve_axis(ax.name) for ax in self.In),
+                tuple(self.scale.resolve_axis(ax.name) for ax in self.Out))
+
+    def from_state_dict(self, state_dict: dict, prefix: str | None = None) -> "Fp8Linear":
+        lead = tuple(ax for ax in self.weight.axes if ax not in self.In + self.Out)
+        weight, scale = from_checkpoint(state_dict[with_prefix(prefix, "weight")],
+                                         state_dict[with_prefix(prefix, self.scale_name)], lead, self.In, self.Out,
+                                         self.scaled_axes(), self.block)
+        bias = self.bias
+        if bias is not None:
+            bias = hax.named(jnp.asarray(state_dict[with_prefix(prefix, "bias")]).reshape(bias.array.shape), bias.axes)
+        return dataclasses.replace(self, weight=weight, scale=scale, bias=bias)
+
+
+class Fp8MoELinear(eqx.Module):
+    """haliax's `MoELinear` over float8 expert weights (..., Experts, In, Out) and float32 scales
+    (..., Experts, In', Out'); rows come grouped by expert (`group_sizes`, in expert order)."""
+
+    weight: NamedArray
+    scale: NamedArray
+    bias: NamedArray | None
+    Experts: hax.Axis = eqx.field(static=True)
+    In: hax.Axis = eqx.field(static=True)
+    Out: hax.Axis = eqx.field(static=True)
+    use_gmm: bool = eqx.field(static=True)
+    block: tuple[int, int] = eqx.field(static=True)
+    scale_name: str = eqx.field(static=True)
+
+    @staticmethod
+    def like(linear: hnn.MoELinear, quantization: CheckpointQuantization) -> "Fp8MoELinear":
+        lead = tuple(ax for ax in linear.weight.axes if ax not in (linear.In, linear.Out))
+        scale = hax.zeros((*lead, *scale_axes((linear.In,), quantization.block[1]),
+                           *scale_axes((linear.Out,), quantization.block[0])))
+        return Fp8MoELinear(hax.zeros((*lead, linear.In, linear.Out), dtype=FP8), scale, linear.bias, linear.Experts,
+                            linear.In, linear.Out, linear.use_gmm, quantization.block, quantization.scale_name)
+
+    def __call__(self, inputs: NamedArray, group_sizes: NamedArray, *, key=None) -> NamedArray:
+        del key
+        weight = dequantized(self.weight, self.scale, inputs.dtype)
+        return hnn.MoELinear(weight, self.bias, self.Experts, self.In, self.Out, use_gmm=self.use_gmm)(inputs,
+                                                                                                       group_sizes)
+
+    def expert_product(self, expert: jax.Array, rows: jax.Array) -> jax.Array:
+        """rows f[R, In] @ expert `expert`'s weight, in float32 (its weight alone widened)."""
+        def of_expert(array: NamedArray, In: hax.Axis, Out: hax.Axis) -> NamedArray:
+            return hax.named(array.rearrange((self.Experts, In, Out)).array[expert], (In, Out))
+
+        scaled = (self.scale.resolve_axis(self.In.name), self.scale.resolve_axis(self.Out.name))
+        one = dequantized(of_expert(self.weight, self.In, self.Out), of_expert(self.scale, *scaled), jnp.float32)
+        return rows.astype(jnp.float32) @ one.rearrange((self.In, self.Out)).array
+
+    def loaded(self, weights: jax.Array, scales: jax.Array) -> "Fp8MoELinear":
+        """This layer filled from the checkpoint's stacked expert weights [..., experts, out, in] and
+        their scales [..., experts, out blocks, in blocks]."""
+        lead = tuple(ax for ax in self.weight.axes if ax not in (self.In, self.Out))
+        Scaled = ((self.scale.resolve_axis(self.In.name),), (self.scale.resolve_axis(self.Out.name),))
+        weight, scale = from_checkpoint(weights, scales, lead, (self.In,), (self.Out,), Scaled, self.block)
+        return dataclasses.replace(self, weight=weight, scale=scale)
+
+
+def is_fp8(module) -> bool:
+    return isinstance(module, (Fp8Linear, Fp8MoELinear))
+
+
+def with_fp8(model, quantization: CheckpointQuantization, quantized: Callable[[str], bool]):
+    """`model` (a template: call under `eqx.filter_eval_shape`) with every linear layer that
+    `quantized(its checkpoint name)` says is FP8 made an `Fp8Linear` (an expert stack: an
+    `Fp8MoELinear`, by its first expert's name), and the set of those names. Routers stay float
+    (a flipped choice costs more than their few bytes save). The layers of a stack must agree."""
+    names: set[str] = set()
+
+    def linear(module, name):
+        if isinstance(module, hnn.Linear) and quantized(name):
+            names.add(name)
+            return Fp8Linear.like(module, quantization)
+        return module
+
+    def experts(mlps: ExpertMlps, prefix):
+        stacks = [getattr(mlps, field) for field in ("gate_proj", "up_proj", "down_proj")]
+        count = mlps.gate_proj.Experts.size
+        for i, name in enumerate(mlps.names):
+            if quantized(with_prefix(prefix, f"0.{name}")):
+                names.update(with_prefix(prefix, f"{e}.{name}") for e in range(count))
+                stacks[i] = Fp8MoELinear.like(stacks[i], quantization)
+        return _replaced(mlps, dict(zip(("gate_proj", "up_proj", "down_proj"), stacks)))
+
+    def walk(tree, prefix):
+        if isinstance(tree, hnn.Linear):
+            return linear(tree, prefix)
+        if isinstance(tree, MoE):
+            return _replaced(tree, {"experts": experts(tree.experts, with_prefix(prefix, "experts"))})
+        if isinstance(tree, Stacked):
+            layers = [walk(tree.stacked, with_prefix(prefix, str(i))) for i in range(tree.Block.size)]
+            if len({jax.tree_util.tree_structure(layer) for layer in layers}) > 1:
+                raise ValueError(f"the layers under {prefix} differ in which weights are FP8; this loader needs "
+                                 "every layer of a stack alike")
+            return _replaced(tree, {"stacked": layers[0]})
+        if isinstance(tree, BlockSeq):
+            blocks = [walk(block, with_prefix(prefix, str(i))) for i, block in enumerate(tree.blocks)]
+            return _replaced(tree, {"blocks": blocks})
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(walk(item, with_prefix(prefix, str(i))) for i, item in enumerate(tree))
+        if isinstance(tree, eqx.Module):
+            keys = tree._state_dict_key_map() if isinstance(tree, ModuleWithStateDictSerialization) else {}
+            fields = [f.name for f in dataclasses.fields(tree) if not f.metadata.get("static", False)]
+            return _replaced(tree, {f: walk(getattr(tree, f), with_prefix(prefix, keys.get(f, f))) for f in fields})
+        return tree
+
+    return walk(model, None), names
+
+
+def _replaced(module, fields: dict):
+    """`module` with the `fields` that changed replaced (equinox's tree_at: no __init__ runs)."""
+    changed = {name: value for name, value in fields.items() if value is not getattr(module, name)}
+    if not changed:
+        return module
+    return eqx.tree_at(lambda m: [getattr(m, name) for name in changed], module, list(changed.values()))
+
+
+def dequantize_host(weight: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """A checkpoint's FP8 weight [out, in] times its scales, as a float32 array (on the host): for
+    the few FP8 weights served in float (a router)."""
+    out, cols = weight.shape
+    blocks = [block[0] or out, block[1] or cols]
+    s = np.asarray(scale, np.float32).reshape(-(-out // blocks[0]), -(-cols // blocks[1]))
+    s = np.repeat(np.repeat(s, blocks[0], axis=0)[:out], blocks[1], axis=1)[:, :cols]
+    return weight.astype(np.float32) * s
