@@ -187,6 +187,34 @@ def test_experts_split_whole_over_the_devices_answer_as_transformers(checkpoint_
     assert_greedy_parity(engine, dequantized_copy(model_dir, tmp_path / "dequantized") if quantization else model_dir)
 
 
+@pytest.mark.parametrize("family,expert_parallel_size", [("qwen3", None), ("qwen3_moe", None), ("qwen3_moe", 1)],
+                         ids=["dense", "experts-whole", "expert-mlps-split"])
+def test_fp8_checkpoints_split_over_the_devices_answer_as_transformers(checkpoint_factory, tmp_path, family,
+                                                                       expert_parallel_size):
+    """An FP8 checkpoint (blocks of 16 x 32) at TP 4: each device holds its share of every FP8
+    weight and of its scales (KV heads repeated with theirs; experts whole, or each expert's MLP
+    split); greedy tokens and logprobs are transformers' on the dequantized float32 weights."""
+    from tests.support.fp8_checkpoints import make_fp8_checkpoint
+
+    model_dir, reference = make_fp8_checkpoint(checkpoint_factory(family, **EIGHT_HEADS), tmp_path / "fp8")
+    engine = LLMEngine(EngineConfig(model=str(model_dir), tensor_parallel_size=4,
+                                    expert_parallel_size=expert_parallel_size, **TIGHT))
+    layer = engine.executor.runner.model.layers[0]
+    attn = layer.self_attn
+    assert attn.k_proj.weight.dtype == "float8_e4m3fn"
+    assert shard_shapes(attn.k_proj.weight.array) == [(128, 1, 16)] * 4  # 2 KV heads repeated to 4
+    assert shard_shapes(attn.k_proj.scale.array) == [(4, 1, 1)] * 4  # (embed / 32, kv_head, head_dim / 16)
+    assert shard_shapes(attn.o_proj.scale.array) == [(2, 1, 8)] * 4  # (heads, head_dim / 16, embed / 16)
+    if family == "qwen3":
+        assert shard_shapes(layer.mlp.down_proj.scale.array) == [(2, 8)] * 4  # (mlp / 32, embed / 16)
+    else:
+        experts = layer.mlp.experts
+        split = {None: [(2, 4, 8)] * 4, 1: [(8, 1, 8)] * 4}[expert_parallel_size]  # (experts, mlp / 32, embed / 16)
+        assert shard_shapes(experts.down_proj.scale.array) == split
+        assert shard_shapes(layer.mlp.gate.weight.array) == [(128, 8)] * 4
+    assert_greedy_parity(engine, reference)
+
+
 def test_a_llava_decoder_split_over_two_devices_places_images_as_on_one(tmp_path):
     """Image features (replicated beside the split decoder) go into the prompt as on one device:
     the greedy tokens of a prompt with two images equal transformers'."""
