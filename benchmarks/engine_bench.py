@@ -22,6 +22,9 @@ interleaved round by round on the same engine; one row per batch size and gramma
 adapter of that rank on every projection (made once beside the checkpoint): against a run without
 it, what adapters cost a step.
 
+`--fp8` serves an FP8 copy of the checkpoint (engine.layers.fp8; made beside it once): against the
+same run without it, what FP8 weights (a byte a value, scales per 128 x 128 block) do to a step.
+
 `--one-engine` serves every batch size from one engine sized for the largest (one load and warm-up,
 as an accelerator run wants); `--bandwidth-bound` times a device-memory copy and prints the batch-1
 decode step against the bound it implies (checkpoint bytes / copy bandwidth: each decode step reads
@@ -182,6 +185,19 @@ def engine_config(args, model: Path, seqs: int, max_model_len: int) -> EngineCon
                         cpu_matmul=args.cpu_matmul, num_hosts=args.num_hosts, num_pages=args.num_pages, **optional)
 
 
+def fp8_checkpoint(model: Path) -> Path:
+    """`model`'s FP8 copy (`<model>-fp8`, blocks of 128 x 128), made on first use."""
+    out = model.with_name(f"{model.name}-fp8")
+    if not (out / "config.json").is_file():
+        import shutil
+
+        from tests.support.fp8_checkpoints import make_fp8_checkpoint
+
+        _, reference = make_fp8_checkpoint(model, out, block=(128, 128))
+        shutil.rmtree(reference)  # the float32 copy transformers would read: not needed here
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="bench-110m", choices=sorted(SHAPES))
@@ -192,6 +208,9 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--quantization", default=None, choices=["int8"], help="weight-only quantization")
+    parser.add_argument("--fp8", action="store_true",
+                        help="serve an FP8 copy of the checkpoint (block-wise, 128 x 128, as DeepSeek's and Qwen's "
+                             "FP8 releases), made beside it on first use")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per row per step (default: the budget)")
@@ -230,6 +249,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     model = bench_checkpoint(args.model or Path.home() / ".cache/jax-serve" / DEFAULT_PATHS[args.shape], args.shape)
+    if args.fp8:
+        model = fp8_checkpoint(model)
     if args.devices_per_host and args.num_hosts == 1:
         import os
 

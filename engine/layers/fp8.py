@@ -62,12 +62,18 @@ def _block_index(axes: tuple[hax.Axis, ...], scaled: tuple[hax.Axis, ...], block
 
 def dequantized(weight: NamedArray, scale: NamedArray, dtype) -> NamedArray:
     """weight * scale (each scale entry repeated over the values it scales) in `dtype`."""
+    return (weight.astype(jnp.float32) * repeated(scale, weight.axes)).astype(dtype)
+
+
+def repeated(scale: NamedArray, axes: tuple[hax.Axis, ...]) -> NamedArray:
+    """`scale` with each of its axes that `axes` names at a larger size repeated to that size."""
+    sizes = {ax.name: ax.size for ax in axes}
     for index, ax in enumerate(scale.axes):
-        size = weight.resolve_axis(ax.name).size
+        size = sizes.get(ax.name, ax.size)
         if size != ax.size:
             scale = hax.named(jnp.repeat(scale.array, size // ax.size, axis=index),
                               scale.axes[:index] + (ax.resize(size),) + scale.axes[index + 1:])
-    return (weight.astype(jnp.float32) * scale).astype(dtype)
+    return scale
 
 
 def from_checkpoint(weight: jax.Array, scale: jax.Array, lead: tuple[hax.Axis, ...], In: tuple[hax.Axis, ...],
@@ -111,6 +117,16 @@ class Fp8Linear(eqx.Module):
         weight = dequantized(self.weight, self.scale, inputs.dtype)
         out = hax.dot(inputs, weight, axis=self.In, preferred_element_type=jnp.float32).astype(inputs.dtype)
         return out if self.bias is None else out + self.bias
+
+    def column_scales(self) -> tuple[jax.Array, int]:
+        """(f32[..., K / G, N], G): the scale of every output column (flattened Out, N of them) for
+        each group of G flattened input rows (K of them), as engine.backends.cpu's kernel reads them."""
+        ScaledIn, _ = self.scaled_axes()
+        lead = tuple(ax for ax in self.weight.axes if ax not in self.In + self.Out)
+        columns = repeated(self.scale, self.Out).rearrange((*lead, *ScaledIn, *self.Out)).array
+        groups = math.prod(ax.size for ax in ScaledIn)
+        flat = columns.reshape(*(ax.size for ax in lead), groups, hax.axis_size(self.Out))
+        return flat, hax.axis_size(self.In) // groups
 
     def scaled_axes(self) -> tuple[tuple, tuple]:
         return (tuple(self.scale.resolve_axis(ax.name) for ax in self.In),

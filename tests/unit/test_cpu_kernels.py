@@ -1,6 +1,6 @@
-"""The CPU kernels against numpy: matmul (float32, bfloat16 and int8 weights, every row/depth tail),
-PackedLinear against haliax's Linear and the int8 Linear, FusedLinear against its parts, silu_mul against
-silu(g) * u, argmax against numpy's, paged attention against a dense reference and, over a mixed
+"""The CPU kernels against numpy: matmul (float32, bfloat16, int8 and float8 weights, every row/depth
+tail), PackedLinear against haliax's Linear and the int8 and FP8 Linears, FusedLinear against its
+parts, silu_mul against silu(g) * u, argmax against numpy's, paged attention against a dense reference and, over a mixed
 step's per-token tables, against the XLA path's masked decode and causal prefill einsums."""
 
 from __future__ import annotations
@@ -126,6 +126,70 @@ def test_packed_int8_linears_equal_the_int8_linear_fused_or_not():
     x = hax.random.normal(keys[3], (Pos, Embed))
     parts = [PackedLinear.from_linear(linear, jnp.float32) for linear in linears]
     assert all(part.weight.dtype == jnp.int8 for part in parts)
+    for linear, part, fused in zip(linears, parts, jax.jit(lambda f, x: f(x))(FusedLinear.fuse(parts), x)):
+        want = linear(x)
+        assert part(x).axes == fused.axes == want.axes
+        np.testing.assert_allclose(np.asarray(part(x).array), np.asarray(want.array), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(fused.array), np.asarray(want.array), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,k,n,group", [(1, 256, 64, 32), (7, 2048, 96, 128), (3, 1100, 32, 1100), (13, 64, 32, 16),
+                                         (40, 3072, 48, 128), (100, 2100, 32, 2100)])
+@pytest.mark.parametrize("wide", WIDTHS)
+def test_float8_matmul_scales_each_group_of_depth_rows_and_column(m, k, n, group, wide):
+    """e4m3 weights of every value the format holds (normal and subnormal, both signs), each group of
+    `group` depth rows and each column with its own scale: depths past the kernel's depth block
+    (1024) with groups that straddle it or not, per-column scales (group = depth), row counts on
+    both tiles."""
+    import ml_dtypes
+
+    from engine.backends.cpu.kernels import pack_scales
+
+    rng = np.random.default_rng(m * 1000 + k)
+    codes = rng.integers(0, 256, (k, n)).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaN codes
+    w = codes.view(ml_dtypes.float8_e4m3fn)
+    scales = rng.uniform(0.01, 2.0, (k // group, n)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = x.astype(np.float64) @ (w.astype(np.float64) * np.repeat(scales, group, axis=0))
+    got = jax.jit(matmul, static_argnames="wide")(jnp.asarray(x), pack(jnp.asarray(w), w.dtype), wide=wide,
+                                                  scales=pack_scales(jnp.asarray(scales)))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
+
+
+def test_a_stacked_float8_weight_is_read_with_its_layers_scales():
+    """The kernel reads layer 1 of a stack of float8 panels and scales in place (a scanned layer loop)."""
+    import ml_dtypes
+
+    from engine.backends.cpu.kernels import pack_scales
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((2, 256, 32)).astype(ml_dtypes.float8_e4m3fn)
+    scales = rng.uniform(0.5, 2.0, (2, 2, 32)).astype(np.float32)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    got = jax.jit(matmul)(jnp.asarray(x), pack(jnp.asarray(w), w.dtype), jnp.int32(1), scales=pack_scales(scales))
+    want = x @ (w[1].astype(np.float32) * np.repeat(scales[1], 128, axis=0))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_fp8_linears_equal_the_fp8_linear_fused_or_not():
+    """Fp8Linears of a checkpoint's blocks (8 x 16 over q heads of 16, 2 KV heads of 16 each) packed,
+    alone and fused as q/k/v are: the same outputs as the Fp8Linear's own product."""
+    from engine.layers.fp8 import Fp8Linear, from_checkpoint, scale_axes
+    from tests.support.fp8_checkpoints import quantized
+
+    Pos, Embed = hax.Axis("position", 6), hax.Axis("embed", 48)
+    Heads, KV, Dim = hax.Axis("heads", 3), hax.Axis("kv_head", 2), hax.Axis("head_size", 16)
+    rng = np.random.default_rng(4)
+    linears = []
+    for Out in ((Heads, Dim), (KV, Dim), (KV, Dim)):
+        q, s = quantized(rng.standard_normal((hax.axis_size(Out), 48)).astype(np.float32), (8, 16))
+        scaled = ((*scale_axes((Embed,), 16),), scale_axes(Out, 8))
+        weight, scale = from_checkpoint(jnp.asarray(q), jnp.asarray(s), (), (Embed,), Out, scaled, (8, 16))
+        linears.append(Fp8Linear(weight, scale, None, (Embed,), Out, (8, 16), "weight_scale_inv"))
+    x = hax.random.normal(jax.random.PRNGKey(5), (Pos, Embed))
+    parts = [PackedLinear.from_linear(linear, jnp.float32) for linear in linears]
+    assert all(part.weight.dtype == jnp.float8_e4m3fn and part.plain is None for part in parts)
     for linear, part, fused in zip(linears, parts, jax.jit(lambda f, x: f(x))(FusedLinear.fuse(parts), x)):
         want = linear(x)
         assert part(x).axes == fused.axes == want.axes

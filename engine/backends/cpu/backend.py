@@ -3,11 +3,11 @@ on CPU. One device only: the FFI calls have no partitioning rule.
 
 - Weights: every linear layer whose output size is a multiple of 16, and the LM head (tied or not),
   becomes a `PackedLinear` (16-column panels in the weights' dtype, streamed by a register-blocked
-  matmul that widens bf16 and int8 in registers; int8 weights' column scales multiply its output);
-  q/k/v and a SwiGLU MLP's gate/up are fused into one
-  `FusedLinear` each, so a layer makes four matmul calls instead of seven. Each product shape runs
-  on the kernel or on XLA's dot (in the weights' dtype or in float32), whichever is fastest on this
-  machine (engine.backends.cpu.matmul_choice).
+  matmul that widens bf16, int8 and float8 in registers; int8 weights' column scales multiply its
+  output, float8 weights' block scales each weight as it loads); q/k/v and a SwiGLU MLP's gate/up
+  are fused into one `FusedLinear` each, so a layer makes four matmul calls instead of seven. Each
+  product shape runs on the kernel or on XLA's dot (in the weights' dtype or in float32), whichever
+  is fastest on this machine (engine.backends.cpu.matmul_choice); float8 weights on the kernel.
 - Activations are float32 whatever the weights' dtype (XLA's bf16 converts are slow on CPU).
 - Attention: one kernel call per layer for the whole step, reading the pages in place. Every token
   is a query of its own (its row's page table, its own causal length), so causal prefill attention
@@ -46,6 +46,7 @@ from engine.backends.cpu.kernels import (
 )
 from engine.backends.cpu.matmul_choice import XLA_F32, XLA_PATHS, MatmulChooser, Product
 from engine.backends.xla import SplitKVCache, XlaBackend
+from engine.layers.fp8 import Fp8Linear
 from engine.layers.quantize import Int8Embedding, Int8Linear
 from engine.step.buckets import ShapeBuckets
 
@@ -199,7 +200,7 @@ def _widening_fits(modules: list[tuple]) -> bool:
     """Whether a step that widens every weight it may widen (`xla_f32`) to float32 fits in
     `WIDEN_MEMORY_SHARE` of the memory available now. XLA holds a step's widened weights at once
     (it reuses none of their buffers within the step), so that is the step's transient cost."""
-    widest = [_products(m, [max(at)])[0] for m, at in modules]
+    widest = [p for m, at in modules for p in _products(m, [max(at)])]
     wide = sum(4 * p.depth * p.width for p in widest if XLA_F32 in matmul_choice.paths_for(p))
     available = _available_memory()
     if available is None or wide <= WIDEN_MEMORY_SHARE * available:
@@ -232,13 +233,17 @@ def _packed_modules(model, rows: dict[str, list[int]]) -> list[tuple]:
 
 
 def _products(module, rows: list[int]) -> list[Product]:
+    """The products `module` runs at `rows` that may run on either path (a float8 weight's run on
+    the kernel: none)."""
+    if module.group_scales is not None:
+        return []
     width = sum(hax.axis_size(Out) for Out in (module.Outs if isinstance(module, FusedLinear) else (module.Out,)))
     dtype = (module.weight if module.weight is not None else module.plain).dtype
     return [Product(r, hax.axis_size(module.In), width, str(dtype)) for r in rows]
 
 
 def _packable(module) -> bool:
-    return isinstance(module, (hnn.Linear, Int8Linear)) and PackedLinear.packable(module)
+    return isinstance(module, (hnn.Linear, Int8Linear, Fp8Linear)) and PackedLinear.packable(module)
 
 
 def _fuse(layer):

@@ -2,7 +2,8 @@
 //
 // 1. Matmul, y = x @ W. Why: XLA's CPU dot reaches ~30-45 GFLOP/s on the 1..32-row products of decoding and has no fast
 // bfloat16 path, so a batch-1 step reads every weight as float32. This kernel streams bfloat16 (or
-// float32, or int8: quantized weights, whose per-column scales the caller applies to y) weights once
+// float32, or int8: quantized weights, whose per-column scales the caller applies to y, or float8
+// e4m3: a checkpoint's FP8 weights, scaled per group of depth rows and column) weights once
 // per step, widens them in registers and accumulates in float32. Products of many rows (prompts,
 // large batches) run on 16-lane vectors where the CPU has AVX-512: twice the FMAs per instruction.
 //
@@ -11,6 +12,8 @@
 //   w: T[N / 16, K, 16]: the weight in panels of 16 output columns; panel p holds W[:, 16p:16p+16]
 //      row by row, so a micro-tile reads one contiguous stream. N must be a multiple of 16.
 //   y: f32[M, N] row-major.
+//   scales (float8 weights only): f32[N / 16, K / G, 16] in the weights' panels; W[d, c] is the e4m3
+//      value times scales[c / 16, d / G, c % 16] / 256 (the 256 undoes the widening's, see Load8).
 //
 // 2. Paged attention: each query token against its sequence's cached keys and values, read in
 //    place from the page pool. A prompt token is such a query too (its row's page table, the
@@ -72,6 +75,36 @@ inline __m256 Load8(const int8_t* p) {  // 8 int8 -> 8 float32 (exact); the call
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
+// 8 float8 e4m3 -> 8 float32 of 1/256 their value (exact): an e4m3 number's exponent and mantissa bits,
+// moved up 7 places, are a float16 of 2^-8 its value (normal and subnormal alike, e4m3's bias being
+// 7 and float16's 15); the sign moves to bit 15. The scales carry the 256 back.
+inline __m128i E4m3ToHalf(__m128i b) {  // 8 bytes widened to 16-bit lanes -> float16 bits
+  const __m128i magnitude = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+  return _mm_or_si128(magnitude, _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+}
+
+inline __m256 Load8(const uint8_t* p) {
+  return _mm256_cvtph_ps(E4m3ToHalf(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+}
+
+// Float8 weights are scaled per group of depth rows; other types are not (int8's scales apply to y).
+template <typename T>
+constexpr bool kScaled = std::is_same_v<T, uint8_t>;
+
+// Where a panel's scales are: f32[K / group, 16] at `panel`, the next panel's `stride` floats on; the
+// first depth row of a call is `k0`. Unused (null) for unscaled weights.
+struct Scales {
+  const float* panel = nullptr;
+  int64_t stride = 0;
+  int64_t group = 1;
+  int64_t k0 = 0;
+  Scales At(int64_t p, int64_t depth) const { return {panel == nullptr ? nullptr : panel + p * stride, stride, group, depth}; }
+  const float* Row(int64_t d) const { return panel + (k0 + d) / group * 16; }  // the scales of call depth d
+  int64_t GroupEnd(int64_t d, int64_t depth) const {  // the end of depth d's group, within the call's depth
+    return std::min(depth, ((k0 + d) / group + 1) * group - k0);
+  }
+};
+
 // Functions that run on 16-lane vectors, called only where the CPU has AVX-512F/BW/DQ (`wide`).
 #define WIDE_TARGET __attribute__((target("avx512f,avx512bw,avx512dq")))
 
@@ -86,24 +119,43 @@ WIDE_TARGET inline __m512 Load16(const int8_t* p) {  // 16 int8 -> 16 float32 (e
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+WIDE_TARGET inline __m512 Load16(const uint8_t* p) {  // 16 e4m3 -> 16 float32 of 1/256 their value (see Load8)
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
+  return _mm512_cvtph_ps(_mm256_or_si256(magnitude, _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8)));
+}
+
 // acc[r][c] = sum over i < depth of a[r * lda + i] * b[c][16 i : 16 i + 16]: R broadcast rows against C
 // columns of 16 lanes, in order of i, each column load feeding R FMAs. Inlined, acc stays in registers.
+// Float8 columns are scaled by s[c]'s group scales as they load.
 template <int R, int C, typename T>
 WIDE_TARGET __attribute__((always_inline)) inline void Products16(const float* a, int64_t lda, const T* const* b,
-                                                                  int64_t depth, __m512 (&acc)[R][C]) {
+                                                                  int64_t depth, __m512 (&acc)[R][C],
+                                                                  const Scales* s = nullptr) {
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < depth; ++i) {
-    __m512 col[C];
+  for (int64_t i = 0; i < depth;) {
+    const int64_t end = kScaled<T> ? s[0].GroupEnd(i, depth) : depth;
+    __m512 scale[C];
+    if constexpr (kScaled<T>) {
 #pragma GCC unroll 2
-    for (int c = 0; c < C; ++c) col[c] = Load16(b[c] + i * 16);
+      for (int c = 0; c < C; ++c) scale[c] = _mm512_loadu_ps(s[c].Row(i));
+    }
+    for (; i < end; ++i) {
+      __m512 col[C];
+#pragma GCC unroll 2
+      for (int c = 0; c < C; ++c) {
+        col[c] = Load16(b[c] + i * 16);
+        if constexpr (kScaled<T>) col[c] = _mm512_mul_ps(col[c], scale[c]);
+      }
 #pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      const __m512 ai = _mm512_set1_ps(a[r * lda + i]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 ai = _mm512_set1_ps(a[r * lda + i]);
 #pragma GCC unroll 2
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(ai, col[c], acc[r][c]);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(ai, col[c], acc[r][c]);
+      }
     }
   }
 }
@@ -131,9 +183,10 @@ inline void Prefetch(const T* p, int64_t count) {
 // ahead, running on into `next` (the next panel block, or null). The hardware prefetcher alone left
 // few-row products latency-bound. On this 2-core host, 12 layers' projections + the LM head: ~6%
 // faster at 1 row, 1-4% at 8 (paired A/B both orders); no change at 32 rows, which never stream.
+// Float8 weights are scaled by `s`'s group scales as they load, the depth run group by group.
 template <int R, bool kStream, typename T>
 inline void MicroTile(const float* x, int64_t ldx, const T* w, int64_t kc, float* y, int64_t ldy,
-                      bool accumulate, const T* next) {
+                      bool accumulate, const T* next, const Scales& s) {
   constexpr int64_t kRowsPerLine = 64 / (kNR * sizeof(T));
   constexpr int64_t kAhead = kPrefetchBytes / (kNR * sizeof(T));  // depth rows
   constexpr int U = R == 1 ? 4 : R == 2 ? 2 : 1;
@@ -142,31 +195,41 @@ inline void MicroTile(const float* x, int64_t ldx, const T* w, int64_t kc, float
   for (int u = 0; u < U; ++u)
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc0[u][r] = acc1[u][r] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + U <= kc; k += U) {
+  for (int64_t k = 0; k < kc;) {  // one pass: the whole depth, or one scale group of it
+    const int64_t end = kScaled<T> ? s.GroupEnd(k, kc) : kc;
+    __m256 s0, s1;
+    if constexpr (kScaled<T>) s0 = _mm256_loadu_ps(s.Row(k)), s1 = _mm256_loadu_ps(s.Row(k) + 8);
+    auto load = [&](int64_t d, __m256& w0, __m256& w1) {
+      w0 = Load8(w + d * kNR), w1 = Load8(w + d * kNR + 8);
+      if constexpr (kScaled<T>) w0 = _mm256_mul_ps(w0, s0), w1 = _mm256_mul_ps(w1, s1);
+    };
+    for (; k + U <= end; k += U) {
 #pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      if (kStream && (k + u) % kRowsPerLine == 0) {
-        const int64_t d = k + u + kAhead;
-        const T* line = d < kc ? w + d * kNR : next != nullptr && d < 2 * kc ? next + (d - kc) * kNR : nullptr;
-        if (line != nullptr) Prefetch<3>(line, 1);
-      }
-      const __m256 w0 = Load8(w + (k + u) * kNR), w1 = Load8(w + (k + u) * kNR + 8);
+      for (int u = 0; u < U; ++u) {
+        if (kStream && (k + u) % kRowsPerLine == 0) {
+          const int64_t d = k + u + kAhead;
+          const T* line = d < kc ? w + d * kNR : next != nullptr && d < 2 * kc ? next + (d - kc) * kNR : nullptr;
+          if (line != nullptr) Prefetch<3>(line, 1);
+        }
+        __m256 w0, w1;
+        load(k + u, w0, w1);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 b = _mm256_broadcast_ss(x + r * ldx + k + u);
-        acc0[u][r] = _mm256_fmadd_ps(b, w0, acc0[u][r]);
-        acc1[u][r] = _mm256_fmadd_ps(b, w1, acc1[u][r]);
+        for (int r = 0; r < R; ++r) {
+          const __m256 b = _mm256_broadcast_ss(x + r * ldx + k + u);
+          acc0[u][r] = _mm256_fmadd_ps(b, w0, acc0[u][r]);
+          acc1[u][r] = _mm256_fmadd_ps(b, w1, acc1[u][r]);
+        }
       }
     }
-  }
-  for (; k < kc; ++k) {  // depth tail (U > 1 only)
-    const __m256 w0 = Load8(w + k * kNR), w1 = Load8(w + k * kNR + 8);
+    for (; k < end; ++k) {  // depth tail (U > 1 only)
+      __m256 w0, w1;
+      load(k, w0, w1);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
-      acc0[0][r] = _mm256_fmadd_ps(b, w0, acc0[0][r]);
-      acc1[0][r] = _mm256_fmadd_ps(b, w1, acc1[0][r]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
+        acc0[0][r] = _mm256_fmadd_ps(b, w0, acc0[0][r]);
+        acc1[0][r] = _mm256_fmadd_ps(b, w1, acc1[0][r]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -187,21 +250,22 @@ inline void MicroTile(const float* x, int64_t ldx, const T* w, int64_t kc, float
 
 template <bool kStream, typename T>
 void RowsTile(int64_t rows, const float* x, int64_t ldx, const T* w, int64_t kc, float* y, int64_t ldy,
-              bool accumulate, const T* next) {
+              bool accumulate, const T* next, const Scales& s) {
   switch (rows) {
-    case 1: return MicroTile<1, kStream>(x, ldx, w, kc, y, ldy, accumulate, next);
-    case 2: return MicroTile<2, kStream>(x, ldx, w, kc, y, ldy, accumulate, next);
-    case 3: return MicroTile<3, kStream>(x, ldx, w, kc, y, ldy, accumulate, next);
-    case 4: return MicroTile<4, kStream>(x, ldx, w, kc, y, ldy, accumulate, next);
-    case 5: return MicroTile<5, kStream>(x, ldx, w, kc, y, ldy, accumulate, next);
-    default: return MicroTile<6, kStream>(x, ldx, w, kc, y, ldy, accumulate, next);
+    case 1: return MicroTile<1, kStream>(x, ldx, w, kc, y, ldy, accumulate, next, s);
+    case 2: return MicroTile<2, kStream>(x, ldx, w, kc, y, ldy, accumulate, next, s);
+    case 3: return MicroTile<3, kStream>(x, ldx, w, kc, y, ldy, accumulate, next, s);
+    case 4: return MicroTile<4, kStream>(x, ldx, w, kc, y, ldy, accumulate, next, s);
+    case 5: return MicroTile<5, kStream>(x, ldx, w, kc, y, ldy, accumulate, next, s);
+    default: return MicroTile<6, kStream>(x, ldx, w, kc, y, ldy, accumulate, next, s);
   }
 }
 
 // Panels [p0, p1) of y = x @ w. Depth blocks only pay off when several row tiles reuse a panel
 // block; one row tile streams each panel whole.
 template <typename T>
-void Panels(const float* x, const T* w, float* y, int64_t m, int64_t k, int64_t n, int64_t p0, int64_t p1) {
+void Panels(const float* x, const T* w, float* y, int64_t m, int64_t k, int64_t n, int64_t p0, int64_t p1,
+            const Scales& scales) {
   const int64_t depth_block = m > kMR ? kKC : k;
   for (int64_t k0 = 0; k0 < k; k0 += depth_block) {
     const int64_t kc = std::min(depth_block, k - k0);
@@ -214,10 +278,11 @@ void Panels(const float* x, const T* w, float* y, int64_t m, int64_t k, int64_t 
           const int64_t row = m0 + r;
           const int64_t rows = std::min(kMR, mc - r);
           float* out = y + row * n + p * kNR;
+          const Scales s = scales.At(p, k0);
           if (r == 0 && mc <= kStreamRows) {
-            RowsTile<true>(rows, x + row * k + k0, k, panel, kc, out, n, k0 > 0, next);
+            RowsTile<true>(rows, x + row * k + k0, k, panel, kc, out, n, k0 > 0, next, s);
           } else {
-            RowsTile<false>(rows, x + row * k + k0, k, panel, kc, out, n, k0 > 0, next);
+            RowsTile<false>(rows, x + row * k + k0, k, panel, kc, out, n, k0 > 0, next, s);
           }
         }
       }
@@ -237,12 +302,13 @@ constexpr int64_t kWideRows = 12;
 // y[R, 16P] (+)= x[R, kc] @ [the P panels at w, ldw apart][kc, 16P].
 template <int R, int P, typename T>
 WIDE_TARGET inline void WideTile(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kc, float* y,
-                                 int64_t ldy, bool accumulate) {
+                                 int64_t ldy, bool accumulate, const Scales& s) {
   const T* panels[P];
+  Scales scales[P];
 #pragma GCC unroll 2
-  for (int p = 0; p < P; ++p) panels[p] = w + p * ldw;
+  for (int p = 0; p < P; ++p) panels[p] = w + p * ldw, scales[p] = s.At(p, s.k0);
   __m512 acc[R][P];
-  Products16<R, P>(x, ldx, panels, kc, acc);
+  Products16<R, P>(x, ldx, panels, kc, acc, scales);
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
@@ -255,17 +321,17 @@ WIDE_TARGET inline void WideTile(const float* x, int64_t ldx, const T* w, int64_
 // WideTile for `rows` <= R rows.
 template <int R, int P, typename T>
 WIDE_TARGET void WideRows(int64_t rows, const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t kc, float* y,
-                          int64_t ldy, bool accumulate) {
+                          int64_t ldy, bool accumulate, const Scales& s) {
   if constexpr (R > 1) {
-    if (rows < R) return WideRows<R - 1, P>(rows, x, ldx, w, ldw, kc, y, ldy, accumulate);
+    if (rows < R) return WideRows<R - 1, P>(rows, x, ldx, w, ldw, kc, y, ldy, accumulate, s);
   }
-  WideTile<R, P>(x, ldx, w, ldw, kc, y, ldy, accumulate);
+  WideTile<R, P>(x, ldx, w, ldw, kc, y, ldy, accumulate, s);
 }
 
 // Panels [p0, p1) of y = x @ w, two at a time, blocked as `Panels` blocks many rows.
 template <typename T>
 WIDE_TARGET void WidePanels(const float* x, const T* w, float* y, int64_t m, int64_t k, int64_t n, int64_t p0,
-                            int64_t p1) {
+                            int64_t p1, const Scales& scales) {
   for (int64_t k0 = 0; k0 < k; k0 += kKC) {
     const int64_t kc = std::min(kKC, k - k0);
     for (int64_t m0 = 0; m0 < m; m0 += kMC) {
@@ -276,10 +342,11 @@ WIDE_TARGET void WidePanels(const float* x, const T* w, float* y, int64_t m, int
           const int64_t row = m0 + r, rows = std::min(kWideRows, mc - r);
           const float* in = x + row * k + k0;
           float* out = y + row * n + p * kNR;
+          const Scales s = scales.At(p, k0);
           if (p + 1 < p1) {
-            WideRows<kWideRows, 2>(rows, in, k, panel, k * kNR, kc, out, n, k0 > 0);
+            WideRows<kWideRows, 2>(rows, in, k, panel, k * kNR, kc, out, n, k0 > 0, s);
           } else {
-            WideRows<kWideRows, 1>(rows, in, k, panel, k * kNR, kc, out, n, k0 > 0);
+            WideRows<kWideRows, 1>(rows, in, k, panel, k * kNR, kc, out, n, k0 > 0, s);
           }
         }
       }
@@ -344,14 +411,14 @@ int64_t WidePanelParts(int64_t m, int64_t n, int64_t chunks) {
 // change it.
 template <typename T>
 void MatmulOf(ffi::ThreadPool& pool, const float* xp, const void* w, float* yp, int64_t m, int64_t k,
-              int64_t panels, bool wide) {
+              int64_t panels, bool wide, Scales scales = {}) {
   const T* wp = static_cast<const T*>(w);
   const int64_t n = panels * kNR, threads = std::max<int64_t>(1, pool.num_threads());
   if (!wide || m <= kStreamRows) {
     // Enough chunks to balance threads, few enough that each reuses its x block across panels.
     const int64_t chunks = std::min(panels, threads * 4);
     ParallelFor(pool, chunks, [=](int64_t c) {
-      Panels<T>(xp, wp, yp, m, k, n, panels * c / chunks, panels * (c + 1) / chunks);
+      Panels<T>(xp, wp, yp, m, k, n, panels * c / chunks, panels * (c + 1) / chunks, scales);
     });
     return;
   }
@@ -364,12 +431,12 @@ void MatmulOf(ffi::ThreadPool& pool, const float* xp, const void* w, float* yp, 
     const int64_t p1 = std::min(panels, 2 * (pairs * (part + 1) / parts));
     const int64_t r0 = std::min(m, kWideRows * (tiles * row_part / row_parts));
     const int64_t r1 = std::min(m, kWideRows * (tiles * (row_part + 1) / row_parts));
-    WidePanels<T>(xp + r0 * k, wp, yp + r0 * n, r1 - r0, k, n, p0, p1);
+    WidePanels<T>(xp + r0 * k, wp, yp + r0 * n, r1 - r0, k, n, p0, p1, scales);
   });
 }
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
-                  ffi::ResultBuffer<ffi::F32> y, bool wide) {
+                  ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y, bool wide, int64_t group) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const size_t n = wd.size();  // w[N / 16, K, 16], or a stack of them w[layers, N / 16, K, 16] read at `layer`
@@ -399,7 +466,20 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
       MatmulOf<int8_t>(pool, x.typed_data(), static_cast<const int8_t*>(w.untyped_data()) + offset, yp, m, k, panels,
                        wide);
       break;
-    default: return ffi::Error::InvalidArgument("matmul: weights must be float32, bfloat16 or int8");
+    case ffi::F8E4M3FN: {
+      // scales f32[N / 16, K / group, 16] (a stack: [layers, ...]), each group of depth rows its own
+      const auto sd = scales.dimensions();
+      if (group <= 0 || k % group || sd.size() != n || sd[n - 1] != kNR || sd[n - 2] != k / group ||
+          sd[n - 3] != panels || (n == 4 && sd[0] != layers)) {
+        return ffi::Error::InvalidArgument("matmul: float8 weights want scales[N / 16, K / group, 16] beside them");
+      }
+      const int64_t groups = k / group;
+      const Scales at{scales.typed_data() + l * panels * groups * kNR, groups * kNR, group, 0};
+      MatmulOf<uint8_t>(pool, x.typed_data(), static_cast<const uint8_t*>(w.untyped_data()) + offset, yp, m, k,
+                        panels, wide, at);
+      break;
+    }
+    default: return ffi::Error::InvalidArgument("matmul: weights must be float32, bfloat16, int8 or float8 e4m3");
   }
   return ffi::Error::Success();
 }
@@ -916,8 +996,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeMatmul, Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("wide"));
+                                  .Attr<bool>("wide")
+                                  .Attr<int64_t>("group"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServePagedAttention, PagedAttention,
                               ffi::Ffi::Bind()

@@ -17,7 +17,7 @@
 
 They are compiled once per source and jaxlib version with the system C++ compiler into `$JAX_SERVE_CACHE/kernels`
 (default `~/.cache/jax-serve/kernels`) and registered as an XLA FFI target. `available()` is False
-(and callers keep XLA's dot) off CPU, without AVX2/FMA, or when no compiler works.
+(and callers keep XLA's dot) off CPU, without AVX2/FMA/F16C, or when no compiler works.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
+import numpy as np
 from haliax import NamedArray
 
+from engine.layers.fp8 import Fp8Linear
 from engine.layers.quantize import Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -51,8 +53,8 @@ _SYMBOLS = {"jax_serve_matmul": "JaxServeMatmul", "jax_serve_paged_attention": "
 
 
 def available() -> bool:
-    """True when the kernels can run here: a CPU backend on an AVX2 + FMA machine, built and loaded."""
-    return jax.default_backend() == "cpu" and _cpu_has_avx2_fma() and _load()
+    """True when the kernels can run here: a CPU backend on an AVX2 + FMA + F16C machine, built and loaded."""
+    return jax.default_backend() == "cpu" and _cpu_has_avx2_fma_f16c() and _load()
 
 
 def pack(w: jax.Array, dtype) -> jax.Array:
@@ -63,15 +65,26 @@ def pack(w: jax.Array, dtype) -> jax.Array:
     return jnp.swapaxes(w.astype(dtype).reshape(*lead, k, n // PANEL, PANEL), -3, -2)
 
 
-def matmul(x: jax.Array, packed: jax.Array, layer=None, wide: bool | None = None) -> jax.Array:
-    """f32[M, K] @ packed[N / 16, K, 16] -> f32[M, N]; packed is float32, bfloat16 or int8 (its
-    integer values, unscaled). With `layer` (an i32 scalar), packed is a stack [layers, N / 16, K,
-    16] read in place at that layer. `wide`: products of more than 16 rows on 16-lane vectors (None:
-    `wide_vectors()`); the same sums in the same order, so the same outputs, as the 8-lane path."""
+def matmul(x: jax.Array, packed: jax.Array, layer=None, wide: bool | None = None,
+           scales: jax.Array | None = None) -> jax.Array:
+    """f32[M, K] @ packed[N / 16, K, 16] -> f32[M, N]; packed is float32, bfloat16, int8 (its
+    integer values, unscaled) or float8 e4m3 with `scales` f32[N / 16, K / G, 16] (`pack_scales`:
+    each group of G depth rows and column its own). With `layer` (an i32 scalar), packed (and
+    scales) is a stack [layers, ...] read in place at that layer. `wide`: products of more than 16
+    rows on 16-lane vectors (None: `wide_vectors()`); the same sums in the same order, so the same
+    outputs, as the 8-lane path."""
     m, n = x.shape[0], packed.shape[-3] * PANEL
+    group = 0 if scales is None else x.shape[1] // scales.shape[-2]
     call = jax.ffi.ffi_call("jax_serve_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32))
     return call(x.astype(jnp.float32), packed, jnp.asarray(0 if layer is None else layer, jnp.int32),
-                wide=wide_vectors() if wide is None else bool(wide))
+                jnp.zeros((0,), jnp.float32) if scales is None else scales,
+                wide=wide_vectors() if wide is None else bool(wide), group=np.int64(group))
+
+
+def pack_scales(scales: jax.Array) -> jax.Array:
+    """f32[..., K / G, N] FP8 scales (each group of G depth rows and column its own) -> f32[...,
+    N / 16, K / G, 16] in the weights' panels, times 256 (the kernel widens e4m3 to 1/256 its value)."""
+    return pack(scales.astype(jnp.float32) * 256.0, jnp.float32)
 
 
 def xla_matmul(x: jax.Array, w: jax.Array, out_first: bool = False, f32: bool = False) -> jax.Array:
@@ -106,6 +119,9 @@ class PackedLinear(eqx.Module):
     """With int8 weights: f32[..., out = N], each output column's scale (engine.layers.quantize)."""
     In: tuple[hax.Axis, ...] = eqx.field(static=True)
     Out: tuple[hax.Axis, ...] = eqx.field(static=True)
+    group_scales: NamedArray | None = None
+    """With float8 weights (engine.layers.fp8): f32[..., panel, group, lane] (`pack_scales`); such a
+    weight runs on the kernel only (no `plain`)."""
     xla_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
     f32_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
     """Of `xla_rows`, those whose product widens the weight to float32 (`xla_matmul(f32=True)`)."""
@@ -119,7 +135,10 @@ class PackedLinear(eqx.Module):
 
     @staticmethod
     def from_linear(linear, dtype) -> "PackedLinear":
-        """A haliax `Linear` packed in `dtype`, or an `Int8Linear` packed as int8 with its scales."""
+        """A haliax `Linear` packed in `dtype`, an `Int8Linear` packed as int8 with its scales, or an
+        `Fp8Linear` packed as float8 with its group scales."""
+        if isinstance(linear, Fp8Linear):
+            return PackedLinear.from_fp8(linear)
         if isinstance(linear, Int8Linear):
             return PackedLinear.from_weight(linear.weight, linear.In, linear.Out, linear.bias, jnp.int8, linear.scale)
         scale = linear.reparam.active_scale
@@ -144,6 +163,19 @@ class PackedLinear(eqx.Module):
             scale = hax.named(flat.reshape(*(ax.size for ax in lead), hax.axis_size(Out)), (*lead, "out"))
         return PackedLinear(packed, plain, None if bias is None else bias.astype(jnp.float32), scale, In, Out,
                             plain_out_first=out_first)
+
+    @staticmethod
+    def from_fp8(linear: Fp8Linear) -> "PackedLinear":
+        """The float8 weight's bytes in panels, its scales per column and group of input rows beside."""
+        In, Out = linear.In, linear.Out
+        lead = tuple(ax for ax in linear.weight.axes if ax not in In + Out)
+        w = linear.weight.rearrange((*lead, *In, *Out)).array
+        w = w.reshape(*(ax.size for ax in lead), hax.axis_size(In), hax.axis_size(Out))
+        columns, _ = linear.column_scales()
+        packed = hax.named(pack(w, w.dtype), (*lead, "panel", "in", "lane"))
+        scales = hax.named(pack_scales(columns), (*lead, "panel", "group", "lane"))
+        bias = None if linear.bias is None else linear.bias.astype(jnp.float32)
+        return PackedLinear(packed, None, bias, None, In, Out, group_scales=scales)
 
     def at_layer(self, Block: hax.Axis, index) -> "PackedLinear":
         bias = None if self.bias is None else self.bias[Block, index]
@@ -172,6 +204,8 @@ class FusedLinear(eqx.Module):
     """With int8 weights: the parts' output scales, concatenated (as PackedLinear's)."""
     In: tuple[hax.Axis, ...] = eqx.field(static=True)
     Outs: tuple[tuple[hax.Axis, ...], ...] = eqx.field(static=True)
+    group_scales: NamedArray | None = None
+    """With float8 weights: the parts' panels of scales, concatenated (as PackedLinear's)."""
     xla_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
     """Row counts whose product runs on XLA's dot (as PackedLinear's)."""
     f32_rows: frozenset[int] = eqx.field(static=True, default=frozenset())
@@ -186,10 +220,12 @@ class FusedLinear(eqx.Module):
         if len({p.In for p in parts}) != 1 or len({p.weight.dtype for p in parts}) != 1:
             raise ValueError("FusedLinear.fuse: the parts must share input axes and weight dtype")
         weight = hax.concatenate("panel", [p.weight for p in parts])
-        plain = hax.concatenate("out", [p.plain.rearrange((..., *p.In, *p.Out)).flatten_axes(p.Out, "out")
-                                        for p in parts])
+        plain = None if parts[0].plain is None else hax.concatenate(
+            "out", [p.plain.rearrange((..., *p.In, *p.Out)).flatten_axes(p.Out, "out") for p in parts])
         scale = None if parts[0].scale is None else hax.concatenate("out", [p.scale for p in parts])
-        return FusedLinear(weight, plain, tuple(p.bias for p in parts), scale, parts[0].In, tuple(p.Out for p in parts))
+        groups = None if parts[0].group_scales is None else hax.concatenate("panel", [p.group_scales for p in parts])
+        return FusedLinear(weight, plain, tuple(p.bias for p in parts), scale, parts[0].In, tuple(p.Out for p in parts),
+                           group_scales=groups)
 
     def at_layer(self, Block: hax.Axis, index) -> "FusedLinear":
         biases = tuple(None if b is None else b[Block, index] for b in self.biases)
@@ -244,7 +280,8 @@ def _product(module, inputs: NamedArray) -> tuple[list[hax.Axis], jax.Array]:
         w = plain.reshape(-1, plain.shape[-1]) if module.plain_out_first else plain.reshape(x.shape[1], -1)
         y = xla_matmul(x, w, module.plain_out_first, x.shape[0] in module.f32_rows)
     else:
-        y = matmul(x, module.weight.array, module.layer)
+        scales = None if module.group_scales is None else module.group_scales.array
+        y = matmul(x, module.weight.array, module.layer, scales=scales)
     return batch, y if module.scale is None else y * module.scale.array
 
 
@@ -294,8 +331,8 @@ def source_digest() -> str:
     return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
 
 
-def _cpu_has_avx2_fma() -> bool:
-    return {"avx2", "fma"} <= _cpu_flags()
+def _cpu_has_avx2_fma_f16c() -> bool:
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
 
 
 @functools.cache
@@ -325,7 +362,7 @@ def _build() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if compiler is None:
         raise OSError("no C++ compiler (set CXX or install g++)")
-    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-fno-math-errno"]
+    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno"]
     key = hashlib.sha256(_SOURCE.read_bytes() + jax.__version__.encode() + " ".join(flags).encode()).hexdigest()
     root = Path(os.environ.get("JAX_SERVE_CACHE") or "~/.cache/jax-serve").expanduser() / "kernels"
     library = root / f"cpu_kernels-{key[:16]}.so"
