@@ -14,7 +14,7 @@ from typing import Optional
 from engine.formats.transformers_files import hf_config
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "gemma2", "gemma3_text",
-                      "qwen3_moe", "phi3")
+                      "qwen3_moe", "phi3", "gpt_oss")
 """config.json `model_type`s the decoder loader reads (engine.models.loading maps each to levanter's, or
 assembles it: engine.models.decoder)."""
 

@@ -9,6 +9,8 @@ Supported: FP8 weights (float8 e4m3) with float32 scales that multiply them, as 
 - `quant_method: compressed-tensors`, format `float-quantized` (the "FP8" and "FP8-dynamic"
   releases): `<linear>.weight_scale` per tensor ([1]), per output channel ([out, 1]) or per block
   (`block_structure`); every `Linear` but those `ignore` names (exactly, or by `re:` pattern).
+And MXFP4 experts (`quant_method: mxfp4`, gpt-oss): 4-bit floats in blocks of 32 values with a
+power-of-two scale each (engine.layers.mxfp4), for the experts not in `modules_to_not_convert`.
 Activations stay in the served dtype: a checkpoint's activation scheme (dynamic per-token FP8, or
 static `input_scale`s) is not applied; the products are the weights' (exactly dequantized) with
 unquantized inputs, as transformers computes them from the dequantized weights.
@@ -21,19 +23,21 @@ import re
 from typing import Optional
 
 SUPPORTED = ("fp8 (block-wise, weight_scale_inv)",
-             "compressed-tensors float-quantized 8-bit (tensor, channel or block weight_scale)")
+             "compressed-tensors float-quantized 8-bit (tensor, channel or block weight_scale)",
+             "mxfp4 (experts' _blocks and _scales)")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointQuantization:
-    """FP8 weights, each with scales of `block` = (output rows, input columns) per scale (0: the
-    whole dimension)."""
+    """Low-bit weights, each with scales of `block` = (output rows, input columns) per scale (0: the
+    whole dimension): FP8 (`fp8`, `compressed-tensors`) or MXFP4 experts (`mxfp4`)."""
 
     method: str
     """config.json's `quant_method`."""
     block: tuple[int, int]
     scale_name: str
-    """The scales' tensor beside each FP8 `weight`: `weight_scale_inv` or `weight_scale`."""
+    """The scales' tensor beside each FP8 `weight`: `weight_scale_inv` or `weight_scale` (MXFP4: `scales`
+    beside `blocks`)."""
     skipped: tuple[str, ...] = ()
     """Modules left in float: names (as the method matches them) or `re:` patterns."""
 
@@ -42,7 +46,7 @@ class CheckpointQuantization:
         is FP8. Loading goes by the checkpoint's own tensors; this decides for shapes alone."""
         if module.endswith("lm_head") or module == "lm_head":
             return False
-        if self.method == "fp8":
+        if self.method in ("fp8", "mxfp4"):
             return not any(name in module for name in self.skipped)
         return not any(re.match(name[3:], module) if name.startswith("re:") else name == module
                        for name in self.skipped)
@@ -59,6 +63,8 @@ def read_quantization(hf: dict) -> Optional[CheckpointQuantization]:
         return _fp8(config)
     if method == "compressed-tensors":
         return _compressed_tensors(config)
+    if method == "mxfp4":
+        return CheckpointQuantization("mxfp4", (1, 32), "scales", tuple(config.get("modules_to_not_convert") or ()))
     raise ValueError(f"quantization_config.quant_method {method!r} is not supported; supported: {'; '.join(SUPPORTED)}")
 
 

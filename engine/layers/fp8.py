@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
 
 import equinox as eqx
 import haliax as hax
@@ -26,11 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from haliax import NamedArray
-from haliax.nn.scan import BlockSeq, Stacked
-from haliax.state_dict import ModuleWithStateDictSerialization, with_prefix
+from haliax.state_dict import with_prefix
 
 from engine.formats.checkpoint_quantization import CheckpointQuantization
-from engine.layers.moe import ExpertMlps, MoE
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
@@ -180,72 +177,22 @@ class Fp8MoELinear(eqx.Module):
         one = dequantized(of_expert(self.weight, self.In, self.Out), of_expert(self.scale, *scaled), jnp.float32)
         return rows.astype(jnp.float32) @ one.rearrange((self.In, self.Out)).array
 
-    def loaded(self, weights: jax.Array, scales: jax.Array) -> "Fp8MoELinear":
+    @property
+    def checkpoint_tensors(self) -> tuple[str, str]:
+        return "weight", self.scale_name
+
+    def loaded(self, tensors: dict) -> "Fp8MoELinear":
         """This layer filled from the checkpoint's stacked expert weights [..., experts, out, in] and
-        their scales [..., experts, out blocks, in blocks]."""
+        their scales [..., experts, out blocks, in blocks] (`checkpoint_tensors` names them)."""
         lead = tuple(ax for ax in self.weight.axes if ax not in (self.In, self.Out))
         Scaled = ((self.scale.resolve_axis(self.In.name),), (self.scale.resolve_axis(self.Out.name),))
-        weight, scale = from_checkpoint(weights, scales, lead, (self.In,), (self.Out,), Scaled, self.block)
+        weight, scale = from_checkpoint(tensors["weight"], tensors[self.scale_name], lead, (self.In,), (self.Out,),
+                                        Scaled, self.block)
         return dataclasses.replace(self, weight=weight, scale=scale)
 
 
 def is_fp8(module) -> bool:
     return isinstance(module, (Fp8Linear, Fp8MoELinear))
-
-
-def with_fp8(model, quantization: CheckpointQuantization, quantized: Callable[[str], bool]):
-    """`model` (a template: call under `eqx.filter_eval_shape`) with every linear layer that
-    `quantized(its checkpoint name)` says is FP8 made an `Fp8Linear` (an expert stack: an
-    `Fp8MoELinear`, by its first expert's name), and the set of those names. Routers stay float
-    (a flipped choice costs more than their few bytes save). The layers of a stack must agree."""
-    names: set[str] = set()
-
-    def linear(module, name):
-        if isinstance(module, hnn.Linear) and quantized(name):
-            names.add(name)
-            return Fp8Linear.like(module, quantization)
-        return module
-
-    def experts(mlps: ExpertMlps, prefix):
-        stacks = [getattr(mlps, field) for field in ("gate_proj", "up_proj", "down_proj")]
-        count = mlps.gate_proj.Experts.size
-        for i, name in enumerate(mlps.names):
-            if quantized(with_prefix(prefix, f"0.{name}")):
-                names.update(with_prefix(prefix, f"{e}.{name}") for e in range(count))
-                stacks[i] = Fp8MoELinear.like(stacks[i], quantization)
-        return _replaced(mlps, dict(zip(("gate_proj", "up_proj", "down_proj"), stacks)))
-
-    def walk(tree, prefix):
-        if isinstance(tree, hnn.Linear):
-            return linear(tree, prefix)
-        if isinstance(tree, MoE):
-            return _replaced(tree, {"experts": experts(tree.experts, with_prefix(prefix, "experts"))})
-        if isinstance(tree, Stacked):
-            layers = [walk(tree.stacked, with_prefix(prefix, str(i))) for i in range(tree.Block.size)]
-            if len({jax.tree_util.tree_structure(layer) for layer in layers}) > 1:
-                raise ValueError(f"the layers under {prefix} differ in which weights are FP8; this loader needs "
-                                 "every layer of a stack alike")
-            return _replaced(tree, {"stacked": layers[0]})
-        if isinstance(tree, BlockSeq):
-            blocks = [walk(block, with_prefix(prefix, str(i))) for i, block in enumerate(tree.blocks)]
-            return _replaced(tree, {"blocks": blocks})
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(walk(item, with_prefix(prefix, str(i))) for i, item in enumerate(tree))
-        if isinstance(tree, eqx.Module):
-            keys = tree._state_dict_key_map() if isinstance(tree, ModuleWithStateDictSerialization) else {}
-            fields = [f.name for f in dataclasses.fields(tree) if not f.metadata.get("static", False)]
-            return _replaced(tree, {f: walk(getattr(tree, f), with_prefix(prefix, keys.get(f, f))) for f in fields})
-        return tree
-
-    return walk(model, None), names
-
-
-def _replaced(module, fields: dict):
-    """`module` with the `fields` that changed replaced (equinox's tree_at: no __init__ runs)."""
-    changed = {name: value for name, value in fields.items() if value is not getattr(module, name)}
-    if not changed:
-        return module
-    return eqx.tree_at(lambda m: [getattr(m, name) for name in changed], module, list(changed.values()))
 
 
 def dequantize_host(weight: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:

@@ -42,26 +42,37 @@ ROWS = "expert_rows"
 @dataclasses.dataclass(frozen=True)
 class Routing:
     """How a token's experts and their weights follow from the router's logits: a softmax over all
-    experts (in float32), the `top_k` largest, rescaled to sum to 1 if `normalize`."""
+    experts (in float32), the `top_k` largest, rescaled to sum to 1 if `normalize`; or, `after_top_k`,
+    the `top_k` largest logits and a softmax over those alone (gpt-oss)."""
 
     top_k: int
     normalize: bool = True
     """Mixtral always; Qwen3-MoE as its `norm_topk_prob` says."""
+    after_top_k: bool = False
 
     def choose(self, logits: NamedArray) -> tuple[NamedArray, NamedArray]:
         """(weights f32[..., top_experts], experts i32[..., top_experts]) of router logits [..., expert_scores]."""
         logits = logits.rearrange((..., SCORES))
-        probs = jax.nn.softmax(logits.array.astype(jnp.float32), axis=-1)
-        weights, experts = jax.lax.top_k(probs, self.top_k)
-        if self.normalize:
+        if self.after_top_k:
+            top, experts = jax.lax.top_k(logits.array.astype(jnp.float32), self.top_k)
+            weights = jax.nn.softmax(top, axis=-1)
+        else:
+            probs = jax.nn.softmax(logits.array.astype(jnp.float32), axis=-1)
+            weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.normalize and not self.after_top_k:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         axes = (*logits.axes[:-1], hax.Axis(TOP, self.top_k))
         return hax.named(weights, axes), hax.named(experts, axes)
 
 
+SWIGLU_ALPHA = 1.702
+"""gpt-oss's clamped SwiGLU: gate * sigmoid(alpha * gate)."""
+
+
 class ExpertMlps(ModuleWithStateDictSerialization):
     """Every expert's gated MLP, down(act(gate(x)) * up(x)), stacked on the `experts` axis; rows come
-    grouped by expert (`group_sizes`, in expert order)."""
+    grouped by expert (`group_sizes`, in expert order). With `biases` (gpt-oss), each projection adds
+    its expert's own bias; with `swiglu_limit`, the gating is gpt-oss's clamped one (`gated`)."""
 
     gate_proj: hnn.MoELinear
     up_proj: hnn.MoELinear
@@ -69,44 +80,95 @@ class ExpertMlps(ModuleWithStateDictSerialization):
     act: Callable = eqx.field(static=True)
     names: tuple[str, str, str] = eqx.field(static=True, default=("gate_proj", "up_proj", "down_proj"))
     """The checkpoint's names of the gate, up and down projections of one expert."""
+    biases: Optional[tuple[NamedArray, NamedArray, NamedArray]] = None
+    """(gate, up, down) biases, each (..., experts, out)."""
+    swiglu_limit: Optional[float] = eqx.field(static=True, default=None)
 
     @staticmethod
     def init(Experts: hax.Axis, Embed: hax.Axis, Mlp: hax.Axis, act: Callable, *, key,
-             names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> "ExpertMlps":
+             names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), biases: bool = False,
+             swiglu_limit: Optional[float] = None) -> "ExpertMlps":
         k_gate, k_up, k_down = jax.random.split(key, 3)
+        zeros = (hax.zeros((Experts, Mlp)), hax.zeros((Experts, Mlp)), hax.zeros((Experts, Embed))) if biases else None
         return ExpertMlps(hnn.MoELinear.init(Experts, Embed, Mlp, key=k_gate, use_bias=False),
                           hnn.MoELinear.init(Experts, Embed, Mlp, key=k_up, use_bias=False),
-                          hnn.MoELinear.init(Experts, Mlp, Embed, key=k_down, use_bias=False), act, names)
+                          hnn.MoELinear.init(Experts, Mlp, Embed, key=k_down, use_bias=False), act, names, zeros,
+                          swiglu_limit)
+
+    def gated(self, gate, up):
+        """act(gate) * up; gpt-oss's (with `swiglu_limit` L): gate clipped to <= L, up to [-L, L], then
+        (up + 1) * gate * sigmoid(1.702 gate)."""
+        if self.swiglu_limit is None:
+            return self.act(gate) * up
+        named = isinstance(gate, NamedArray)
+        clip, sigmoid = (hax.clip, hnn.sigmoid) if named else (jnp.clip, jax.nn.sigmoid)
+        gate, up = clip(gate, None, self.swiglu_limit), clip(up, -self.swiglu_limit, self.swiglu_limit)
+        return (up + 1) * gate * sigmoid(gate * SWIGLU_ALPHA)
 
     def __call__(self, rows: NamedArray, group_sizes: NamedArray) -> NamedArray:
-        hidden = self.act(self.gate_proj(rows, group_sizes)) * self.up_proj(rows, group_sizes)
-        return self.down_proj(hidden, group_sizes)
+        gate, up = self.gate_proj(rows, group_sizes), self.up_proj(rows, group_sizes)
+        if self.biases is not None:
+            gate, up = self._biased(gate, 0, group_sizes), self._biased(up, 1, group_sizes)
+        hidden = self.gated(gate, up)
+        out = self.down_proj(hidden, group_sizes)
+        return out if self.biases is None else self._biased(out, 2, group_sizes)
+
+    def _biased(self, out: NamedArray, which: int, group_sizes: NamedArray) -> NamedArray:
+        """`out` (rows grouped by expert, out) plus each row's expert's bias `which`."""
+        bias = self.biases[which]
+        Experts = bias.resolve_axis(EXPERTS)
+        Rows, Out = out.axes[0], bias.axes[-1]
+        expert = jnp.repeat(jnp.arange(Experts.size), group_sizes.rearrange((Experts,)).array,
+                            total_repeat_length=Rows.size)
+        return out + hax.named(bias.rearrange((Experts, Out)).array[expert], (Rows, Out))
 
     def one(self, expert: jax.Array, rows: jax.Array) -> jax.Array:
         """Expert `expert`'s MLP over `rows` f[R, embed] (plain arrays)."""
-        hidden = self.act(_product(self.gate_proj, expert, rows)) * _product(self.up_proj, expert, rows)
-        return _product(self.down_proj, expert, hidden)
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+
+        def product(which: int, x: jax.Array) -> jax.Array:
+            out = _product(projections[which], expert, x)
+            if self.biases is None:
+                return out
+            bias = self.biases[which]
+            return out + bias.rearrange((EXPERTS, bias.axes[-1])).array[expert].astype(out.dtype)
+
+        return product(2, self.gated(product(0, rows), product(1, rows)))
 
     def from_state_dict(self, state_dict: StateDict, prefix: Optional[str] = None) -> "ExpertMlps":
-        """Each projection stacked from the per-expert (out, in) weights of the checkpoint, after
-        any leading (layer) axes the state dict already stacked; a float8 projection (one with
-        `loaded`, engine.layers.fp8) with its scales."""
-        count = self.gate_proj.Experts.size
-
-        def stacked(name: str, tensor: str = "weight") -> jax.Array:
-            arrays = [jnp.asarray(state_dict[with_prefix(prefix, f"{i}.{name}.{tensor}")]) for i in range(count)]
-            lead = jnp.ndim(state_dict[with_prefix(prefix, f"0.{name}.weight")]) - 2
-            return jnp.stack(arrays, axis=lead)
-
-        def filled(linear, name: str):
-            if hasattr(linear, "loaded"):
-                return linear.loaded(stacked(name), stacked(name, linear.scale_name))
-            weight = jnp.swapaxes(stacked(name), -1, -2)
-            return eqx.tree_at(lambda m: m.weight.array, linear, weight)
-
+        """Each projection from the checkpoint's (out, in) weights: one per expert
+        (`{i}.{name}.weight`), or stacked already (`{name}.weight`: [..., experts, out, in]), after any
+        leading (layer) axes the state dict stacked; a quantized projection (one with `loaded`:
+        engine.layers.fp8, engine.layers.mxfp4) with its tensors; biases as `{name}.bias`."""
         fields = ("gate_proj", "up_proj", "down_proj")
-        return eqx.tree_at(lambda m: [getattr(m, f) for f in fields], self,
-                           [filled(getattr(self, f), name) for f, name in zip(fields, self.names)])
+        filled = [_filled(getattr(self, f), state_dict, prefix, name) for f, name in zip(fields, self.names)]
+        module = eqx.tree_at(lambda m: [getattr(m, f) for f in fields], self, filled)
+        if self.biases is None:
+            return module
+        biases = tuple(hax.named(_stacked(state_dict, prefix, name, "bias", count=self.gate_proj.Experts.size), b.axes)
+                       for name, b in zip(self.names, self.biases))
+        return eqx.tree_at(lambda m: m.biases, module, biases)
+
+
+def _stacked(state_dict: StateDict, prefix: Optional[str], name: str, tensor: str, count: int) -> jax.Array:
+    """`{name}.{tensor}` of every expert, stacked on the axis after the state dict's leading (layer)
+    axes: as the checkpoint stacks it, or each expert's `{i}.{name}.{tensor}` stacked here."""
+    whole = with_prefix(prefix, f"{name}.{tensor}")
+    if whole in state_dict:
+        return jnp.asarray(state_dict[whole])
+    lead = jnp.ndim(state_dict[with_prefix(prefix, f"0.{name}.weight")]) - 2
+    return jnp.stack([jnp.asarray(state_dict[with_prefix(prefix, f"{i}.{name}.{tensor}")]) for i in range(count)],
+                     axis=lead)
+
+
+def _filled(linear, state_dict: StateDict, prefix: Optional[str], name: str):
+    """One grouped product filled from the checkpoint: a float one's weights transposed to (in, out)."""
+    count = linear.Experts.size
+    if hasattr(linear, "loaded"):
+        return linear.loaded({tensor: _stacked(state_dict, prefix, name, tensor, count)
+                              for tensor in linear.checkpoint_tensors})
+    weight = jnp.swapaxes(_stacked(state_dict, prefix, name, "weight", count), -1, -2)
+    return eqx.tree_at(lambda m: m.weight.array, linear, weight)
 
 
 def _product(linear, expert: jax.Array, rows: jax.Array) -> jax.Array:
@@ -138,10 +200,11 @@ class MoE(ModuleWithStateDictSerialization):
 
     @staticmethod
     def init(Embed: hax.Axis, Experts: hax.Axis, Mlp: hax.Axis, routing: Routing, act: Callable, *,
-             key) -> "MoE":
+             key, router_bias: bool = False, **experts) -> "MoE":
+        """`experts`: ExpertMlps.init's options (biases, swiglu_limit)."""
         k_router, k_experts = jax.random.split(key)
-        router = hnn.Linear.init(Embed, Experts.alias(SCORES), key=k_router, use_bias=False, out_first=True)
-        return MoE(router, ExpertMlps.init(Experts, Embed, Mlp, act, key=k_experts), routing)
+        router = hnn.Linear.init(Embed, Experts.alias(SCORES), key=k_router, use_bias=router_bias, out_first=True)
+        return MoE(router, ExpertMlps.init(Experts, Embed, Mlp, act, key=k_experts, **experts), routing)
 
     def __call__(self, x: NamedArray, *, key=None) -> NamedArray:
         """x (position, embed) -> (position, embed)."""
@@ -160,7 +223,7 @@ def dispatch(x: NamedArray, weights: NamedArray, chosen: NamedArray, experts: Ex
     A choice at or past `experts`' count names an expert held elsewhere and adds nothing."""
     Pos, Embed = x.axes
     Top = weights.resolve_axis(TOP)
-    Experts = experts.gate_proj.weight.resolve_axis(EXPERTS)
+    Experts = experts.gate_proj.Experts
     flat = chosen.rearrange((Pos, Top)).array.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # choices held elsewhere sort last, in no group
     Rows = hax.Axis(ROWS, flat.size)
@@ -185,7 +248,8 @@ def dispatch_split(x: NamedArray, weights: NamedArray, chosen: NamedArray, exper
     def local(x_, weights_, chosen_, *arrays):
         mine = jax.tree_util.tree_unflatten(treedef, [
             hax.named(a, tuple(ax.resize(n) for ax, n in zip(leaf.axes, a.shape))) for leaf, a in zip(leaves, arrays)])
-        count = mine.gate_proj.weight.resolve_axis(EXPERTS).size
+        count = next(a.shape[leaf.axes.index(leaf.resolve_axis(EXPERTS))] for leaf, a in zip(leaves, arrays)
+                     if leaf.has_axis(EXPERTS))
         mine = jax.tree_util.tree_map(  # the grouped products' own `Experts` axis, resized as their arrays
             lambda linear: dataclasses.replace(linear, Experts=linear.Experts.resize(count)), mine,
             is_leaf=lambda m: isinstance(getattr(m, "Experts", None), hax.Axis))
@@ -208,7 +272,7 @@ def dispatch_tiled(x: NamedArray, weights: NamedArray, chosen: NamedArray, exper
     expert's weights once per tile of its rows and computes only those rows (and the padding)."""
     Pos, Embed = x.axes
     Top = weights.resolve_axis(TOP)
-    count = experts.gate_proj.weight.resolve_axis(EXPERTS).size
+    count = experts.gate_proj.Experts.size
     flat = chosen.rearrange((Pos, Top)).array.reshape(-1)
     rows = flat.size
     order = jnp.argsort(flat, stable=True)
@@ -238,15 +302,17 @@ def dispatch_tiled(x: NamedArray, weights: NamedArray, chosen: NamedArray, exper
 def for_platform(model, platform: str):
     """`model` with every MoE set to run as suits `platform`: on "cpu", tile by tile, its bfloat16
     expert weights held as their bits (`_product` widens them)."""
-    def bits(leaf):
-        if isinstance(leaf, NamedArray) and leaf.dtype == jnp.bfloat16:
-            return hax.named(jax.lax.bitcast_convert_type(leaf.array, jnp.uint16), leaf.axes)
-        return leaf
+    def bits(linear):
+        if isinstance(linear, hnn.MoELinear) and linear.weight.dtype == jnp.bfloat16:
+            weight = linear.weight
+            return dataclasses.replace(linear, weight=hax.named(jax.lax.bitcast_convert_type(weight.array, jnp.uint16),
+                                                                weight.axes))
+        return linear
 
     def prepared(moe: MoE) -> MoE:
         if platform != "cpu":
             return moe
-        experts = jax.tree_util.tree_map(bits, moe.experts, is_leaf=lambda leaf: isinstance(leaf, NamedArray))
+        experts = jax.tree_util.tree_map(bits, moe.experts, is_leaf=lambda m: isinstance(m, hnn.MoELinear))
         return dataclasses.replace(moe, experts=experts, tiled=True)
 
     return jax.tree_util.tree_map(lambda m: prepared(m) if isinstance(m, MoE) else m, model,

@@ -4,6 +4,10 @@
 - Phi-3 / 3.5 / 4-mini: levanter's Llama, its checkpoint's fused `qkv_proj` and `gate_up_proj`
   split into Llama's projections on load (its longrope and partial rotary embeddings are
   engine.layers.rope's, as every family's).
+- gpt-oss: levanter's Llama with biased attention projections and learned sinks
+  (engine.layers.sink_attention), every MLP a mixture of experts with a biased router (top-k
+  logits, then a softmax over them), biased experts and the clamped SwiGLU; the checkpoint's fused
+  and interleaved gate/up tensors split on load (`prepared`), MXFP4 experts kept as they are.
 
 The model has levanter's LM-head shape (`transformer.layers`, `transformer.norm`, `embeddings`,
 `lm_head`), so engine.models.paged_model runs it as any other, and is read from the checkpoint's
@@ -13,6 +17,8 @@ keeps a sequence of layers (unrolled).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import equinox as eqx
 import haliax as hax
@@ -27,8 +33,9 @@ from levanter.models.qwen import Qwen3Config, Qwen3LMHeadModel
 from transformers import AutoConfig
 
 from engine.layers.moe import EXPERT_MLP, EXPERTS, MoE, Routing
+from engine.layers.sink_attention import SinkAttention
 
-FAMILIES = ("qwen3_moe", "phi3")
+FAMILIES = ("qwen3_moe", "phi3", "gpt_oss")
 """config.json `model_type`s assembled here."""
 
 
@@ -41,10 +48,14 @@ class DecoderLayer(ModuleWithStateDictSerialization):
     post_attention_layernorm: hnn.RmsNorm
 
     @staticmethod
-    def init(config: Qwen3Config, sparse: bool, experts: dict, *, key) -> "DecoderLayer":
-        """`experts`: `MoE.init`'s sizes and routing (used if `sparse`)."""
+    def init(config: Qwen3Config, sparse: bool, experts: dict, *, key, sinks: bool = False) -> "DecoderLayer":
+        """`experts`: `MoE.init`'s sizes and routing (used if `sparse`); `sinks`: gpt-oss's attention
+        (biased projections, learned sinks)."""
         k_attn, k_mlp = jax.random.split(key)
-        attention = Attention.init(config.attention_config(), key=k_attn)
+        if sinks:
+            attention = SinkAttention.init(dataclasses.replace(config.attention_config(), use_bias=True), key=k_attn)
+        else:
+            attention = Attention.init(config.attention_config(), key=k_attn)
         if sparse:
             mlp = MoE.init(config.Embed, act=config.activation_function.to_fn(), key=k_mlp, **experts)
         else:
@@ -64,30 +75,37 @@ def sparse_layers(hf: dict) -> list[bool]:
 def levanter_config(hf: dict):
     """levanter's config of the family's base (Qwen3 for Qwen3-MoE: everything but the experts;
     Llama for Phi-3); the RoPE is engine.layers.rope's, so levanter's is left default."""
-    kwargs = {k: v for k, v in hf.items() if k not in ("architectures", "transformers_version")}
+    kwargs = {k: v for k, v in hf.items() if k not in ("architectures", "transformers_version", "layer_types")}
     kwargs.update(rope_scaling=None, partial_rotary_factor=1.0)
-    if hf["model_type"] == "phi3":
-        return LlamaConfig.from_hf_config(AutoConfig.for_model(**{**kwargs, "model_type": "llama"}))
+    if hf["model_type"] in ("phi3", "gpt_oss"):  # gpt-oss's attention biases are its layers' own (not its norms')
+        llama = {**kwargs, "model_type": "llama", "attention_bias": False, "mlp_bias": False}
+        return LlamaConfig.from_hf_config(AutoConfig.for_model(**llama))
     return Qwen3Config.from_hf_config(AutoConfig.for_model(**kwargs))
 
 
 def init_model(hf: dict, Vocab: hax.Axis, *, key):
     """A model of `hf`'s family and sizes with random weights (call under `eqx.filter_eval_shape`
     for the template `load` fills)."""
-    config = levanter_config(hf)
-    if hf["model_type"] == "phi3":
+    config, family = levanter_config(hf), hf["model_type"]
+    if family == "phi3":
         return LlamaLMHeadModel.init(Vocab, config, key=key)
-    experts = {"Experts": hax.Axis(EXPERTS, hf["num_experts"]),
-               "Mlp": hax.Axis(EXPERT_MLP, hf["moe_intermediate_size"]),
-               "routing": Routing(hf["num_experts_per_tok"], normalize=hf.get("norm_topk_prob", False))}
     k_model, k_layers = jax.random.split(key)
-    model = Qwen3LMHeadModel.init(Vocab, config, key=k_model)
-    sparse = sparse_layers(hf)
+    if family == "gpt_oss":
+        model, sparse, sinks = LlamaLMHeadModel.init(Vocab, config, key=k_model), [True] * config.num_layers, True
+        experts = {"Experts": hax.Axis(EXPERTS, hf["num_local_experts"]),
+                   "Mlp": hax.Axis(EXPERT_MLP, hf["intermediate_size"]),
+                   "routing": Routing(hf["num_experts_per_tok"], after_top_k=True), "router_bias": True,
+                   "biases": True, "swiglu_limit": hf.get("swiglu_limit", 7.0)}
+    else:
+        model, sparse, sinks = Qwen3LMHeadModel.init(Vocab, config, key=k_model), sparse_layers(hf), False
+        experts = {"Experts": hax.Axis(EXPERTS, hf["num_experts"]),
+                   "Mlp": hax.Axis(EXPERT_MLP, hf["moe_intermediate_size"]),
+                   "routing": Routing(hf["num_experts_per_tok"], normalize=hf.get("norm_topk_prob", False))}
     keys = shaped_rng_split(k_layers, config.num_layers)
     if len(set(sparse)) == 1:
-        layers = Stacked.init(config.Layers, DecoderLayer)(config, sparse[0], experts, key=keys)
+        layers = Stacked.init(config.Layers, DecoderLayer)(config, sparse[0], experts, key=keys, sinks=sinks)
     else:
-        layers = BlockSeq([DecoderLayer.init(config, s, experts, key=k) for s, k in zip(sparse, keys)],
+        layers = BlockSeq([DecoderLayer.init(config, s, experts, key=k, sinks=sinks) for s, k in zip(sparse, keys)],
                           config.Layers, False)
     return eqx.tree_at(lambda m: m.transformer.layers, model, layers)
 
@@ -96,7 +114,7 @@ def load(hf: dict, Vocab: hax.Axis, state_dict: dict):
     """The model of `hf` with the checkpoint's `state_dict` (transformers' names), placed as the
     context's axis mapping splits it (call under the engine's mesh)."""
     template = eqx.filter_eval_shape(init_model, hf, Vocab, key=jax.random.PRNGKey(0))
-    return filled(template, unfused(hf, state_dict))
+    return filled(template, prepared(hf, state_dict))
 
 
 @hax.named_jit
@@ -106,12 +124,58 @@ def filled(template, state_dict: dict):
     return hax.shard(from_torch_compatible_state_dict(template, state_dict))
 
 
-def unfused(hf: dict, state_dict: dict) -> dict:
+def prepared(hf: dict, state_dict: dict) -> dict:
+    """The checkpoint's state dict under the names (and in the shapes) the family's modules read:
+    Phi-3's and gpt-oss's rearranged (`_phi3`, `_gpt_oss`), other families' as they are."""
+    if hf["model_type"] == "phi3":
+        return _phi3(hf, state_dict)
+    if hf["model_type"] == "gpt_oss":
+        return _gpt_oss(hf, state_dict)
+    return state_dict
+
+
+def _gpt_oss(hf: dict, state_dict: dict) -> dict:
+    """gpt-oss's state dict: each layer's `sinks` [heads] as (kv_head, q_heads_per_group); the router
+    `mlp.router` as `mlp.gate`; the experts' fused `gate_up_proj` [experts, in, 2 x mlp] (gate and up
+    interleaved: gate at even columns) and `down_proj` [experts, mlp, out] as `gate_proj`, `up_proj`,
+    `down_proj` [experts, out, in], their biases split alike; MXFP4 experts' `_blocks` / `_scales`
+    (rows are outputs, interleaved alike) split by row."""
+    groups = hf["num_attention_heads"] // hf["num_key_value_heads"]
+    out = {}
+    for name, array in state_dict.items():
+        stem, _, leaf = name.rpartition(".")
+        if leaf == "sinks":
+            out[name] = array.reshape(*array.shape[:-1], -1, groups)
+        elif stem.endswith("mlp.router"):
+            out[f"{stem.removesuffix('router')}gate.{leaf}"] = array
+        elif stem.endswith("mlp.experts"):
+            out.update(_gpt_oss_experts(stem, leaf, array))
+        else:
+            out[name] = array
+    return out
+
+
+def _gpt_oss_experts(stem: str, leaf: str, array) -> dict:
+    """One of gpt-oss's expert tensors under ExpertMlps' names (see `_gpt_oss`)."""
+    if leaf in ("gate_up_proj", "down_proj"):  # [..., in, out]
+        array = array.swapaxes(-1, -2)
+    if leaf.startswith("down_proj"):
+        kind = {"down_proj": "weight", "down_proj_bias": "bias", "down_proj_blocks": "blocks",
+                "down_proj_scales": "scales"}[leaf]
+        return {f"{stem}.down_proj.{kind}": array}
+    kind = {"gate_up_proj": "weight", "gate_up_proj_bias": "bias", "gate_up_proj_blocks": "blocks",
+            "gate_up_proj_scales": "scales"}[leaf]
+    rows = -1 if kind == "bias" else {"weight": -2, "blocks": -3, "scales": -2}[kind]  # the output axis
+    index = [slice(None)] * array.ndim
+    gate, up = list(index), list(index)
+    gate[rows], up[rows] = slice(0, None, 2), slice(1, None, 2)
+    return {f"{stem}.gate_proj.{kind}": array[tuple(gate)], f"{stem}.up_proj.{kind}": array[tuple(up)]}
+
+
+def _phi3(hf: dict, state_dict: dict) -> dict:
     """Phi-3's state dict under Llama's names: each layer's `qkv_proj` rows split into q, k and v
     (heads x head_dim, then KV heads x head_dim twice), `gate_up_proj` into gate and up (halves,
-    gate first, as transformers' Phi3MLP chunks them). Other families' as they are."""
-    if hf["model_type"] != "phi3":
-        return state_dict
+    gate first, as transformers' Phi3MLP chunks them)."""
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     q_rows = hf["num_attention_heads"] * head_dim
     kv_rows = (hf.get("num_key_value_heads") or hf["num_attention_heads"]) * head_dim

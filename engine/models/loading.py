@@ -34,15 +34,16 @@ from engine.formats.checkpoint_config import ModelInfo, model_info, read_hf_conf
 from engine.formats.checkpoint_quantization import CheckpointQuantization, read_quantization
 from engine.formats.safetensors_files import read_checkpoint
 from engine.formats.transformers_files import load_tokenizer
-from engine.layers.fp8 import FP8, dequantize_host, is_fp8, with_fp8
+from engine.layers.fp8 import FP8, dequantize_host, is_fp8
 from engine.layers.moe import from_levanter_mixtral
+from engine.layers.quantized_template import with_quantized_layers
 from engine.models import decoder
 
 logger = logging.getLogger(__name__)
 
 _FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": QwenConfig, "qwen3": Qwen3Config,
              "olmo2": Olmo2Config, "mixtral": MixtralConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3Config,
-             "qwen3_moe": Qwen3Config, "phi3": LlamaConfig}
+             "qwen3_moe": Qwen3Config, "phi3": LlamaConfig, "gpt_oss": LlamaConfig}
 """levanter's config class of each family that engine.formats.checkpoint_config.SUPPORTED_FAMILIES names
 (for those engine.models.decoder assembles: the one its state dict is read with)."""
 
@@ -65,7 +66,7 @@ def load_model(model_dir: str | Path, dtype: str):
     quantization = read_quantization(hf_config)
     Vocab = hax.Axis("vocab", info.vocab_size)
     if quantization is not None:
-        model = _load_fp8(path, info, hf_config, quantization)
+        model = _load_quantized(path, info, hf_config, quantization)
     elif info.family in decoder.FAMILIES:
         converter = HFCheckpointConverter(_FAMILIES[info.family], reference_checkpoint=path,
                                           tokenizer=load_tokenizer(path))
@@ -86,28 +87,34 @@ def load_model(model_dir: str | Path, dtype: str):
     return model, info
 
 
-def _load_fp8(path: str, info: ModelInfo, hf_config: dict, quantization: CheckpointQuantization):
-    """The model of an FP8 checkpoint, read by engine.formats.safetensors_files (levanter's reader
-    refuses float8): each weight the checkpoint holds in FP8 with its scales stays so, but a
-    router's, which is widened to float here."""
+def _load_quantized(path: str, info: ModelInfo, hf_config: dict, quantization: CheckpointQuantization):
+    """The model of a quantized checkpoint, read by engine.formats.safetensors_files (levanter's reader
+    refuses its dtypes): each layer the checkpoint holds in FP8 or MXFP4 stays so
+    (engine.layers.quantized_template), but an FP8 router's weight, which is widened to float here."""
     tensors = read_checkpoint(path)
-    fp8 = {name.removesuffix(".weight") for name, array in tensors.items()
-           if name.endswith(".weight") and array.dtype == FP8}
+    if quantization.method == "mxfp4":
+        tensors = decoder.prepared(hf_config, tensors)
+        held = {name.removesuffix(".blocks") for name in tensors if name.endswith(".blocks")}
+    else:
+        held = {name.removesuffix(".weight") for name, array in tensors.items()
+                if name.endswith(".weight") and array.dtype == FP8}
     Vocab = hax.Axis("vocab", info.vocab_size)
     names: set[str] = set()
 
     def build():
-        model, quantized = with_fp8(_template(info, hf_config, Vocab), quantization, fp8.__contains__)
+        model, quantized = with_quantized_layers(_template(info, hf_config, Vocab), quantization, held.__contains__)
         names.update(quantized)
         return model
 
     template = eqx.filter_eval_shape(build)
-    for name in fp8 - names:
-        scale = tensors[f"{name}.{quantization.scale_name}"]
-        tensors[f"{name}.weight"] = dequantize_host(tensors[f"{name}.weight"], scale, quantization.block)
+    if quantization.method != "mxfp4":
+        for name in held - names:
+            scale = tensors[f"{name}.{quantization.scale_name}"]
+            tensors[f"{name}.weight"] = dequantize_host(tensors[f"{name}.weight"], scale, quantization.block)
+        tensors = decoder.prepared(hf_config, tensors)
     if info.family == "qwen2":
         tensors = _with_qwen2_biases(tensors, hf_config)
-    return decoder.filled(template, decoder.unfused(hf_config, tensors))
+    return decoder.filled(template, tensors)
 
 
 def abstract_model(model_dir: str | Path, dtype: str, transform=lambda model: model):
@@ -122,7 +129,7 @@ def abstract_model(model_dir: str | Path, dtype: str, transform=lambda model: mo
     def build():
         model = _template(info, hf_config, Vocab)
         if quantization is not None:
-            model, _ = with_fp8(model, quantization, quantization.quantizes)
+            model, _ = with_quantized_layers(model, quantization, quantization.quantizes)
         return transform(inputs_first(cast_floating(model, jnp.dtype(dtype))))
 
     return eqx.filter_eval_shape(build), info

@@ -105,7 +105,8 @@ def make_checkpoint(
     """Write a random `family` checkpoint (llama, qwen2, qwen3, mistral, mixtral, olmo2, gemma2,
     gemma3: its text model; qwen3_moe: 8 experts of `intermediate_size` / 2, 2 a token, on every
     `decoder_sparse_step`-th layer, dense MLPs on the others; phi3: half of each head rotated, longrope's
-    long factors past `longrope_from` tokens) with a tokenizer.
+    long factors past `longrope_from` tokens; gpt_oss: 4 experts of `intermediate_size` / 2, 2 a token,
+    sinks, sliding even layers, YaRN) with a tokenizer.
 
     `pad_tokenizer_vocab` pads the tokenizer to exactly `tokenizer_vocab` ids (see make_tokenizer).
 
@@ -158,6 +159,13 @@ def make_checkpoint(
                                          original_max_position_embeddings=longrope_from, rope_scaling={
                                              "type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0][:rotated // 2],
                                              "long_factor": [2.0, 3.0, 8.0, 16.0][:rotated // 2]})
+    elif family == "gpt_oss":  # 4 experts of intermediate_size / 2, 2 a token; even layers slide over 16 tokens
+        config = transformers.GptOssConfig(
+            **{**common, "intermediate_size": intermediate_size // 2}, head_dim=hidden_size // num_heads,
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=16, rope_theta=10000.0, swiglu_limit=7.0,
+            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+            rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                          "original_max_position_embeddings": 64})
     elif family == "gemma2":  # windows of 16 tokens on even layers, soft-capped scores and logits
         config = transformers.Gemma2Config(**common, head_dim=hidden_size // num_heads, rope_theta=10000.0,
                                            sliding_window=16, query_pre_attn_scalar=12, attn_logit_softcapping=4.0,
@@ -172,7 +180,7 @@ def make_checkpoint(
         config = transformers.Olmo2Config(**common, rope_theta=10000.0)
     else:
         raise ValueError(f"unknown family {family!r}; use llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, phi3, "
-                         "olmo2, gemma2 or gemma3")
+                         "gpt_oss, olmo2, gemma2 or gemma3")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     _randomize_biases(model, initializer_range)
@@ -183,14 +191,16 @@ def make_checkpoint(
 
 
 def _randomize_biases(model, scale: float) -> None:
-    """transformers initialises biases (Qwen2's q/k/v) to zero; random ones make parity tests
-    check that they are loaded."""
+    """transformers initialises biases (Qwen2's q/k/v, gpt-oss's experts') and gpt-oss's attention
+    sinks to zero or nearly; random ones make parity tests check that they are loaded."""
     import torch
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_bias")):
                 param.normal_(0.0, scale)
+            elif name.endswith(".sinks"):
+                param.normal_(0.0, 1.0)
 
 
 def _patch_config_for_levanter(out: Path, family: str) -> None:

@@ -107,8 +107,8 @@ def test_an_fp8_expert_stack_runs_each_expert_with_its_own_scales():
     ws = [rng.standard_normal((24, 32)).astype(np.float32) for _ in range(3)]
     parts = [quantized(w, (8, 16)) for w in ws]
     template = Fp8MoELinear.like(_moe_linear(Experts, In, Out), CheckpointQuantization("fp8", (8, 16), "w", ()))
-    linear = template.loaded(jnp.stack([jnp.asarray(q) for q, _ in parts]),
-                             jnp.stack([jnp.asarray(s) for _, s in parts]))
+    linear = template.loaded({"weight": jnp.stack([jnp.asarray(q) for q, _ in parts]),
+                              "w": jnp.stack([jnp.asarray(s) for _, s in parts])})
     assert linear.weight.dtype == FP8 and linear.scale.axes == (Experts, In.resize(2), Out.resize(3))
     rows = rng.standard_normal((5, 32)).astype(np.float32)
     want = [rows @ np_dequantized(q, s, (8, 16)).T for q, s in parts]
