@@ -49,7 +49,9 @@ class CacheShape:
 class LayerAttention:
     """How one layer attends: scores = scale * q . k, then cap * tanh(scores / cap) with a soft-cap,
     then a query at position i sees the keys at i - window < j <= i where the layer slides (all
-    keys j <= i otherwise)."""
+    keys j <= i otherwise). With sinks, query head h = kv_head * G + g has a learned logit
+    sinks[kv_head, g] in its softmax's denominator and no value: p_j = exp(s_j - m) /
+    (sum_j exp(s_j - m) + exp(sinks - m)), m = max(max_j s_j, sinks) (gpt-oss)."""
 
     scale: float
     softcap: Optional[float] = None
@@ -57,6 +59,15 @@ class LayerAttention:
     """The model's sliding window (static); None: no layer of the model slides."""
     slides: Any = False
     """Whether this layer slides: a bool, or a traced bool in a scanned layer loop."""
+    sinks: Any = None
+    """None (no sinks), or the layer's sink logits: a NamedArray f32 ("kv_head", "q_heads_per_group"),
+    traced in a scanned layer loop, split on kv_head as q is under tensor parallelism."""
+
+    def sink_logits(self) -> Optional[jax.Array]:
+        """The sinks as f32[kv_head, q_heads_per_group], or None."""
+        if self.sinks is None:
+            return None
+        return self.sinks.rearrange(("kv_head", "q_heads_per_group")).array.astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

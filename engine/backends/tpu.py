@@ -6,8 +6,10 @@ On a mesh of TPUs (v4 and later) it runs JAX's Pallas ragged paged attention ker
 a CPU host (engine.tools.aot) build the same program. A kernel that cannot compile fails the
 compile; it never falls back silently. On other devices it runs levanter's reference implementation
 (loops over sequences, query tokens and page blocks: slow, but exact), which is how CI tests this
-backend's numbers on CPUs; the kernel itself runs on CPUs in Pallas' TPU interpret mode
-(`interpret_as`, for tests).
+backend's numbers on CPUs; layers that slide or have attention sinks, which levanter's reference
+lacks, run the xla backend's blockwise softmax over this cache's pages instead
+(engine.backends.xla.flash_paged_attention). The kernel itself runs on CPUs in Pallas' TPU interpret
+mode (`interpret_as`, for tests).
 
 The packed token layout (engine.step.buckets) is the kernel's own: rows one after another,
 `cu_q_lens` their boundaries, `kv_lens` each row's tokens in the cache after the step,
@@ -47,7 +49,9 @@ from engine.backends.base import (
     CacheShape,
     LayerAttention,
     platform_of,
+    visible_tokens,
 )
+from engine.backends.xla import flash_paged_attention
 
 
 class RaggedKVCache(eqx.Module):
@@ -70,12 +74,6 @@ class TpuBackend(AttentionBackend):
         kind = mesh.devices.flat[0].device_kind if self.platform == "tpu" else None
         self.kernel_target: Optional[str] = interpret_as or kind
         """The TPU generation the kernel is built for (a device kind); None: the reference implementation."""
-
-    def prepare(self, model, buckets, measure: bool):
-        if self.kernel_target is None and model.variant.sliding_window is not None:
-            raise ValueError("sliding-window layers run on the tpu backend's kernel only (TPUs); elsewhere set "
-                             "attention_backend: xla")
-        return model
 
     def init_cache(self, shape: CacheShape) -> RaggedKVCache:
         s = shape
@@ -103,26 +101,50 @@ class TpuBackend(AttentionBackend):
         kv = kv.reshape(kv.shape[0], -1, kv.shape[-1]).astype(pages.dtype)  # key h at 2h, value at 2h + 1
         kv = jnp.pad(kv, ((0, 0), (0, 0), (0, pages.shape[-1] - kv.shape[-1])))  # the kernel's lanes (if padded)
         pages = pages.at[first + inputs.kv_dest // page_size, inputs.kv_dest % page_size].set(kv)
-        cu_q_lens = jnp.concatenate([inputs.q_start, inputs.q_start[-1:] + inputs.q_lens[-1:]])
-        num_seqs = jnp.sum(inputs.q_lens > 0, dtype=jnp.int32)  # rows are packed: padding rows come last
-        page_table = first + inputs.page_table
-        q = q.rearrange(Q_AXES)
-        if self.kernel_target is None:
-            o = default_ragged_paged_attention(
+        attend = self._reference if self.kernel_target is None else self._kernel
+        o = attend(q.rearrange(Q_AXES), pages, first + inputs.page_table, how, inputs)
+        return o.rearrange(Q_AXES), RaggedKVCache(pages, cache.num_layers)
+
+    @staticmethod
+    def _reference(q, pages, page_table, how: LayerAttention, inputs):
+        """Levanter's reference; with a sliding window or sinks, the xla backend's recurrence over
+        these pages (each token a query over its row's table, as the xla backend attends)."""
+        if how.window is None and how.sinks is None:
+            cu_q_lens = jnp.concatenate([inputs.q_start, inputs.q_start[-1:] + inputs.q_lens[-1:]])
+            num_seqs = jnp.sum(inputs.q_lens > 0, dtype=jnp.int32)  # rows are packed: padding rows come last
+            return default_ragged_paged_attention(
                 q, hax.named(pages, ("page", "slot", "kv_head", "head_size")), hax.named(inputs.kv_lens, "seq"),
                 hax.named(page_table, ("seq", "page")), cu_q_lens, num_seqs, sm_scale=how.scale, soft_cap=how.softcap)
-            return o.rearrange(Q_AXES), RaggedKVCache(pages, cache.num_layers)
+        lens = visible_tokens(inputs)
+        first = jnp.where(how.slides, lens - how.window, 0) if how.window is not None else None
+
+        def read(blocks):  # [T, B] pages -> keys [T, kv_head, d, B * S], values [T, kv_head, B * S, d]
+            kv = pages[blocks]  # [T, B, S, 2 * kv_head, d]
+            k = kv[..., 0::2, :].transpose(0, 3, 4, 1, 2)
+            v = kv[..., 1::2, :].transpose(0, 3, 1, 2, 4)
+            return k.reshape(*k.shape[:3], -1), v.reshape(*v.shape[:2], -1, v.shape[-1])
+
+        q_arr = q.array.astype(jnp.float32) * how.scale
+        o = flash_paged_attention(q_arr, read, pages.shape[1], page_table[inputs.token_row], lens, first, how.softcap,
+                                  how.sink_logits())
+        return hax.named(o.astype(q.dtype), Q_AXES)
+
+    def _kernel(self, q, pages, page_table, how: LayerAttention, inputs):
+        """The Pallas kernel over each device's heads; a scanned loop's sliding layers chosen per layer."""
+        cu_q_lens = jnp.concatenate([inputs.q_start, inputs.q_start[-1:] + inputs.q_lens[-1:]])
+        num_seqs = jnp.sum(inputs.q_lens > 0, dtype=jnp.int32)  # rows are packed: padding rows come last
         flat = q.flatten_axes(("kv_head", "q_heads_per_group"), "q_head")  # query head h * G + g: KV head h
+        sinks = how.sink_logits()
         kernel = functools.partial(
             tpu_kernel.ragged_paged_attention, flat.rearrange(("position", "q_head", "head_size")).array, pages,
             inputs.kv_lens, page_table, cu_q_lens, num_seqs.reshape(1), scale=how.scale, mesh=self.mesh,
-            model_axis=self.model_axis, device_kind=self.kernel_target, interpret=self.interpret, soft_cap=how.softcap)
+            model_axis=self.model_axis, device_kind=self.kernel_target, interpret=self.interpret, soft_cap=how.softcap,
+            sinks=None if sinks is None else sinks.reshape(-1))
         if how.window is None:
             out = kernel()
         elif isinstance(how.slides, bool):
             out = kernel(sliding_window=how.window if how.slides else None)
         else:  # a scanned loop: the layer's kind is traced, the kernel's window static
             out = jax.lax.cond(how.slides, lambda: kernel(sliding_window=how.window), kernel)
-        o = hax.named(out, ("position", "q_head", "head_size")).unflatten_axis(
+        return hax.named(out, ("position", "q_head", "head_size")).unflatten_axis(
             "q_head", (q.resolve_axis("kv_head"), q.resolve_axis("q_heads_per_group")))
-        return o.rearrange(Q_AXES), RaggedKVCache(pages, cache.num_layers)

@@ -14,6 +14,10 @@ the kernel over its own heads (shard_map): no collective. The kernel wants head_
 128 lanes: the pages store smaller heads zero-padded (`lane_padded`; padding them per step would
 copy the whole cache every layer), the queries are padded per step (zeros change no score) and
 the output is cut back.
+
+Layers with attention sinks (a learned logit per query head in the softmax's denominator) run a
+modified copy of the kernel that starts its running max at the sink (engine.backends.tpu_sink_kernel),
+with the same block sizes; layers without run JAX's kernel itself.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
     tuned_block_sizes as tuned,
 )
 from jax.sharding import Mesh, PartitionSpec
+
+from engine.backends.tpu_sink_kernel import ragged_paged_attention_with_sinks
 
 LANES = 128
 
@@ -90,11 +96,13 @@ def _vmem_bytes(pages: int, queries: int, page_size: int, combined_heads: int, q
 def ragged_paged_attention(q: jax.Array, pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
                            cu_q_lens: jax.Array, num_seqs: jax.Array, *, scale: float, mesh: Mesh,
                            model_axis: str, device_kind: str, interpret: bool = False,
-                           sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           sinks: jax.Array | None = None) -> jax.Array:
     """The kernel over every device's own heads: q [T, H, D], pages [P, S, 2K, lane_padded(D)]
     (both split by head on `model_axis`), kv_lens i32[N], page_indices i32[N, pages_per_seq], cu_q_lens i32[N + 1],
     num_seqs i32[1]; returns [T, H, D]. `interpret`: run it in Pallas' TPU interpret mode (any device).
-    `sliding_window`, `soft_cap`: the kernel's own (static)."""
+    `sliding_window`, `soft_cap`: the kernel's own (static). `sinks`: f32[H] each query head's sink
+    logit (split by head as q), or None."""
     head_dim, padded = q.shape[-1], pages.shape[-1]
     if padded != lane_padded(head_dim):
         raise ValueError(f"the KV pages' head_dim {padded} must be the queries' {head_dim} padded to {LANES} lanes")
@@ -103,13 +111,16 @@ def ragged_paged_attention(q: jax.Array, pages: jax.Array, kv_lens: jax.Array, p
     kv_blocks, q_blocks = block_sizes(device_kind, q.dtype, pages.dtype, q.shape[1] // shards,
                                       pages.shape[2] // shards, padded, pages.shape[1], q.shape[0],
                                       page_indices.shape[1])
-    kernel = functools.partial(rpa.ragged_paged_attention, sm_scale=scale, num_kv_pages_per_block=kv_blocks,
-                               num_queries_per_block=q_blocks, sliding_window=sliding_window, soft_cap=soft_cap)
+    kernel = functools.partial(rpa.ragged_paged_attention if sinks is None else ragged_paged_attention_with_sinks,
+                               sm_scale=scale, num_kv_pages_per_block=kv_blocks, num_queries_per_block=q_blocks,
+                               sliding_window=sliding_window, soft_cap=soft_cap)
     heads = PartitionSpec(None, model_axis, None)
-    per_device = jax.shard_map(kernel, mesh=mesh,
-                               in_specs=(heads, PartitionSpec(None, None, model_axis, None), PartitionSpec(),
-                                         PartitionSpec(), PartitionSpec(), PartitionSpec()),
-                               out_specs=heads, check_vma=False)
+    in_specs = (heads, PartitionSpec(None, None, model_axis, None), PartitionSpec(), PartitionSpec(), PartitionSpec(),
+                PartitionSpec())
+    args = (q, pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    if sinks is not None:
+        in_specs, args = in_specs + (PartitionSpec(model_axis),), args + (sinks.astype(jnp.float32),)
+    per_device = jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)
     with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
-        out = per_device(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+        out = per_device(*args)
     return out[..., :head_dim]

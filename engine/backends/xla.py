@@ -88,7 +88,7 @@ class XlaBackend(AttentionBackend):
         q_arr = q.rearrange(Q_AXES).array.astype(jnp.float32) * how.scale
         tables, lens = step.tables
         first = jnp.where(how.slides, lens - how.window, 0) if how.window is not None else None
-        o = _paged_attention(q_arr, cache, layer, tables, lens, first, how.softcap)
+        o = _paged_attention(q_arr, cache, layer, tables, lens, first, how.softcap, how.sink_logits())
         return hax.named(o, Q_AXES), cache
 
 
@@ -96,13 +96,28 @@ BLOCK_TOKENS = 128
 """Cached tokens one iteration of the attention loop reads per query (whole pages)."""
 
 
-def _paged_attention(q, cache: SplitKVCache, layer, tables, lens, first=None, softcap=None):
+def _paged_attention(q, cache: SplitKVCache, layer, tables, lens, first=None, softcap=None, sinks=None):
     """q: f32[T, kv_head, group, head_dim] (pre-scaled); tables: i32[T, L] each query's page table;
     lens: i32[T] tokens each query sees (0: padding, whose output is garbage the caller never reads);
     first: i32[T] the first of them it sees (a sliding window; None: 0); softcap: scores become
-    cap * tanh(scores / cap). Returns f32[T, kv_head, group, head_dim]."""
+    cap * tanh(scores / cap); sinks: f32[kv_head, group] each query head's sink logit (None: no
+    sinks). Returns f32[T, kv_head, group, head_dim]."""
+    tokens, heads, _, dim = q.shape
+
+    def read(pages):
+        k = cache.k[layer, pages].transpose(0, 2, 3, 1, 4).reshape(tokens, heads, dim, -1)
+        v = cache.v[layer, pages].transpose(0, 2, 1, 3, 4).reshape(tokens, heads, -1, dim)
+        return k, v
+
+    return flash_paged_attention(q, read, cache.k.shape[-1], tables, lens, first, softcap, sinks)
+
+
+def flash_paged_attention(q, read, page_size: int, tables, lens, first=None, softcap=None, sinks=None):
+    """`_paged_attention` over any page layout: `read(pages)` gives the keys f[T, kv_head, head_dim, K]
+    and values f[T, kv_head, K, head_dim] of the K = B * page_size tokens of pages i32[T, B] (B pages
+    of each query's table). A sink enters the recurrence as its initial running maximum, with running
+    sum exp(sink - sink) = 1 and no value (flash attention's sinks)."""
     tokens, heads, group, dim = q.shape
-    page_size = cache.k.shape[-1]
     block = max(1, BLOCK_TOKENS // page_size)  # pages per iteration
     width = -(-tables.shape[1] // block) * block
     tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))  # padding reads the scratch page, masked
@@ -110,9 +125,8 @@ def _paged_attention(q, cache: SplitKVCache, layer, tables, lens, first=None, so
 
     def attend_block(i, carry):
         top, total, acc = carry  # running max f32[T, h, g], softmax denominator f32[T, h, g], f32[T, h, g, d]
-        pages = jax.lax.dynamic_slice_in_dim(tables, i * block, block, axis=1)  # [T, B]
-        k = cache.k[layer, pages].transpose(0, 2, 3, 1, 4).reshape(tokens, heads, dim, -1).astype(jnp.float32)
-        v = cache.v[layer, pages].transpose(0, 2, 1, 3, 4).reshape(tokens, heads, -1, dim).astype(jnp.float32)
+        k, v = read(jax.lax.dynamic_slice_in_dim(tables, i * block, block, axis=1))
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
         scores = (q[..., None] * k[:, :, None]).sum(axis=3)  # [T, h, g, K]
         if softcap is not None:
             scores = jnp.tanh(scores / softcap) * softcap
@@ -129,7 +143,11 @@ def _paged_attention(q, cache: SplitKVCache, layer, tables, lens, first=None, so
         acc = acc * rescale[..., None] + (weights[..., None] * v[:, :, None]).sum(axis=3)
         return new_top, total * rescale + weights.sum(axis=-1), acc
 
-    init = (jnp.full((tokens, heads, group), NEG_INF, jnp.float32), jnp.zeros((tokens, heads, group), jnp.float32),
-            jnp.zeros((tokens, heads, group, dim), jnp.float32))
+    shape = (tokens, heads, group)
+    if sinks is None:
+        top, total = jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32)
+    else:
+        top, total = jnp.broadcast_to(sinks.astype(jnp.float32), shape), jnp.ones(shape, jnp.float32)
+    init = (top, total, jnp.zeros((*shape, dim), jnp.float32))
     _, total, acc = jax.lax.fori_loop(0, num_blocks, attend_block, init)
     return acc / jnp.maximum(total, 1e-30)[..., None]

@@ -39,6 +39,8 @@ class ModelInfo:
     """Routed experts of each mixture-of-experts layer (0: a dense model)."""
     expert_intermediate_size: int = 0
     """The MLP size of one expert."""
+    expert_block: int = 1
+    """Values of an expert's MLP that split over devices only together (MXFP4's blocks of 32)."""
     long_rope_from: Optional[int] = None
     """longrope (Phi-3): a sequence longer than this rotates with its long factors, all its tokens
     (engine.layers.rope; the scheduler recomputes one that grows past it). None: one RoPE."""
@@ -95,7 +97,8 @@ def _experts(hf: dict) -> dict:
     if not count:
         return {}
     width = hf.get("moe_intermediate_size") or hf["intermediate_size"]
-    return {"num_experts": count, "expert_intermediate_size": width}
+    mxfp4 = (hf.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    return {"num_experts": count, "expert_intermediate_size": width, "expert_block": 32 if mxfp4 else 1}
 
 
 def declared_dtype(hf: dict) -> str:

@@ -229,7 +229,8 @@ def _attention(attn, h, *, cache, index, rope, backend: AttentionBackend, step, 
                lora: Optional[LayerLora]):
     q, k, v = _qkv(attn, h, rope, backend, lora)
     scale = variant.query_scale or attn.config.scaling_factor or 1.0 / (q.resolve_axis("head_size").size ** 0.5)
-    how = LayerAttention(scale, variant.attn_softcap, variant.sliding_window, variant.slides(index))
+    how = LayerAttention(scale, variant.attn_softcap, variant.sliding_window, variant.slides(index),
+                         sinks=getattr(attn, "sinks", None))
     o, cache = backend.attend(cache, index, q.rearrange(Q_AXES), k.rearrange(KV_AXES), v.rearrange(KV_AXES),
                               how, step)
     o = o.flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(h.dtype)

@@ -1,7 +1,8 @@
 """The CPU kernels against numpy: matmul (float32, bfloat16, int8 and float8 weights, every row/depth
 tail), PackedLinear against haliax's Linear and the int8 and FP8 Linears, FusedLinear against its
-parts, silu_mul against silu(g) * u, argmax against numpy's, paged attention against a dense reference and, over a mixed
-step's per-token tables, against the XLA path's masked decode and causal prefill einsums."""
+parts, silu_mul against silu(g) * u, argmax against numpy's, paged attention against a dense reference (with sliding
+windows, soft-caps and attention sinks) and, over a mixed step's per-token tables, against the XLA path's masked decode
+and causal prefill einsums."""
 
 from __future__ import annotations
 
@@ -308,9 +309,11 @@ def test_argmax_is_the_first_maximum(rows, vocab):
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
 
 
-def _reference_attention(q, k_all, v_all, layer, pages, rows, lens, window=0, softcap=None):
+def _reference_attention(q, k_all, v_all, layer, pages, rows, lens, window=0, softcap=None, sinks=None):
     """Each query s against the first lens[s] tokens of page table rows[s] (the last `window` of
-    them with a window), scores soft-capped with `softcap`, in float64."""
+    them with a window), scores soft-capped with `softcap`, with sinks[h, g] in head (h, g)'s
+    softmax denominator (gpt-oss's: exp(sink - m) with m the larger of the sink and the scores'
+    maximum), in float64."""
     s, h, g, d = q.shape
     page_size = k_all.shape[-1]
     out = np.zeros_like(q)
@@ -325,8 +328,11 @@ def _reference_attention(q, k_all, v_all, layer, pages, rows, lens, window=0, so
         scores = np.einsum("hgd,hdn->hgn", q[query].astype(np.float64), keys)
         if softcap:
             scores = softcap * np.tanh(scores / softcap)
-        weights = np.exp(scores - scores.max(-1, keepdims=True))
-        weights /= weights.sum(-1, keepdims=True)
+        top = scores.max(-1, keepdims=True) if sinks is None else np.maximum(scores.max(-1, keepdims=True),
+                                                                            sinks[..., None])
+        weights = np.exp(scores - top)
+        sink = 0.0 if sinks is None else np.exp(sinks[..., None] - top)
+        weights /= weights.sum(-1, keepdims=True) + sink
         out[query] = np.einsum("hgn,hnd->hgd", weights, values)
     return out
 
@@ -414,6 +420,46 @@ def test_a_prompts_queries_attend_together_exactly_as_each_alone(group, dim, win
     want = _reference_attention(np.asarray(q), np.asarray(k_all, np.float32), np.asarray(v_all, np.float32), 0,
                                 pages, rows, lens, window)
     np.testing.assert_allclose(together, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("page_size", "group", "dim"), [(4, 3, 8), (16, 3, 16), (16, 1, 64), (16, 5, 48), (8, 8, 64)])
+def test_paged_attention_with_sinks(page_size, group, dim, vector_width):
+    """gpt-oss's attention sinks: each query head's learned logit joins its softmax's denominator
+    (no value), over whole rows, a sliding window and soft-capped scores; sinks far above the
+    scores (the output shrinks towards zero) and far below (no change). A prompt's queries attend
+    together exactly as each alone, and padding still gets zeros."""
+    rng = np.random.default_rng(page_size * group + dim)
+    layers, num_pages, heads, table_len = 2, 40, 2, 6
+    k_all = rng.standard_normal((layers, num_pages, heads, dim, page_size)).astype(np.float32)
+    v_all = rng.standard_normal((layers, num_pages, heads, page_size, dim)).astype(np.float32)
+    pages = rng.permutation(np.arange(1, num_pages))[: 3 * table_len].reshape(3, table_len).astype(np.int32)
+    lens = np.array([1, *range(page_size - 2, page_size + 3), 0, 3 * page_size + 1, table_len * page_size], np.int32)
+    rows = np.array([0, 1, 1, 1, 1, 1, 2, 2, 2], np.int32)
+    q = rng.standard_normal((len(lens), heads, group, dim)).astype(np.float32)
+    sinks = (rng.standard_normal((heads, group)) * 2.0).astype(np.float32)
+    sinks[0, 0], sinks[-1, -1] = 30.0, -1e4
+    attend = jax.jit(paged_attention, static_argnums=(7, 8), static_argnames="wide")
+    for window, softcap in ((0, None), (7, None), (page_size + 2, 3.0)):
+        args = (jnp.asarray(k_all), jnp.asarray(v_all), 1, jnp.asarray(pages))
+        got = np.asarray(attend(jnp.asarray(q), *args, jnp.asarray(rows), jnp.asarray(lens), window, softcap,
+                                jnp.asarray(sinks), wide=vector_width))
+        want = _reference_attention(q, k_all, v_all, 1, pages, rows, lens, window, softcap, sinks)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"window {window}, softcap {softcap}")
+        alone = np.concatenate([np.asarray(attend(jnp.asarray(q[s:s + 1]), *args, jnp.asarray(rows[s:s + 1]),
+                                                  jnp.asarray(lens[s:s + 1]), window, softcap, jnp.asarray(sinks),
+                                                  wide=vector_width)) for s in range(len(lens))])
+        np.testing.assert_array_equal(got, alone)
+        assert not got[6].any(), "padding (lens 0) gets zeros"
+    plain = np.asarray(attend(jnp.asarray(q), *args, jnp.asarray(rows), jnp.asarray(lens), 0, None, wide=vector_width))
+    assert np.abs(got[:, 0, 0]).max() < 1e-6 < np.abs(plain[:, 0, 0]).max(), "a sink of 30 takes all the weight"
+
+
+def test_paged_attention_refuses_sinks_of_another_shape():
+    q = jnp.zeros((1, 2, 3, 16), jnp.float32)
+    kv = jnp.zeros((1, 2, 2, 16, 16), jnp.float32)
+    with pytest.raises(Exception, match=r"want sinks\[H,G\]"):
+        paged_attention(q, kv, kv, 0, jnp.zeros((1, 1), jnp.int32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32),
+                        sinks=jnp.zeros((2, 2), jnp.float32)).block_until_ready()
 
 
 def test_the_kernel_and_the_xla_backend_attend_a_packed_step_alike():

@@ -124,10 +124,10 @@ def test_qwen3_moe_with_dense_and_sparse_layers_answers_as_transformers(checkpoi
     assert_greedy_parity(engine, model_dir)
 
 
-def moe_info(experts: int, width: int) -> ModelInfo:
+def moe_info(experts: int, width: int, block: int = 1) -> ModelInfo:
     return ModelInfo(family="qwen3_moe", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=8, head_dim=8,
                      intermediate_size=512, vocab_size=512, max_position_embeddings=512, eos_token_ids=(1,),
-                     dtype="float32", num_experts=experts, expert_intermediate_size=width)
+                     dtype="float32", num_experts=experts, expert_intermediate_size=width, expert_block=block)
 
 
 def test_the_planner_splits_experts_whole_when_their_split_mlps_would_be_narrower_than_a_lane_tile():
@@ -140,6 +140,8 @@ def test_the_planner_splits_experts_whole_when_their_split_mlps_would_be_narrowe
     layout = plan_layout(moe_info(128, 768), 8)
     assert layout.axis_mapping["experts"] == "model" and "expert_mlp" not in layout.axis_mapping
     assert plan_layout(moe_info(8, 14336), 8).axis_mapping["expert_mlp"] == "model"
+    assert plan_experts(moe_info(128, 2880), 16, None) is False  # 180 lanes each
+    assert plan_experts(moe_info(128, 2880, block=32), 16, None) is True  # gpt-oss-120b's MXFP4: 90 blocks of 32
 
 
 def test_an_expert_split_that_cannot_be_made_is_refused_with_what_can():
@@ -151,3 +153,5 @@ def test_an_expert_split_that_cannot_be_made_is_refused_with_what_can():
     with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's expert MLP size 766 nor "
                                          "its 6 experts"):
         plan_experts(moe_info(6, 766), 4, None)
+    with pytest.raises(ValueError, match="does not divide the model's expert MLP size 2880 in blocks of 32 nor its 12"):
+        plan_experts(moe_info(12, 2880, block=32), 16, None)

@@ -53,11 +53,12 @@ def test_the_kernel_equals_the_reference_on_a_ragged_batch(interpreter_fixes, dt
                                atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe", "gpt_oss"])
 def test_an_engine_running_the_kernel_answers_as_transformers_does(checkpoint_factory, interpreted_kernel,  # noqa: F811
                                                                    family):
     """Gemma 2: soft-capped scores, and its sliding layers chosen per layer of the scanned loop;
-    Qwen3-MoE: q/k norms and experts around the kernel.
+    Qwen3-MoE: q/k norms and experts around the kernel; gpt-oss: learned sinks (the kernel's copy
+    with sinks, engine/backends/tpu_sink_kernel.py) on sliding and full layers.
     (Other families give the kernel what Llama does; test_engine.py runs them on the tpu backend
     with its reference attention, which the kernel tests above hold the kernel to.)"""
     model_dir = checkpoint_factory(family)
@@ -104,7 +105,10 @@ def test_devices_the_kernel_does_not_know_are_refused():
         tpu_kernel.block_sizes("TPU v3", jnp.bfloat16, jnp.bfloat16, 4, 2, 128, 16, 8, 8)
 
 
-def test_the_reference_refuses_sliding_windows_by_name(checkpoint_factory):
-    """Off TPUs the tpu backend runs levanter's reference, which has no sliding window."""
-    with pytest.raises(ValueError, match="sliding-window layers run on the tpu backend's kernel only"):
-        LLMEngine(EngineConfig(model=str(checkpoint_factory("gemma2")), attention_backend="tpu", **TIGHT))
+def test_the_reference_runs_sliding_windows_as_transformers_does(checkpoint_factory):
+    """Off TPUs the tpu backend runs levanter's reference, which has no sliding window: Gemma 2's
+    sliding layers run the xla backend's recurrence over the tpu backend's pages instead."""
+    model_dir = checkpoint_factory("gemma2")
+    engine = LLMEngine(EngineConfig(model=str(model_dir), attention_backend="tpu", **TIGHT))
+    assert (engine.executor.runner.backend.name, engine.executor.runner.backend.kernel_target) == ("tpu", None)
+    assert_ragged_parity(engine, model_dir)

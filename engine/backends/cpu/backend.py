@@ -153,7 +153,7 @@ class CpuBackend(XlaBackend):
         inputs = step.inputs
         window = 0 if how.window is None else jnp.where(how.slides, how.window, 0)
         o = kernels.paged_attention(q_arr, cache.k, cache.v, layer, inputs.page_table, inputs.token_row, step.tables,
-                                    window, how.softcap)
+                                    window, how.softcap, how.sink_logits())
         return hax.named(o, Q_AXES), cache
 
     argmax = staticmethod(kernels.argmax)

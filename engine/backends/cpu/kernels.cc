@@ -493,6 +493,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
 //   lens:  i32[S] visible tokens (0: padding)
 //   window: i32[]  > 0: a query sees only the last `window` of its visible tokens (a sliding window)
 //   softcap: f32[] > 0: scores become softcap * tanh(scores / softcap) before the softmax
+//   sinks: f32[H, G] each query head's sink logit, or f32[0] for none: a sink joins the softmax's
+//          denominator as exp(sink - m), m the larger of it and the scores' maximum, and adds no value
 //   out:   f32[S, H, G, D]  softmax(q k^T) v over tokens [max(0, lens[s] - window), lens[s]) of table rows[s];
 //          zeros where lens[s] == 0.
 
@@ -607,14 +609,15 @@ inline void CapAndMask(float* sg, int64_t first, int64_t n, int64_t padded, floa
 }
 
 // Softmax of one row of scores sg[padded] in place over tokens [first, n), soft-capped first when
-// softcap > 0; the tokens before `first` and the tail up to `padded` get weight 0.
-void Softmax(float* sg, int64_t first, int64_t n, int64_t padded, float softcap) {
+// softcap > 0, with a sink logit in the denominator (-inf: none, which changes no bit); the tokens
+// before `first` and the tail up to `padded` get weight 0.
+void Softmax(float* sg, int64_t first, int64_t n, int64_t padded, float softcap, float sink) {
   CapAndMask(sg, first, n, padded, softcap);
   __m256 mx = _mm256_set1_ps(-1e30f);
   for (int64_t t = 0; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, mx);
-  const float m = *std::max_element(lanes, lanes + 8);
+  const float m = std::max(*std::max_element(lanes, lanes + 8), sink);
   __m256 sum = _mm256_setzero_ps();
   for (int64_t t = 0; t < padded; t += 8) {
     const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(m)));
@@ -624,6 +627,7 @@ void Softmax(float* sg, int64_t first, int64_t n, int64_t padded, float softcap)
   _mm256_store_ps(lanes, sum);
   float total = 0.0f;
   for (float l : lanes) total += l;
+  total += std::exp(sink - m);
   const __m256 inv = _mm256_set1_ps(1.0f / total);
   for (int64_t t = 0; t < padded; t += 8) _mm256_storeu_ps(sg + t, _mm256_mul_ps(_mm256_loadu_ps(sg + t), inv));
 }
@@ -632,13 +636,16 @@ void Softmax(float* sg, int64_t first, int64_t n, int64_t padded, float softcap)
 // fit in AVX2's 16 registers.
 constexpr int64_t kMaxVectors8 = 6;
 
-// `count` consecutive queries of one row, `group` query vectors each (vector m: query m / group):
-// query i sees tokens [First, Seen) with Seen = last - (count - 1 - i), the last one `last`.
+// `count` consecutive queries of one row, `group` query vectors each (vector m: query m / group,
+// query head m % group): query i sees tokens [First, Seen) with Seen = last - (count - 1 - i), the
+// last one `last`.
 struct QueryRun {
   int64_t count, group, last, window;
+  const float* sinks;  // the group's sink logits at this kv head, or nullptr
   int64_t vectors() const { return count * group; }
   int64_t Seen(int64_t m) const { return last - (count - 1 - m / group); }
   int64_t First(int64_t m) const { return window > 0 ? std::max<int64_t>(0, Seen(m) - window) : 0; }
+  float Sink(int64_t m) const { return sinks ? sinks[m % group] : -std::numeric_limits<float>::infinity(); }
 };
 
 // Attention for a run's query vectors q[M, D] at one kv head (kpool / vpool: this layer's keys /
@@ -678,7 +685,9 @@ void AttendVectors(const float* q, const QueryRun& run, const T* kpool, const T*
       }
     }
   }
-  for (int64_t m = 0; m < M; ++m) Softmax(scores + m * padded, run.First(m), run.Seen(m), padded, a.softcap);
+  for (int64_t m = 0; m < M; ++m) {
+    Softmax(scores + m * padded, run.First(m), run.Seen(m), padded, a.softcap, run.Sink(m));
+  }
   if (D % 16 == 0) {  // out[m] = sum_t p[m, t] v[t], 16 columns at a time
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       ForVectorBlocks<kMaxVectors8>(M, [&](int64_t v, auto nv) {
@@ -768,18 +777,18 @@ WIDE_TARGET inline void ValuePages16(const float* p, int64_t ld, const T* vpool,
 }
 
 // Softmax's 16-lane form (`padded` a multiple of 16).
-WIDE_TARGET void Softmax16(float* sg, int64_t first, int64_t n, int64_t padded, float softcap) {
+WIDE_TARGET void Softmax16(float* sg, int64_t first, int64_t n, int64_t padded, float softcap, float sink) {
   CapAndMask(sg, first, n, padded, softcap);
   __m512 mx = _mm512_set1_ps(-1e30f);
   for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
-  const float m = _mm512_reduce_max_ps(mx);
+  const float m = std::max(_mm512_reduce_max_ps(mx), sink);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < padded; t += 16) {
     const __m512 e = Exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), _mm512_set1_ps(m)));
     _mm512_storeu_ps(sg + t, e);
     sum = _mm512_add_ps(sum, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  const __m512 inv = _mm512_set1_ps(1.0f / (_mm512_reduce_add_ps(sum) + std::exp(sink - m)));
   for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
 }
 
@@ -814,7 +823,9 @@ WIDE_TARGET void AttendVectors16(const float* q, const QueryRun& run, const T* k
       else ScorePages16<decltype(nv)::value, 1>(q + v * D, D, kb, scores + v * padded + pg * 16, padded);
     });
   }
-  for (int64_t m = 0; m < M; ++m) Softmax16(scores + m * padded, run.First(m), run.Seen(m), padded, a.softcap);
+  for (int64_t m = 0; m < M; ++m) {
+    Softmax16(scores + m * padded, run.First(m), run.Seen(m), padded, a.softcap, run.Sink(m));
+  }
   ForVectorAndColumnBlocks(M, D, [&](int64_t v, int64_t d0, auto nv, auto nd) {
     ValuePages16<decltype(nv)::value, decltype(nd)::value>(scores + v * padded, padded, vpool, table, longest,
                                                             page_stride, D, d0, out + v * D);
@@ -855,11 +866,11 @@ float* Scratch(int64_t floats) {
 
 // Each (run of queries, kv head) is one chunk, the G heads of its queries attended together, on
 // 16-lane vectors where `wide` (and pages hold 16 tokens, D % 16 == 0), else on 8-lane ones.
-// Decoding rows are runs of one query.
+// Decoding rows are runs of one query. sp: the sinks f32[H, G], or nullptr.
 template <typename T>
 void AttendAll(ffi::ThreadPool& pool, const AttnShape& a, int64_t queries, int64_t tables, const float* qp,
-               const T* kl, const T* vl, const int32_t* tp, const int32_t* rp, const int32_t* lp, float* op,
-               bool wide) {
+               const T* kl, const T* vl, const int32_t* tp, const int32_t* rp, const int32_t* lp, const float* sp,
+               float* op, bool wide) {
   const int64_t G = a.group, D = a.dim, H = a.heads, PS = a.page_size;
   const bool sixteen = wide && PS == 16 && D % 16 == 0;
   const std::vector<int64_t> runs =
@@ -872,7 +883,7 @@ void AttendAll(ffi::ThreadPool& pool, const AttnShape& a, int64_t queries, int64
       std::fill(op + (s0 * H + h) * G * D, op + (s0 * H + h + 1) * G * D, 0.0f);
       return;
     }
-    const QueryRun run{count, G, last, a.window};
+    const QueryRun run{count, G, last, a.window, sp == nullptr ? nullptr : sp + h * G};
     float *q = Scratch(2 * M * D + M * ScoresStride(last, PS)), *out = q + M * D, *scores = out + M * D;
     for (int64_t i = 0; i < count; ++i) {  // gather the run's vectors: query s0 + i's G heads at kv head h
       std::copy_n(qp + ((s0 + i) * H + h) * G * D, G * D, q + i * G * D);
@@ -888,7 +899,7 @@ void AttendAll(ffi::ThreadPool& pool, const AttnShape& a, int64_t queries, int64
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> rows,
                            ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> softcap,
-                           ffi::ResultBuffer<ffi::F32> out, bool wide) {
+                           ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out, bool wide) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = pages.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || kd[2] != qd[1] || kd[3] != qd[3] ||
       rows.element_count() != qd[0] || lens.element_count() != qd[0] || v.dimensions().size() != 5) {
@@ -898,19 +909,24 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (k.element_type() != v.element_type()) {
     return ffi::Error::InvalidArgument("paged_attention: keys and values must have one dtype");
   }
+  if (sinks.element_count() != 0 && sinks.element_count() != qd[1] * qd[2]) {
+    return ffi::Error::InvalidArgument("paged_attention: want sinks[H,G] (or an empty array for none)");
+  }
+  const float* sp = sinks.element_count() == 0 ? nullptr : sinks.typed_data();
   const AttnShape a{qd[1], qd[2], qd[3], kd[4], kd[1], td[1], window.typed_data()[0], softcap.typed_data()[0]};
   const int64_t layer_offset = layer.typed_data()[0] * a.pool_pages * a.heads * a.dim * a.page_size;
   const int32_t *tp = pages.typed_data(), *rp = rows.typed_data(), *lp = lens.typed_data();
   switch (k.element_type()) {
     case ffi::F32:
       AttendAll(pool, a, qd[0], td[0], q.typed_data(), static_cast<const float*>(k.untyped_data()) + layer_offset,
-                static_cast<const float*>(v.untyped_data()) + layer_offset, tp, rp, lp, out->typed_data(), wide);
+                static_cast<const float*>(v.untyped_data()) + layer_offset, tp, rp, lp, sp, out->typed_data(), wide);
       break;
     case ffi::BF16:
     case ffi::U16:  // bfloat16 bits (the cpu backend stores a bfloat16 cache as uint16)
       AttendAll(pool, a, qd[0], td[0], q.typed_data(),
                 static_cast<const uint16_t*>(k.untyped_data()) + layer_offset,
-                static_cast<const uint16_t*>(v.untyped_data()) + layer_offset, tp, rp, lp, out->typed_data(), wide);
+                static_cast<const uint16_t*>(v.untyped_data()) + layer_offset, tp, rp, lp, sp, out->typed_data(),
+                wide);
       break;
     default: return ffi::Error::InvalidArgument("paged_attention: the cache must be float32 or bfloat16 (or uint16 bits)");
   }
@@ -1012,6 +1028,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServePagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("wide"));

@@ -8,8 +8,10 @@
 - `paged_attention`: each query token against its sequence's pages, read in place from the KV pool
   (XLA would gather every row's pages into a padded copy first). A prompt token is a query with its
   own visible length, so the same kernel runs causal prefill attention; a prompt's consecutive
-  tokens are attended together, each key and value load feeding all of them. On 16-lane vectors
-  where the CPU has AVX-512 (`wide_vectors`), else on 8-lane AVX2 ones.
+  tokens are attended together, each key and value load feeding all of them. Sliding windows,
+  soft-capped scores and attention sinks (a logit per query head in the softmax's denominator) are
+  the kernel's own. On 16-lane vectors where the CPU has AVX-512 (`wide_vectors`), else on 8-lane
+  AVX2 ones.
 - `silu_mul`: SwiGLU's silu(gate) * up on every thread, straight from the fused gate/up output (XLA
   runs this elementwise fusion on one thread, after copying gate and up out of it).
 - `argmax`: greedy decoding's row-wise argmax over the vocabulary (XLA's reduction is one-threaded
@@ -286,11 +288,13 @@ def _product(module, inputs: NamedArray) -> tuple[list[hax.Axis], jax.Array]:
 
 
 def paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pages: jax.Array, rows: jax.Array,
-                    lens: jax.Array, window=0, softcap=None, wide: bool | None = None) -> jax.Array:
+                    lens: jax.Array, window=0, softcap=None, sinks: jax.Array | None = None,
+                    wide: bool | None = None) -> jax.Array:
     """Softmax attention of each pre-scaled query over the first `lens` cached tokens of its
     sequence (a query is a decoding sequence's token or one prompt token); with `window` > 0 (an
     i32 scalar, traced or not) over the last `window` of them only; with `softcap`, scores become
-    cap * tanh(scores / cap).
+    cap * tanh(scores / cap); with `sinks` f32[kv_head, group], query head (h, g) has the logit
+    sinks[h, g] in its softmax's denominator (and no value).
 
     q: f32[S, kv_head, group, head_dim]; k_all: [layer, page, kv_head, head_dim, slot]; v_all:
     [layer, page, kv_head, slot, head_dim], both float32 or both bfloat16 (or bfloat16's uint16 bits;
@@ -299,8 +303,9 @@ def paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pag
     (None: `wide_vectors()`, where the CPU has them).
     Returns f32[S, kv_head, group, head_dim]."""
     call = jax.ffi.ffi_call("jax_serve_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    sinks = jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
     return call(q, k_all, v_all, jnp.asarray(layer, jnp.int32), pages, rows, lens, jnp.asarray(window, jnp.int32),
-                jnp.asarray(0.0 if softcap is None else softcap, jnp.float32),
+                jnp.asarray(0.0 if softcap is None else softcap, jnp.float32), sinks,
                 wide=wide_vectors() if wide is None else bool(wide))
 
 

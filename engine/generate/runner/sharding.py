@@ -89,22 +89,25 @@ LANES = 128
 def plan_experts(info: ModelInfo, size: int, expert_parallel_size: Optional[int]) -> bool:
     """Whether `info`'s experts split whole over `size` devices (expert parallelism). Unset: when
     they divide evenly and each expert's MLP, split `size` ways, would be narrower than a lane tile
-    (Qwen3-30B-A3B's 768 over 8 chips: 96) or uneven; else each expert's MLP splits. ValueError
-    for a size the mesh cannot hold, or a split the experts or their MLPs do not divide into."""
+    (Qwen3-30B-A3B's 768 over 8 chips: 96) or uneven (gpt-oss-120b's MXFP4 2,880 over 16: 90 blocks
+    of 32); else each expert's MLP splits. ValueError for a size the mesh cannot hold, or a split the
+    experts or their MLPs do not divide into."""
     if expert_parallel_size not in (None, 1, size):
         raise ValueError(f"expert_parallel_size must be 1 or tensor_parallel_size ({size}), got "
                          f"{expert_parallel_size}: the experts split over the same devices as the rest of the model")
     if size == 1 or not info.num_experts:
         return False
     divides, width = info.num_experts % size == 0, info.expert_intermediate_size
+    uneven = width % (size * info.expert_block)  # an MXFP4 expert splits in whole blocks of 32
     if expert_parallel_size is None:
-        expert_parallel_size = size if divides and (width // size < LANES or width % size) else 1
+        expert_parallel_size = size if divides and (width // size < LANES or uneven) else 1
     if expert_parallel_size == size and not divides:
         raise ValueError(f"expert_parallel_size={size} does not divide the model's {info.num_experts} experts; "
                          "set expert_parallel_size: 1 (each expert's MLP split instead)")
-    if expert_parallel_size == 1 and width % size:
-        raise ValueError(f"tensor_parallel_size={size} does not divide the model's expert MLP size {width} nor its "
-                         f"{info.num_experts} experts; pick a divisor of one of them")
+    if expert_parallel_size == 1 and uneven:
+        unit = f" in blocks of {info.expert_block}" if info.expert_block > 1 else ""
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's expert MLP size {width}{unit} nor "
+                         f"its {info.num_experts} experts; pick a divisor of one of them")
     return expert_parallel_size == size
 
 
@@ -174,6 +177,7 @@ def _repeat_in_attention(attn: Attention, r: int) -> Attention:
     group = hax.Axis("q_heads_per_group", config.q_heads_per_group)
     kv_head = hax.Axis("kv_head", kv * r)
     queries, keys = (lambda x: _regroup_queries(x, kv_head, group)), (lambda x: _repeat_axis(x, kv_head))
+    sinks = getattr(attn, "sinks", None)  # per query head (gpt-oss): regrouped as the queries are
     return dataclasses.replace(
         attn,
         config=config,
@@ -182,6 +186,7 @@ def _repeat_in_attention(attn: Attention, r: int) -> Attention:
         v_proj=_relinear(attn.v_proj, keys),
         q_norm=_renorm(attn.q_norm, queries),
         k_norm=_renorm(attn.k_norm, keys),
+        **({} if sinks is None else {"sinks": queries(sinks)}),
     )
 
 
