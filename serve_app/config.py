@@ -99,16 +99,18 @@ class ModelConfig(BaseModel):
     `compression_ratio_threshold` (1.35, on token ids), `logprob_threshold` (-1.0),
     `no_speech_threshold` (0.6); a null threshold is not checked. null: every window is decoded
     once at the request's temperature (repeatable output at temperature 0)."""
-    tool_call_parser: Optional[Literal["hermes", "llama3_json"]] = None
+    tool_call_parser: Optional[Literal["hermes", "llama3_json", "harmony"]] = None
     """How tool calls are read from the model's text under `tool_choice: auto`: hermes
-    (`<tool_call>{...}</tool_call>`: Hermes, Qwen2.5, Qwen3) or llama3_json (`{"name": ...,
-    "parameters": ...}`: Llama 3.1 / 3.2). None: from the chat template (hermes unless it is
-    Llama 3's)."""
-    reasoning_parser: Optional[Literal["qwen3", "deepseek_r1", "none"]] = None
+    (`<tool_call>{...}</tool_call>`: Hermes, Qwen2.5, Qwen3), llama3_json (`{"name": ...,
+    "parameters": ...}`: Llama 3.1 / 3.2) or harmony (gpt-oss's messages; one reader makes the
+    thinking, answer and calls of every chat). None: from the chat template (harmony for gpt-oss's,
+    llama3_json for Llama 3's, else hermes)."""
+    reasoning_parser: Optional[Literal["qwen3", "deepseek_r1", "harmony", "none"]] = None
     """How a reasoning model's thinking is read from its chat answers into `reasoning_content`:
     qwen3 / deepseek_r1 (both `<think> ... </think>`; whether the prompt opened the block is read
-    from the rendered prompt) or none (thinking stays in `content`). None: from the chat template
-    (qwen3 where it closes a `<think>` block)."""
+    from the rendered prompt), harmony (gpt-oss's analysis channel) or none (thinking stays in
+    `content`). None: from the chat template (harmony for gpt-oss's, qwen3 where it closes a
+    `<think>` block)."""
     lora_modules: dict[str, str] = {}
     """LoRA adapters served over this model, by the name clients send as `model` (vLLM's
     --lora-modules): local directories of PEFT adapters (adapter_config.json and
@@ -233,6 +235,10 @@ class ModelConfig(BaseModel):
         if self.engine_cls in MOVED_ENGINES:
             raise ValueError(f"engine_cls {self.engine_cls!r} has moved: set engine_cls to "
                              f"{MOVED_ENGINES[self.engine_cls]!r} (or leave it out for the task's default)")
+        parsers = {self.tool_call_parser, self.reasoning_parser}
+        if "harmony" in parsers and parsers - {"harmony", None, "none"}:
+            raise ValueError(f"harmony is one format for a model's thinking and its tool calls; set tool_call_parser "
+                             f"({self.tool_call_parser}) and reasoning_parser ({self.reasoning_parser}) to harmony")
         if self.stream_silence_timeout_s <= self.stream_keepalive_s:
             raise ValueError(f"stream_silence_timeout_s ({self.stream_silence_timeout_s:g}) must exceed "
                              f"stream_keepalive_s ({self.stream_keepalive_s:g}); raise it")

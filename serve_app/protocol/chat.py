@@ -73,8 +73,8 @@ placeholder there (serve_app.text.tokenizer)."""
 class ChatMessage(OpenAIModel):
     """One message of the conversation. Content is text, or a list of text and `image_url` parts
     (joined by newlines; an image stands as IMAGE_MARKER, its URL kept in `image_urls`). An
-    assistant message may carry the `tool_calls` it made (then content may be null); a `tool`
-    message answers one of them (`tool_call_id`)."""
+    assistant message may carry the `tool_calls` it made (then content may be null) and the thinking
+    that led to them (`reasoning_content`); a `tool` message answers one of the calls (`tool_call_id`)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[dict[str, Any]]] = ""
@@ -84,6 +84,12 @@ class ChatMessage(OpenAIModel):
     refusal: Any = None
     tool_call_id: Optional[str] = None
     tool_calls: list[MessageToolCall] = []
+    reasoning_content: Optional[str] = None
+    """An assistant message's thinking (vLLM's field, as this server answers it), handed back to the
+    chat template as `reasoning_content` and as `thinking`; templates decide where to keep it (gpt-oss
+    keeps the analysis before a tool call, so a tool-calling turn goes on from its own reasoning)."""
+    reasoning: Optional[str] = None
+    """OpenRouter's name for `reasoning_content`; where both are sent they must agree."""
 
     _supported = unsupported({"audio": (), "function_call": (), "refusal": ()})
 
@@ -103,6 +109,17 @@ class ChatMessage(OpenAIModel):
             raise invalid("tool_calls", f"only assistant messages carry tool_calls, not role '{self.role}'")
         for call in self.tool_calls:
             _arguments_object(call.function.arguments)
+        return self
+
+    @model_validator(mode="after")
+    def _reasoning_fields(self) -> "ChatMessage":
+        sent = [field for field in ("reasoning_content", "reasoning") if getattr(self, field) is not None]
+        if sent and self.role != "assistant":
+            raise invalid(sent[0], f"only assistant messages carry {sent[0]} (the model's earlier thinking), not "
+                          f"role '{self.role}'")
+        if len(sent) == 2 and self.reasoning_content != self.reasoning:
+            raise invalid("reasoning", "reasoning is another name for reasoning_content and differs from it; send "
+                          "one of them")
         return self
 
     _image_urls: list[str] = PrivateAttr(default_factory=list)
@@ -138,9 +155,15 @@ class ChatMessage(OpenAIModel):
         """The URLs of the message's image parts, in order."""
         return self._image_urls
 
+    @property
+    def thought(self) -> Optional[str]:
+        """The thinking an assistant message carries back, under either of its names."""
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
+
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: `developer` is the newer name of `system`;
-        tool-call arguments as objects (as Hugging Face templates render them), not JSON text."""
+        tool-call arguments as objects (as Hugging Face templates render them), not JSON text;
+        earlier thinking as `reasoning_content` (Qwen3's templates) and `thinking` (gpt-oss's)."""
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                    "content": self.content}
         if self.name is not None:
@@ -153,6 +176,8 @@ class ChatMessage(OpenAIModel):
                  "function": {"name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
                 for c in self.tool_calls
             ]
+        if self.thought is not None:
+            message["reasoning_content"] = message["thinking"] = self.thought
         return message
 
 

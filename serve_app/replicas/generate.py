@@ -49,7 +49,7 @@ from serve_app.replicas.adapters import ReplicaAdapters
 from serve_app.replicas.base import Replica, api_errors
 from serve_app.replicas.metrics import RequestTracker
 from serve_app.tasks import GENERATE
-from serve_app.text import reasoning
+from serve_app.text import harmony, reasoning
 from serve_app.text.choices import ChoiceReader, OutputRules
 from serve_app.text.detokenize import TokenStrings, special_ids
 from serve_app.text.responses import (
@@ -121,9 +121,13 @@ class TextServer(Replica):
     def _set_up(self, config: ModelConfig, model_dir: Path, engine_config: EngineConfig, engine: Any) -> None:
         self.tokenizer = self.prompts.hf
         self._tool_parser = config.tool_call_parser or default_parser(self.tokenizer.chat_template)
-        self._tool_tags = _special_tags(self.tokenizer, PARSER_TAGS[self._tool_parser])
         parser = config.reasoning_parser or reasoning.default_parser(self.tokenizer.chat_template)
-        self._thinks = parser not in (None, "none")
+        self._harmony = harmony.PARSER in (self._tool_parser, parser)
+        """gpt-oss's format: one reader makes every chat's thinking, answer and tool calls."""
+        self._harmony_thinks = parser != "none"
+        tool_tags = harmony.TAGS if self._harmony else PARSER_TAGS[self._tool_parser]
+        self._tool_tags = _special_tags(self.tokenizer, tool_tags)
+        self._thinks = parser not in (None, "none") and not self._harmony
         self._think_tags = _special_tags(self.tokenizer, reasoning.TAGS) if self._thinks else frozenset()
         self._strings = TokenStrings(self.tokenizer)
         self._image_layout = self.driver.image_layout
@@ -224,8 +228,7 @@ class TextServer(Replica):
             self.driver.validate(prompt.ids, params, adapter, images)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         n, logprobs = request.n, params.logprobs is not None
-        keep_special = ((self._tool_tags if chat and request.tool_mode == "auto" else frozenset())
-                        | (self._think_tags if chat else frozenset()))
+        keep_special = self._kept_tags(request, params) if chat else frozenset()
         rules = OutputRules(stops=request.stops, echo=not chat and request.echo,
                             drop_output=not chat and request.max_tokens == 0, logprobs=logprobs,
                             keep_special=keep_special, calls=calls, reasoning=thinking)
@@ -245,11 +248,27 @@ class TextServer(Replica):
         params = request.to_sampling_params(default_max_tokens=self._room_after(prompt))
         params, calls = self._tool_plan(request, params)
         thinking = None
-        if self._thinks:  # a constraint applies to the answer, after the thinking
+        if self._harmony:
+            calls = self._harmony_reader(request, params, calls)
+        elif self._thinks:  # a constraint applies to the answer, after the thinking
             grammar, inside = reasoning.after_thinking(params.grammar, prompt.rendered)
             params = dataclasses.replace(params, grammar=grammar)
             thinking = functools.partial(reasoning.ReasoningStream, inside)
         return [prompt], params, calls, thinking
+
+    def _harmony_reader(self, request: ChatCompletionRequest, params: SamplingParams,
+                        calls: Optional[CallReader]) -> Optional[CallReader]:
+        """A harmony chat's reader of its messages, unless decoding is constrained: a grammar's text
+        has no channels (then the forced calls' reader reads it, or nothing does)."""
+        if params.grammar is not None:
+            return None if request.tool_mode == "auto" else calls
+        return functools.partial(harmony.HarmonyStream, request.tool_mode == "auto", self._harmony_thinks)
+
+    def _kept_tags(self, request: ChatCompletionRequest, params: SamplingParams) -> frozenset[int]:
+        """The special tokens a chat's readers read, which its text therefore keeps."""
+        if self._harmony:
+            return self._tool_tags if params.grammar is None else frozenset()
+        return (self._tool_tags if request.tool_mode == "auto" else frozenset()) | self._think_tags
 
     def _tool_plan(self, request: ChatCompletionRequest, params: SamplingParams) -> tuple[SamplingParams,
                                                                                           Optional[CallReader]]:

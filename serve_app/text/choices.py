@@ -3,7 +3,8 @@
 `ChoiceReader` decodes the tokens incrementally (serve_app.text.detokenize), cuts the text at the
 first stop string, puts the echoed prompt first when asked, and routes a reasoning model's
 thinking into `reasoning` (serve_app.text.reasoning) and a chat's tool calls into `tool_calls`
-(serve_app.text.tool_calls); the rest is `text`.
+(serve_app.text.tool_calls); the rest is `text`. A gpt-oss chat's channels are read by one
+reader, serve_app.text.harmony, that makes all three.
 
 Invariants: the updates of a choice concatenate to its whole output; the last one, and only it,
 has the finish reason and the counts; an update with nothing to send is not made.
@@ -34,7 +35,8 @@ class OutputRules:
     keep_special: frozenset[int] = frozenset()
     """Special tokens the text keeps (the tool-call and reasoning parsers' tags)."""
     calls: Optional[Callable[[], CallStream]] = None
-    """Chat with tools: makes each choice's reader of tool calls out of its text."""
+    """Chat with tools: makes each choice's reader of tool calls out of its text (a harmony chat's,
+    tools or not: its reader of thinking, answer and calls)."""
     reasoning: Optional[Callable[[], ReasoningStream]] = None
     """A reasoning model's chat: makes each choice's reader of its thinking."""
 
@@ -111,9 +113,11 @@ def _read_thoughts(update: ChoiceUpdate, thinking: ReasoningStream, text: str, e
 
 
 def _read_calls(update: ChoiceUpdate, calls: CallStream, text: str, ending: bool) -> bool:
-    """Route a choice's new text through its tool-call reader into `update`; True if a call began."""
+    """Route a choice's new text through its tool-call reader into `update` (thinking too, which
+    the harmony reader finds); True if a call began."""
     events = calls.push(text) + (calls.finish() if ending else [])
     update.text += "".join(e for e in events if isinstance(e, str))
+    update.reasoning += "".join(e.text for e in events if isinstance(e, Thought))
     deltas = [e for e in events if isinstance(e, ToolCallDelta)]
     update.tool_calls += deltas
     return bool(deltas)

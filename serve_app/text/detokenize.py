@@ -29,8 +29,9 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, context_ids: Iterable[int] = (),
                  keep_special: frozenset[int] = frozenset()):
-        """Special tokens are skipped, except those in `keep_special` (a tool-call parser's tags
-        that a model's tokenizer marks special), which decode to their text."""
+        """Special tokens are skipped, except those in `keep_special` (the markup a chat's readers
+        read that a model's tokenizer marks special: tool-call and thinking tags, gpt-oss's harmony
+        messages), which decode to their text."""
         self._tokenizer = tokenizer
         self._keep = keep_special
         self._drop = special_ids(tokenizer) - keep_special if keep_special else frozenset()

@@ -5,7 +5,8 @@ Qwen3 and DeepSeek-R1 style models think inside `<think> ... </think>` before th
 chat templates differ in where the opening tag goes: Qwen3's model writes it itself (and with
 `enable_thinking: false` the template closes an empty block in the prompt), DeepSeek-R1's template
 ends the prompt with it. So the reader starts inside the block exactly when the rendered prompt
-leaves one open (`opened_by`), whichever the family.
+leaves one open (`opened_by`), whichever the family. gpt-oss thinks in a channel of its own
+messages instead: serve_app.text.harmony reads those.
 
 Invariants of `ReasoningStream`, for any split of a text into pushes:
   * the reasoning events concatenate to the text between the opening tag (or the start, when the
@@ -38,9 +39,15 @@ class Thought:
     text: str
 
 
+HARMONY_MARK = "<|channel|>"
+"""What a chat template of gpt-oss's format writes (serve_app.text.harmony reads that format)."""
+
+
 def default_parser(chat_template: str | None) -> str | None:
-    """The format a chat template's model thinks in, or None if its template never closes a
-    `<think>` block."""
+    """The format a chat template's model thinks in: "harmony" where it writes harmony's channels
+    (gpt-oss), "qwen3" where it closes a `<think>` block, else None."""
+    if chat_template and HARMONY_MARK in chat_template:
+        return "harmony"
     return "qwen3" if chat_template and CLOSE in chat_template else None
 
 

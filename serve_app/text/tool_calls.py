@@ -5,7 +5,8 @@
     and `RequiredCallStream` / `NamedCallStream` read the calls from the constrained text;
   * `auto`: the model writes calls in its own format, read by `ToolCallStream(parser)`: "hermes"
     (`<tool_call>{json}</tool_call>` blocks: Hermes, Qwen2.5, Qwen3) or "llama3_json" (the whole
-    output is `{"name": ..., "parameters": ...}` objects separated by ";": Llama 3.1 / 3.2).
+    output is `{"name": ..., "parameters": ...}` objects separated by ";": Llama 3.1 / 3.2); gpt-oss's
+    messages ("harmony") are read by serve_app.text.harmony, with their reasoning.
 
 Every stream turns text deltas into `StreamEvent`s: content text (`delta.content`) or a
 `ToolCallDelta` (one `delta.tool_calls` item). Invariants of every stream, for any split of a text:
@@ -395,9 +396,12 @@ def _collect(stream: CallStream, text: str) -> tuple[Optional[str], list[ToolCal
 
 
 def default_parser(chat_template: Optional[str]) -> str:
-    """The parser matching the tool-call format a chat template teaches: "llama3_json" for Llama 3.1
-    / 3.2 templates, otherwise "hermes" (ChatML templates with `<tool_call>`, the common default)."""
+    """The parser matching the tool-call format a chat template teaches: "harmony" for gpt-oss's
+    (serve_app.text.harmony), "llama3_json" for Llama 3.1 / 3.2 templates, otherwise "hermes"
+    (ChatML templates with `<tool_call>`, the common default)."""
     template = chat_template or ""
+    if "<|channel|>" in template:
+        return "harmony"
     if "<tool_call>" in template:
         return "hermes"
     if "<|python_tag|>" in template or "dictionary of argument name and its value" in template:

@@ -338,6 +338,20 @@ def test_tool_messages_render_for_templates():
     assert parse(ChatCompletionRequest, model="m", messages=MESSAGES, tools=[TOOL], tool_choice=named).tool_mode == "function"
 
 
+def test_an_assistant_message_carries_its_thinking_back_to_the_template():
+    def rendered(**fields) -> dict:
+        message = {"role": "assistant", "content": None, "tool_calls": [CALL], **fields}
+        return parse(ChatCompletionRequest, model="m", messages=[*MESSAGES, message]).messages[1].template_dict()
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    carried = {"role": "assistant", "content": "", "tool_calls": [call],
+               "reasoning_content": "Need the weather.", "thinking": "Need the weather."}
+    assert rendered(reasoning_content="Need the weather.") == carried  # vLLM's name
+    assert rendered(reasoning="Need the weather.") == carried  # OpenRouter's
+    assert rendered(reasoning_content="Need the weather.", reasoning="Need the weather.") == carried
+    assert rendered(reasoning_content=None) == {"role": "assistant", "content": "", "tool_calls": [call]}
+
+
 def test_chat_max_tokens_and_logprobs_mapping():
     def params(**body):
         return parse(ChatCompletionRequest, messages=MESSAGES, model="m", **body).to_sampling_params(77)
@@ -446,6 +460,21 @@ def test_chat_400s(body, message, param):
             {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
             "messages.0.tool_calls.0.function: Field required",
             "messages.0.tool_calls.0.function",
+        ),
+        (
+            {"role": "user", "content": "x", "reasoning_content": "hmm"},
+            "only assistant messages carry reasoning_content (the model's earlier thinking), not role 'user'",
+            "messages.0.reasoning_content",
+        ),
+        (
+            {"role": "tool", "tool_call_id": "call_1", "content": "x", "reasoning": "hmm"},
+            "only assistant messages carry reasoning (the model's earlier thinking), not role 'tool'",
+            "messages.0.reasoning",
+        ),
+        (
+            {"role": "assistant", "content": "x", "reasoning_content": "a", "reasoning": "b"},
+            "reasoning is another name for reasoning_content and differs from it; send one of them",
+            "messages.0.reasoning",
         ),
         ({"role": "robot", "content": "x"}, None, "messages.0.role"),
     ],

@@ -16,6 +16,7 @@ from serve_app.text.reasoning import (
     opened_by,
     split_reasoning,
 )
+from tests.support.harmony_models import HARMONY_TEMPLATE
 
 CASES = [
     # (output, the prompt opened the block, reasoning, content)
@@ -80,6 +81,7 @@ def test_the_prompt_says_whether_the_output_starts_inside(prompt, inside):
     ("{{ messages }}", None),
     ("{%- if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}", "qwen3"),
     ("<|Assistant|><think>\n", None),  # never closes a block: not a reasoning template
+    (HARMONY_TEMPLATE, "harmony"),  # gpt-oss's format: its analysis channel (serve_app.text.harmony)
 ])
 def test_default_parser(template, parser):
     assert default_parser(template) == parser

@@ -24,6 +24,7 @@ from serve_app.text.tool_calls import (
     parse_tool_calls,
     required_schema,
 )
+from tests.support.harmony_models import HARMONY_TEMPLATE
 
 
 def parsed(parser: str, text: str):
@@ -408,6 +409,7 @@ CHATML_TEMPLATE = (
         (LLAMA32_TEMPLATE, "llama3_json"),
         (CHATML_TEMPLATE, "hermes"),
         (None, "hermes"),
+        (HARMONY_TEMPLATE, "harmony"),  # gpt-oss's format (tests/support/harmony_models.py)
     ],
 )
 def test_default_parser(template, parser):
