@@ -79,7 +79,8 @@ def levanter_config(hf: dict):
     kwargs.update(rope_scaling=None, partial_rotary_factor=1.0)
     if hf["model_type"] in ("phi3", "gpt_oss"):  # gpt-oss's attention biases are its layers' own (not its norms')
         llama = {**kwargs, "model_type": "llama", "attention_bias": False, "mlp_bias": False}
-        return LlamaConfig.from_hf_config(AutoConfig.for_model(**llama))
+        config = LlamaConfig.from_hf_config(AutoConfig.for_model(**llama))
+        return dataclasses.replace(config, head_dim=hf.get("head_dim"))  # levanter's reader drops it
     return Qwen3Config.from_hf_config(AutoConfig.for_model(**kwargs))
 
 

@@ -159,9 +159,10 @@ def make_checkpoint(
                                          original_max_position_embeddings=longrope_from, rope_scaling={
                                              "type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0][:rotated // 2],
                                              "long_factor": [2.0, 3.0, 8.0, 16.0][:rotated // 2]})
-    elif family == "gpt_oss":  # 4 experts of intermediate_size / 2, 2 a token; even layers slide over 16 tokens
+    elif family == "gpt_oss":  # 4 experts of intermediate_size / 2, 2 a token; even layers slide over 16 tokens;
+        # heads twice hidden_size / num_heads wide, as gpt-oss's (64 x 64 heads over 2,880)
         config = transformers.GptOssConfig(
-            **{**common, "intermediate_size": intermediate_size // 2}, head_dim=hidden_size // num_heads,
+            **{**common, "intermediate_size": intermediate_size // 2}, head_dim=2 * hidden_size // num_heads,
             num_local_experts=4, num_experts_per_tok=2, sliding_window=16, rope_theta=10000.0, swiglu_limit=7.0,
             layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
             rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
