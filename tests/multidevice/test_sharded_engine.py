@@ -215,6 +215,21 @@ def test_fp8_checkpoints_split_over_the_devices_answer_as_transformers(checkpoin
     assert_greedy_parity(engine, reference)
 
 
+def test_an_mxfp4_gpt_oss_split_over_four_devices_answers_as_transformers(checkpoint_factory, tmp_path):
+    """gpt-oss (8 query heads over 2 KV heads, so KV heads and the sinks regroup at TP 4) with MXFP4
+    experts (4 of 128: whole experts, one a device, their 4 blocks of 32 never split): each device
+    holds its expert's bytes; greedy tokens and logprobs are transformers' on the dequantized experts."""
+    from tests.support.mxfp4_checkpoints import make_mxfp4_checkpoint
+
+    model_dir, reference = make_mxfp4_checkpoint(checkpoint_factory("gpt_oss", **EIGHT_HEADS), tmp_path / "mxfp4")
+    engine = LLMEngine(EngineConfig(model=str(model_dir), tensor_parallel_size=4, **TIGHT))
+    layer = engine.executor.runner.model.layers[0]
+    down = layer.mlp.experts.down_proj
+    assert shard_shapes(down.blocks.array) == [(1, 128, 4, 16)] * 4  # (experts, embed, mlp / 32, 16 bytes)
+    assert shard_shapes(layer.self_attn.sinks.array) == [(1, 2)] * 4  # (kv_head, q_heads_per_group)
+    assert_greedy_parity(engine, reference)
+
+
 def test_a_llava_decoder_split_over_two_devices_places_images_as_on_one(tmp_path):
     """Image features (replicated beside the split decoder) go into the prompt as on one device:
     the greedy tokens of a prompt with two images equal transformers'."""
