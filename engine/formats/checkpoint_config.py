@@ -14,7 +14,7 @@ from typing import Optional
 from engine.formats.transformers_files import hf_config
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "mixtral", "gemma2", "gemma3_text",
-                      "qwen3_moe", "phi3", "gpt_oss")
+                      "qwen3_moe", "phi3", "gpt_oss", "deepseek_v3")
 """config.json `model_type`s the decoder loader reads (engine.models.loading maps each to levanter's, or
 assembles it: engine.models.decoder)."""
 
@@ -65,13 +65,15 @@ def model_info(model_dir: str | Path) -> ModelInfo:
             f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
         )
     heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    kv_heads, head_dim = hf.get("num_key_value_heads") or heads, hf.get("head_dim") or hf["hidden_size"] // heads
+    if family == "deepseek_v3":  # latent attention: one cached vector a token, the latent and the RoPE key
+        kv_heads, head_dim = 1, hf["kv_lora_rank"] + hf["qk_rope_head_dim"]
     return ModelInfo(
         family=family,
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
         intermediate_size=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
@@ -93,7 +95,7 @@ def _long_rope_from(hf: dict) -> Optional[int]:
 def _experts(hf: dict) -> dict:
     """ModelInfo's expert fields: Mixtral's experts are `intermediate_size` wide, Qwen3-MoE's
     `moe_intermediate_size`."""
-    count = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    count = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts") or 0
     if not count:
         return {}
     width = hf.get("moe_intermediate_size") or hf["intermediate_size"]

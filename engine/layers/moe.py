@@ -1,6 +1,7 @@
-"""A mixture of experts (Mixtral, Qwen3-MoE): a router scores every expert for each token, the
-token's hidden state goes through its top-k experts (gated MLPs), and their outputs are summed with
-the router's weights, as transformers computes them.
+"""A mixture of experts (Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3): a router scores every expert for
+each token, the token's hidden state goes through its top-k experts (gated MLPs), and their outputs
+are summed with the router's weights, as transformers computes them; DeepSeek-V3 adds a shared MLP
+that every token goes through.
 
 Dispatch: a step's (token, choice) pairs are sorted by expert so that each expert's rows are
 contiguous, the experts run as grouped products over those rows (haliax's `MoELinear`:
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from haliax.state_dict import ModuleWithStateDictSerialization, StateDict, with_prefix
 from jax.sharding import PartitionSpec
+from levanter.models.llama import LlamaMlp
 
 EXPERTS = "experts"
 EXPERT_MLP = "expert_mlp"
@@ -34,35 +36,92 @@ parallelism, axis `experts`) or each expert's MLP does (`expert_mlp`), whatever 
 SCORES = "expert_scores"
 """The router's output axis: one score per expert, named apart from `experts` so that the router
 stays whole on every device when the experts split (its logits then need no gathering)."""
+SHARED_MLP = "mlp"
+"""The shared MLP's hidden axis: a dense MLP's, so it splits over the devices as a dense MLP does."""
 TOP = "top_experts"
 ROWS = "expert_rows"
 """The step's (token, choice) pairs, sorted by expert."""
 
 
+SCORINGS = ("softmax", "sigmoid")
+
+
 @dataclasses.dataclass(frozen=True)
 class Routing:
-    """How a token's experts and their weights follow from the router's logits: a softmax over all
-    experts (in float32), the `top_k` largest, rescaled to sum to 1 if `normalize`; or, `after_top_k`,
-    the `top_k` largest logits and a softmax over those alone (gpt-oss)."""
+    """How a token's experts and their weights follow from the router's logits (in float32):
+    - "softmax" (Mixtral, Qwen3-MoE, gpt-oss): a softmax over all experts, the `top_k` largest,
+      rescaled to sum to 1 if `normalize`; or, `after_top_k`, the `top_k` largest logits and a
+      softmax over those alone (gpt-oss).
+    - "sigmoid" (DeepSeek-V3): scores sigmoid(logits); the experts are chosen by score + the block's
+      learned correction bias, among the `topk_group` of `n_group` groups of experts whose two best
+      biased scores sum highest (the other groups' scores set to 0, as transformers does); their
+      weights are their scores without the bias, divided by their sum (+ 1e-20) if `normalize`.
+    Every mode's weights are then multiplied by `scaling`."""
 
     top_k: int
     normalize: bool = True
-    """Mixtral always; Qwen3-MoE as its `norm_topk_prob` says."""
+    """Mixtral always; Qwen3-MoE and DeepSeek-V3 as their `norm_topk_prob` says."""
     after_top_k: bool = False
+    scoring: str = "softmax"
+    """One of SCORINGS."""
+    n_group: int = 1
+    """Groups of experts (contiguous, equal) for the sigmoid choice; 1: no groups."""
+    topk_group: int = 1
+    """How many of the `n_group` groups a token's experts may come from."""
+    scaling: float = 1.0
+    """DeepSeek-V3's `routed_scaling_factor`."""
 
-    def choose(self, logits: NamedArray) -> tuple[NamedArray, NamedArray]:
-        """(weights f32[..., top_experts], experts i32[..., top_experts]) of router logits [..., expert_scores]."""
+    def __post_init__(self):
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"routing scoring {self.scoring!r} is not one of {SCORINGS}")
+        if self.scoring != "softmax" and self.after_top_k:
+            raise ValueError("after_top_k (a softmax over the top-k logits) needs scoring 'softmax'")
+        if self.n_group > 1 and self.scoring != "sigmoid":
+            raise ValueError(f"expert groups (n_group={self.n_group}) are supported with scoring 'sigmoid' only")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be between 1 and n_group ({self.n_group}), got {self.topk_group}")
+
+    def choose(self, logits: NamedArray, bias: Optional[NamedArray] = None) -> tuple[NamedArray, NamedArray]:
+        """(weights f32[..., top_experts], experts i32[..., top_experts]) of router logits
+        [..., expert_scores]; `bias` [expert_scores]: the sigmoid choice's correction bias."""
         logits = logits.rearrange((..., SCORES))
-        if self.after_top_k:
-            top, experts = jax.lax.top_k(logits.array.astype(jnp.float32), self.top_k)
+        raw = logits.array.astype(jnp.float32)
+        if self.scoring == "sigmoid":
+            weights, experts = self._sigmoid(raw, bias)
+        elif self.after_top_k:
+            top, experts = jax.lax.top_k(raw, self.top_k)
             weights = jax.nn.softmax(top, axis=-1)
         else:
-            probs = jax.nn.softmax(logits.array.astype(jnp.float32), axis=-1)
-            weights, experts = jax.lax.top_k(probs, self.top_k)
-        if self.normalize and not self.after_top_k:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
+            weights, experts = jax.lax.top_k(jax.nn.softmax(raw, axis=-1), self.top_k)
+            if self.normalize:
+                weights = weights / weights.sum(axis=-1, keepdims=True)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         axes = (*logits.axes[:-1], hax.Axis(TOP, self.top_k))
         return hax.named(weights, axes), hax.named(experts, axes)
+
+    def _sigmoid(self, logits: jax.Array, bias: Optional[NamedArray]) -> tuple[jax.Array, jax.Array]:
+        scores = jax.nn.sigmoid(logits)
+        for_choice = scores if bias is None else scores + bias.rearrange((SCORES,)).array.astype(jnp.float32)
+        _, experts = jax.lax.top_k(self._in_best_groups(for_choice), self.top_k)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        if self.normalize:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return weights, experts
+
+    def _in_best_groups(self, scores: jax.Array) -> jax.Array:
+        """`scores` [..., experts] with those outside each token's `topk_group` best groups set to 0
+        (a group's score: the sum of its two best)."""
+        if self.n_group == 1:
+            return scores
+        count = scores.shape[-1]
+        if count % self.n_group or count // self.n_group < 2:
+            raise ValueError(f"n_group={self.n_group} must split the router's {count} experts into equal groups "
+                             "of at least 2")
+        grouped = scores.reshape(*scores.shape[:-1], self.n_group, count // self.n_group)
+        _, best = jax.lax.top_k(jax.lax.top_k(grouped, 2)[0].sum(axis=-1), self.topk_group)
+        kept = (best[..., :, None] == jnp.arange(self.n_group)).any(axis=-2)
+        return jnp.where(kept[..., None], grouped, 0.0).reshape(scores.shape)
 
 
 SWIGLU_ALPHA = 1.702
@@ -188,7 +247,12 @@ def _product(linear, expert: jax.Array, rows: jax.Array) -> jax.Array:
 
 
 class MoE(ModuleWithStateDictSerialization):
-    """A sparse MoE block: `gate` (the router, embed -> expert_scores), `experts`, `routing`."""
+    """A sparse MoE block: `gate` (the router, embed -> expert_scores), `experts`, `routing`; with
+    DeepSeek-V3's `correction_bias` (the router's learned per-expert bias for choosing; checkpoint
+    `gate.e_score_correction_bias`) and `shared` (a dense gated MLP every token goes through, added
+    to the experts' sum; checkpoint `shared_experts`). The router and its bias stay whole on every
+    device (axis `expert_scores`); the shared MLP's hidden axis is a dense MLP's (`mlp`) and splits
+    as one."""
 
     gate: hnn.Linear
     experts: ExpertMlps
@@ -197,24 +261,49 @@ class MoE(ModuleWithStateDictSerialization):
     """Run the experts tile by tile (`dispatch_tiled`): where a grouped product runs as a product
     over every expert (XLA on CPUs; `for_platform` sets it, and only it may hold bfloat16 expert
     weights as bits)."""
+    correction_bias: Optional[NamedArray] = None
+    """[expert_scores], float: added to the sigmoid scores for choosing only (Routing)."""
+    shared: Optional[LlamaMlp] = None
 
     @staticmethod
     def init(Embed: hax.Axis, Experts: hax.Axis, Mlp: hax.Axis, routing: Routing, act: Callable, *,
-             key, router_bias: bool = False, **experts) -> "MoE":
-        """`experts`: ExpertMlps.init's options (biases, swiglu_limit)."""
+             key, router_bias: bool = False, correction_bias: bool = False, shared_mlp: int = 0,
+             **experts) -> "MoE":
+        """`correction_bias`: a learned choice bias (sigmoid routing; zeros until loaded);
+        `shared_mlp`: the shared MLP's width (DeepSeek-V3: moe_intermediate_size * n_shared_experts;
+        0: none); `experts`: ExpertMlps.init's options (biases, swiglu_limit)."""
+        if correction_bias and routing.scoring != "sigmoid":
+            raise ValueError("a correction bias is added to sigmoid scores: it needs Routing(scoring='sigmoid')")
         k_router, k_experts = jax.random.split(key)
-        router = hnn.Linear.init(Embed, Experts.alias(SCORES), key=k_router, use_bias=router_bias, out_first=True)
-        return MoE(router, ExpertMlps.init(Experts, Embed, Mlp, act, key=k_experts, **experts), routing)
+        Scores = Experts.alias(SCORES)
+        router = hnn.Linear.init(Embed, Scores, key=k_router, use_bias=router_bias, out_first=True)
+        bias = hax.zeros(Scores, dtype=jnp.float32) if correction_bias else None
+        shared = None
+        if shared_mlp:
+            shared = LlamaMlp.init(Embed, hax.Axis(SHARED_MLP, shared_mlp), act, key=jax.random.fold_in(key, 2))
+        return MoE(router, ExpertMlps.init(Experts, Embed, Mlp, act, key=k_experts, **experts), routing,
+                   correction_bias=bias, shared=shared)
+
+    def _state_dict_key_map(self) -> dict[str, Optional[str]]:
+        return {"correction_bias": "gate.e_score_correction_bias", "shared": "shared_experts"}
+
+    def route(self, x: NamedArray) -> tuple[NamedArray, NamedArray]:
+        """(weights, experts) of each token of x (..., embed): Routing.choose of the router's logits,
+        which sigmoid routing computes in float32 (as transformers reads the router's weight)."""
+        inputs = x.astype(jnp.float32) if self.routing.scoring == "sigmoid" else x
+        return self.routing.choose(self.gate(inputs, key=None), self.correction_bias)
 
     def __call__(self, x: NamedArray, *, key=None) -> NamedArray:
         """x (position, embed) -> (position, embed)."""
         del key
-        weights, chosen = self.routing.choose(self.gate(x, key=None))
+        weights, chosen = self.route(x)
         run = dispatch_tiled if self.tiled else dispatch
         axis = hax.partitioning.physical_axis_name(EXPERTS)
         if axis is None:
-            return run(x, weights, chosen, self.experts)
-        return dispatch_split(x, weights, chosen, self.experts, axis, run)
+            out = run(x, weights, chosen, self.experts)
+        else:
+            out = dispatch_split(x, weights, chosen, self.experts, axis, run)
+        return out if self.shared is None else out + self.shared(x, key=None)
 
 
 def dispatch(x: NamedArray, weights: NamedArray, chosen: NamedArray, experts: ExpertMlps) -> NamedArray:
@@ -251,8 +340,8 @@ def dispatch_split(x: NamedArray, weights: NamedArray, chosen: NamedArray, exper
         count = next(a.shape[leaf.axes.index(leaf.resolve_axis(EXPERTS))] for leaf, a in zip(leaves, arrays)
                      if leaf.has_axis(EXPERTS))
         mine = jax.tree_util.tree_map(  # the grouped products' own `Experts` axis, resized as their arrays
-            lambda linear: dataclasses.replace(linear, Experts=linear.Experts.resize(count)), mine,
-            is_leaf=lambda m: isinstance(getattr(m, "Experts", None), hax.Axis))
+            lambda m: dataclasses.replace(m, Experts=m.Experts.resize(count)) if _stacks_experts(m) else m, mine,
+            is_leaf=_stacks_experts)
         shifted = chosen_ - jax.lax.axis_index(axis) * count
         shifted = jnp.where((shifted >= 0) & (shifted < count), shifted, count)
         out = run(hax.named(x_, x.axes), hax.named(weights_, weights.axes), hax.named(shifted, chosen.axes), mine)
@@ -262,6 +351,11 @@ def dispatch_split(x: NamedArray, weights: NamedArray, chosen: NamedArray, exper
     out = jax.shard_map(local, in_specs=(replicated, replicated, replicated, *specs), out_specs=replicated,
                         check_vma=False)(x.array, weights.array, chosen.array, *(leaf.array for leaf in leaves))
     return hax.named(out, x.axes)
+
+
+def _stacks_experts(module) -> bool:
+    """A grouped product's module (its own static `Experts` axis), not an array of the experts."""
+    return isinstance(getattr(module, "Experts", None), hax.Axis)
 
 
 def dispatch_tiled(x: NamedArray, weights: NamedArray, chosen: NamedArray, experts: ExpertMlps,

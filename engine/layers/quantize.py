@@ -4,7 +4,8 @@ Every linear layer's weight becomes int8 with one float32 scale per output chann
 = max |w| over the inputs / 127), each expert of a mixture of experts with its own scales, and the
 token embedding int8 with one scale per vocabulary row, which serves both the lookup and a tied LM
 head (a row of the embedding is an output channel of the unembedding). A router (which picks a
-token's experts) keeps its float weights: a flipped choice costs more than its few bytes save.
+token's experts) and its correction bias keep their float weights: a flipped choice costs more than
+their few bytes save; a mixture's shared MLP is quantized as a dense one.
 Activations, norms, biases and the KV cache keep their dtype; a product converts the int8 weight to
 the activations' dtype (exact: |q| <= 127 fits bfloat16's mantissa), sums in float32 and scales its
 output before rounding it to the activations' dtype once. Weight memory and the bytes a decode step
@@ -136,8 +137,9 @@ def _quantize_modules(tree):
             return Int8Linear.from_linear(module)
         if isinstance(module, hnn.MoELinear):
             return Int8MoELinear.from_moe_linear(module)
-        if isinstance(module, MoE):  # its router (`gate`) keeps its float weights
-            return dataclasses.replace(module, experts=_quantize_modules(module.experts))
+        if isinstance(module, MoE):  # its router (`gate`) and correction bias keep their float weights
+            return dataclasses.replace(module, experts=_quantize_modules(module.experts),
+                                       shared=_quantize_modules(module.shared))
         return module
 
     return jax.tree_util.tree_map(quantized, tree, is_leaf=lambda m: isinstance(m, (hnn.Linear, hnn.MoELinear, MoE)))

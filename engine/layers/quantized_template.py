@@ -52,7 +52,8 @@ def with_quantized_layers(model, quantization: CheckpointQuantization, quantized
         if isinstance(tree, hnn.Linear):
             return linear(tree, prefix)
         if isinstance(tree, MoE):
-            return _replaced(tree, {"experts": experts(tree.experts, with_prefix(prefix, "experts"))})
+            return _replaced(tree, {"experts": experts(tree.experts, with_prefix(prefix, "experts")),
+                                    "shared": walk(tree.shared, with_prefix(prefix, "shared_experts"))})
         if isinstance(tree, Stacked):
             layers = [walk(tree.stacked, with_prefix(prefix, str(i))) for i in range(tree.Block.size)]
             if len({jax.tree_util.tree_structure(layer) for layer in layers}) > 1:

@@ -8,6 +8,7 @@ yarn, longrope; engine.formats.transformers_files refuses the others): the inver
 the attention factor are computed once in numpy, and each step's cos and sin from the positions.
 
 With `partial_rotary_factor` (Phi-4-mini) only the first part of each head rotates; the rest passes.
+DeepSeek's latent attention rotates `qk_rope_head_dim` dimensions (engine.layers.latent_attention).
 longrope (Phi-3's long-context checkpoints) has two sets of frequencies: a sequence longer than
 `original_max_position_embeddings` rotates every token with the long ones, a shorter one with the
 short ones, as transformers does (its generate recomputes the cache when a sequence grows past the
@@ -48,7 +49,7 @@ class Rope:
         base = float(config.get("rope_theta", 10000.0))
         scaling = config.get("rope_scaling") or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
-        head_dim = int(head_dim * config.get("partial_rotary_factor", 1.0))
+        head_dim = config.get("qk_rope_head_dim") or int(head_dim * config.get("partial_rotary_factor", 1.0))
         inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
         attention_factor = 1.0
         if kind == "longrope":

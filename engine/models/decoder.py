@@ -4,6 +4,10 @@
 - Phi-3 / 3.5 / 4-mini: levanter's Llama, its checkpoint's fused `qkv_proj` and `gate_up_proj`
   split into Llama's projections on load (its longrope and partial rotary embeddings are
   engine.layers.rope's, as every family's).
+- DeepSeek-V3 / R1 (`deepseek_v3`): levanter's Llama embeddings, norms and LM head around layers of
+  multi-head latent attention (engine.layers.latent_attention) and, after `first_k_dense_replace`
+  dense layers, mixtures of experts with sigmoid, group-limited routing and a shared MLP; its
+  multi-token-prediction layers (past `num_hidden_layers`) are not loaded.
 - gpt-oss: levanter's Llama with biased attention projections and learned sinks
   (engine.layers.sink_attention), every MLP a mixture of experts with a biased router (top-k
   logits, then a softmax over them), biased experts and the clamped SwiGLU; the checkpoint's fused
@@ -19,11 +23,14 @@ keeps a sequence of layers (unrolled).
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Optional
 
 import equinox as eqx
 import haliax as hax
 import haliax.nn as hnn
 import jax
+import numpy as np
 from haliax.jax_utils import shaped_rng_split
 from haliax.nn.scan import BlockSeq, Stacked
 from haliax.state_dict import ModuleWithStateDictSerialization, from_torch_compatible_state_dict
@@ -32,10 +39,11 @@ from levanter.models.llama import LlamaConfig, LlamaLMHeadModel, LlamaMlp
 from levanter.models.qwen import Qwen3Config, Qwen3LMHeadModel
 from transformers import AutoConfig
 
+from engine.layers.latent_attention import LatentAttention, LatentSizes
 from engine.layers.moe import EXPERT_MLP, EXPERTS, MoE, Routing
 from engine.layers.sink_attention import SinkAttention
 
-FAMILIES = ("qwen3_moe", "phi3", "gpt_oss")
+FAMILIES = ("qwen3_moe", "phi3", "gpt_oss", "deepseek_v3")
 """config.json `model_type`s assembled here."""
 
 
@@ -48,12 +56,15 @@ class DecoderLayer(ModuleWithStateDictSerialization):
     post_attention_layernorm: hnn.RmsNorm
 
     @staticmethod
-    def init(config: Qwen3Config, sparse: bool, experts: dict, *, key, sinks: bool = False) -> "DecoderLayer":
-        """`experts`: `MoE.init`'s sizes and routing (used if `sparse`); `sinks`: gpt-oss's attention
-        (biased projections, learned sinks)."""
+    def init(config: Qwen3Config, sparse: bool, experts: dict, *, key, attention: str = "levanter",
+             latent: Optional[LatentSizes] = None) -> "DecoderLayer":
+        """`experts`: `MoE.init`'s sizes and routing (used if `sparse`); `attention`: levanter's,
+        gpt-oss's "sinks" (biased projections, learned sinks) or DeepSeek's "latent" (of `latent`'s sizes)."""
         k_attn, k_mlp = jax.random.split(key)
-        if sinks:
+        if attention == "sinks":
             attention = SinkAttention.init(dataclasses.replace(config.attention_config(), use_bias=True), key=k_attn)
+        elif attention == "latent":
+            attention = LatentAttention.init(config.Embed, latent, key=k_attn)
         else:
             attention = Attention.init(config.attention_config(), key=k_attn)
         if sparse:
@@ -77,7 +88,7 @@ def levanter_config(hf: dict):
     Llama for Phi-3); the RoPE is engine.layers.rope's, so levanter's is left default."""
     kwargs = {k: v for k, v in hf.items() if k not in ("architectures", "transformers_version", "layer_types")}
     kwargs.update(rope_scaling=None, partial_rotary_factor=1.0)
-    if hf["model_type"] in ("phi3", "gpt_oss"):  # gpt-oss's attention biases are its layers' own (not its norms')
+    if hf["model_type"] in ("phi3", "gpt_oss", "deepseek_v3"):  # attention biases are the layers' own, not the norms'
         llama = {**kwargs, "model_type": "llama", "attention_bias": False, "mlp_bias": False}
         config = LlamaConfig.from_hf_config(AutoConfig.for_model(**llama))
         return dataclasses.replace(config, head_dim=hf.get("head_dim"))  # levanter's reader drops it
@@ -91,24 +102,50 @@ def init_model(hf: dict, Vocab: hax.Axis, *, key):
     if family == "phi3":
         return LlamaLMHeadModel.init(Vocab, config, key=key)
     k_model, k_layers = jax.random.split(key)
-    if family == "gpt_oss":
-        model, sparse, sinks = LlamaLMHeadModel.init(Vocab, config, key=k_model), [True] * config.num_layers, True
-        experts = {"Experts": hax.Axis(EXPERTS, hf["num_local_experts"]),
-                   "Mlp": hax.Axis(EXPERT_MLP, hf["intermediate_size"]),
-                   "routing": Routing(hf["num_experts_per_tok"], after_top_k=True), "router_bias": True,
-                   "biases": True, "swiglu_limit": hf.get("swiglu_limit", 7.0)}
-    else:
-        model, sparse, sinks = Qwen3LMHeadModel.init(Vocab, config, key=k_model), sparse_layers(hf), False
-        experts = {"Experts": hax.Axis(EXPERTS, hf["num_experts"]),
-                   "Mlp": hax.Axis(EXPERT_MLP, hf["moe_intermediate_size"]),
-                   "routing": Routing(hf["num_experts_per_tok"], normalize=hf.get("norm_topk_prob", False))}
+    base = Qwen3LMHeadModel if family == "qwen3_moe" else LlamaLMHeadModel
+    model, (sparse, experts, attention) = base.init(Vocab, config, key=k_model), _layers(hf)
     keys = shaped_rng_split(k_layers, config.num_layers)
+    kwargs = {"attention": attention, "latent": latent_sizes(hf) if attention == "latent" else None}
     if len(set(sparse)) == 1:
-        layers = Stacked.init(config.Layers, DecoderLayer)(config, sparse[0], experts, key=keys, sinks=sinks)
+        layers = Stacked.init(config.Layers, DecoderLayer)(config, sparse[0], experts, key=keys, **kwargs)
     else:
-        layers = BlockSeq([DecoderLayer.init(config, s, experts, key=k, sinks=sinks) for s, k in zip(sparse, keys)],
+        layers = BlockSeq([DecoderLayer.init(config, s, experts, key=k, **kwargs) for s, k in zip(sparse, keys)],
                           config.Layers, False)
     return eqx.tree_at(lambda m: m.transformer.layers, model, layers)
+
+
+def _layers(hf: dict) -> tuple[list[bool], dict, str]:
+    """(which layers are mixtures of experts, `MoE.init`'s options, the attention) of a family with experts."""
+    family, layers = hf["model_type"], hf["num_hidden_layers"]
+    if family == "gpt_oss":
+        return [True] * layers, {
+            "Experts": hax.Axis(EXPERTS, hf["num_local_experts"]), "Mlp": hax.Axis(EXPERT_MLP, hf["intermediate_size"]),
+            "routing": Routing(hf["num_experts_per_tok"], after_top_k=True), "router_bias": True, "biases": True,
+            "swiglu_limit": hf.get("swiglu_limit", 7.0)}, "sinks"
+    if family == "deepseek_v3":
+        dense = hf.get("first_k_dense_replace", 0)
+        routing = Routing(hf["num_experts_per_tok"], normalize=hf.get("norm_topk_prob", True), scoring="sigmoid",
+                          n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                          scaling=hf.get("routed_scaling_factor", 1.0))
+        return [i >= dense for i in range(layers)], {
+            "Experts": hax.Axis(EXPERTS, hf["n_routed_experts"]),
+            "Mlp": hax.Axis(EXPERT_MLP, hf["moe_intermediate_size"]), "routing": routing, "correction_bias": True,
+            "shared_mlp": hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0)}, "latent"
+    return sparse_layers(hf), {
+        "Experts": hax.Axis(EXPERTS, hf["num_experts"]), "Mlp": hax.Axis(EXPERT_MLP, hf["moe_intermediate_size"]),
+        "routing": Routing(hf["num_experts_per_tok"], normalize=hf.get("norm_topk_prob", False))}, "levanter"
+
+
+def latent_sizes(hf: dict) -> LatentSizes:
+    """DeepSeek's attention sizes and softmax scale (YaRN's mscale squared where `mscale_all_dim` says)."""
+    scaling = (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]) ** -0.5
+    rope = hf.get("rope_scaling") or {}
+    if rope.get("mscale_all_dim") and rope.get("factor", 1.0) > 1:
+        mscale = 0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1.0
+        scaling *= mscale * mscale
+    return LatentSizes(hf["num_attention_heads"], hf.get("q_lora_rank"), hf["kv_lora_rank"], hf["qk_nope_head_dim"],
+                       hf["qk_rope_head_dim"], hf["v_head_dim"], scaling, hf.get("rms_norm_eps", 1e-6),
+                       bool(hf.get("attention_bias")))
 
 
 def load(hf: dict, Vocab: hax.Axis, state_dict: dict):
@@ -132,7 +169,36 @@ def prepared(hf: dict, state_dict: dict) -> dict:
         return _phi3(hf, state_dict)
     if hf["model_type"] == "gpt_oss":
         return _gpt_oss(hf, state_dict)
+    if hf["model_type"] == "deepseek_v3":
+        return _deepseek(hf, state_dict)
     return state_dict
+
+
+def _deepseek(hf: dict, state_dict: dict) -> dict:
+    """DeepSeek's state dict without its multi-token-prediction layers (numbered from
+    `num_hidden_layers` on), and, where `rope_interleave` (the default), each RoPE part's dimensions
+    reordered from interleaved pairs to halves (evens then odds, as transformers reorders them before
+    rotating): the rows of q_b_proj (q_proj) and kv_a_proj_with_mqa that make them (a block-scaled
+    FP8 weight's RoPE rows lie within one block of rows, so its scales are unchanged); kv_b_proj's
+    weight by head (an FP8 one is widened before: it is read as a float weight)."""
+    layers, rope, nope = hf["num_hidden_layers"], hf["qk_rope_head_dim"], hf["qk_nope_head_dim"]
+    halves = np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
+    out = {}
+    for name, array in state_dict.items():
+        parts = name.split(".")
+        if len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= layers:
+            continue
+        if hf.get("rope_interleave", True) and parts[-1] == "weight" and parts[-2] in ("q_b_proj", "q_proj"):
+            head = nope + rope
+            rows = np.arange(array.shape[0]).reshape(-1, head)
+            array = array[np.concatenate([rows[:, :nope], rows[:, nope:][:, halves]], axis=1).reshape(-1)]
+        elif hf.get("rope_interleave", True) and parts[-2] == "kv_a_proj_with_mqa" and parts[-1] in ("weight", "bias"):
+            latent = hf["kv_lora_rank"]
+            array = array[np.concatenate([np.arange(latent), latent + halves])]
+        elif parts[-2:] == ["kv_b_proj", "weight"]:  # (heads, nope + v, latent): LatentAttention's absorbed weight
+            array = array.reshape(hf["num_attention_heads"], -1, array.shape[-1])
+        out[name] = array
+    return out
 
 
 def _gpt_oss(hf: dict, state_dict: dict) -> dict:

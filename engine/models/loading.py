@@ -35,7 +35,7 @@ from engine.formats.checkpoint_quantization import CheckpointQuantization, read_
 from engine.formats.safetensors_files import read_checkpoint
 from engine.formats.transformers_files import load_tokenizer
 from engine.layers.fp8 import FP8, dequantize_host, is_fp8
-from engine.layers.moe import from_levanter_mixtral
+from engine.layers.moe import MoE, from_levanter_mixtral
 from engine.layers.quantized_template import with_quantized_layers
 from engine.models import decoder
 
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 _FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": QwenConfig, "qwen3": Qwen3Config,
              "olmo2": Olmo2Config, "mixtral": MixtralConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3Config,
-             "qwen3_moe": Qwen3Config, "phi3": LlamaConfig, "gpt_oss": LlamaConfig}
+             "qwen3_moe": Qwen3Config, "phi3": LlamaConfig, "gpt_oss": LlamaConfig, "deepseek_v3": LlamaConfig}
 """levanter's config class of each family that engine.formats.checkpoint_config.SUPPORTED_FAMILIES names
 (for those engine.models.decoder assembles: the one its state dict is read with)."""
 
@@ -198,17 +198,25 @@ def inputs_first(model):
 
 
 def cast_floating(model, dtype):
-    """Cast every floating-point weight of `model` to `dtype`, but FP8 weights and their scales."""
+    """Cast every floating-point weight of `model` to `dtype`, but FP8 weights and their scales, and a
+    MoE's routing correction bias (DeepSeek's, float32 as its reference keeps it: it decides choices)."""
+    def kept(leaf) -> bool:
+        return is_fp8(leaf) or isinstance(leaf, (hax.NamedArray, MoE))
+
     def cast(leaf):
         if is_fp8(leaf):
             return leaf if leaf.bias is None else dataclasses.replace(leaf, bias=cast(leaf.bias))
+        if isinstance(leaf, MoE):
+            rest = dataclasses.replace(leaf, correction_bias=None)
+            rest = jax.tree_util.tree_map(cast, rest, is_leaf=lambda x: x is not rest and kept(x))
+            return dataclasses.replace(rest, correction_bias=leaf.correction_bias)
         if isinstance(leaf, hax.NamedArray):
             return hax.named(cast(leaf.array), leaf.axes)
         if eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != dtype:
             return leaf.astype(dtype)
         return leaf
 
-    return jax.tree_util.tree_map(cast, model, is_leaf=lambda x: is_fp8(x) or isinstance(x, hax.NamedArray))
+    return jax.tree_util.tree_map(cast, model, is_leaf=kept)
 
 
 def _hf_kwargs(hf_config: dict) -> dict:

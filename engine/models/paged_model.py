@@ -39,6 +39,7 @@ from haliax import NamedArray
 from haliax.nn.scan import BlockSeq
 
 from engine.backends.base import KV_AXES, Q_AXES, AttentionBackend, LayerAttention
+from engine.layers.latent_attention import LatentAttention
 from engine.layers.lora import LayerLora, LoraPool
 from engine.layers.moe import MoE
 from engine.layers.rope import Rope, rotate
@@ -227,12 +228,18 @@ def _adapted_mlp(mlp, h, lora: LayerLora):
 
 def _attention(attn, h, *, cache, index, rope, backend: AttentionBackend, step, variant: Variant,
                lora: Optional[LayerLora]):
-    q, k, v = _qkv(attn, h, rope, backend, lora)
-    scale = variant.query_scale or attn.config.scaling_factor or 1.0 / (q.resolve_axis("head_size").size ** 0.5)
+    if isinstance(attn, LatentAttention):  # DeepSeek's: its own projections around the backend's attention
+        q, k, v = attn.project(h, rope)
+        scale = attn.sizes.scaling
+    else:
+        q, k, v = _qkv(attn, h, rope, backend, lora)
+        scale = variant.query_scale or attn.config.scaling_factor or 1.0 / (q.resolve_axis("head_size").size ** 0.5)
     how = LayerAttention(scale, variant.attn_softcap, variant.sliding_window, variant.slides(index),
                          sinks=getattr(attn, "sinks", None))
     o, cache = backend.attend(cache, index, q.rearrange(Q_AXES), k.rearrange(KV_AXES), v.rearrange(KV_AXES),
                               how, step)
+    if isinstance(attn, LatentAttention):
+        return attn.output(o.astype(h.dtype)), cache
     o = o.flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(h.dtype)
     out = attn.o_proj(o, key=None)
     return (out if lora is None else lora.add("o_proj", out, o)), cache

@@ -230,6 +230,22 @@ def test_an_mxfp4_gpt_oss_split_over_four_devices_answers_as_transformers(checkp
     assert_greedy_parity(engine, reference)
 
 
+def test_deepseek_v3_split_over_four_devices_answers_as_transformers(checkpoint_factory):
+    """Latent attention at TP 4: each device holds a copy of the latent cache (one KV head a device)
+    and its 2 of the 8 query heads; the experts whole (2 a device), the shared MLP split as a dense
+    MLP; greedy tokens and logprobs are transformers'."""
+    model_dir = checkpoint_factory("deepseek_v3", **EIGHT_HEADS)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), tensor_parallel_size=4, **TIGHT))
+    runner = engine.executor.runner
+    layer = runner.model.layers[1]
+    assert layer.self_attn.kv_copies == 4
+    assert shard_shapes(layer.self_attn.kv_b_proj.array) == [(2, 32, 48)] * 4  # (heads, nope + v, latent)
+    assert shard_shapes(layer.mlp.experts.gate_proj.weight.array) == [(2, 128, 64)] * 4
+    assert shard_shapes(layer.mlp.shared.down_proj.weight.array) == [(16, 128)] * 4
+    assert shard_shapes(runner.cache.k) == [tuple(runner.cache.k.shape[:2]) + (1,) + tuple(runner.cache.k.shape[3:])] * 4
+    assert_greedy_parity(engine, model_dir)
+
+
 def test_a_llava_decoder_split_over_two_devices_places_images_as_on_one(tmp_path):
     """Image features (replicated beside the split decoder) go into the prompt as on one device:
     the greedy tokens of a prompt with two images equal transformers'."""

@@ -106,7 +106,8 @@ def make_checkpoint(
     gemma3: its text model; qwen3_moe: 8 experts of `intermediate_size` / 2, 2 a token, on every
     `decoder_sparse_step`-th layer, dense MLPs on the others; phi3: half of each head rotated, longrope's
     long factors past `longrope_from` tokens; gpt_oss: 4 experts of `intermediate_size` / 2, 2 a token,
-    sinks, sliding even layers, YaRN) with a tokenizer.
+    sinks, sliding even layers, YaRN; deepseek_v3: latent attention, a dense first layer, then 8 routed
+    experts in 4 groups and a shared one) with a tokenizer.
 
     `pad_tokenizer_vocab` pads the tokenizer to exactly `tokenizer_vocab` ids (see make_tokenizer).
 
@@ -167,6 +168,15 @@ def make_checkpoint(
             layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
             rope_scaling={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                           "original_max_position_embeddings": 64})
+    elif family == "deepseek_v3":  # latent attention (a 48-wide latent, 16 RoPE dims), YaRN with mscale; layer 0
+        # dense, the others 8 routed experts in 4 groups (2 groups, then 2 experts a token) and a shared one
+        config = transformers.DeepseekV3Config(
+            **common, q_lora_rank=48, kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+            n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=intermediate_size // 4,
+            num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, rope_theta=10000.0, rope_scaling={
+                "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
     elif family == "gemma2":  # windows of 16 tokens on even layers, soft-capped scores and logits
         config = transformers.Gemma2Config(**common, head_dim=hidden_size // num_heads, rope_theta=10000.0,
                                            sliding_window=16, query_pre_attn_scalar=12, attn_logit_softcapping=4.0,
@@ -181,7 +191,7 @@ def make_checkpoint(
         config = transformers.Olmo2Config(**common, rope_theta=10000.0)
     else:
         raise ValueError(f"unknown family {family!r}; use llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, phi3, "
-                         "gpt_oss, olmo2, gemma2 or gemma3")
+                         "gpt_oss, deepseek_v3, olmo2, gemma2 or gemma3")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     _randomize_biases(model, initializer_range)
@@ -202,6 +212,9 @@ def _randomize_biases(model, scale: float) -> None:
                 param.normal_(0.0, scale)
             elif name.endswith(".sinks"):
                 param.normal_(0.0, 1.0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias (a buffer, saved)
+                buffer.normal_(0.0, scale)
 
 
 def _patch_config_for_levanter(out: Path, family: str) -> None:

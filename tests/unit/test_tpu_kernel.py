@@ -53,12 +53,13 @@ def test_the_kernel_equals_the_reference_on_a_ragged_batch(interpreter_fixes, dt
                                atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_an_engine_running_the_kernel_answers_as_transformers_does(checkpoint_factory, interpreted_kernel,  # noqa: F811
                                                                    family):
     """Gemma 2: soft-capped scores, and its sliding layers chosen per layer of the scanned loop;
     Qwen3-MoE: q/k norms and experts around the kernel; gpt-oss: learned sinks (the kernel's copy
-    with sinks, engine/backends/tpu_sink_kernel.py) on sliding and full layers.
+    with sinks, engine/backends/tpu_sink_kernel.py) on sliding and full layers; DeepSeek-V3: its
+    absorbed latent attention as one KV head (the latent and the RoPE key) under every query head.
     (Other families give the kernel what Llama does; test_engine.py runs them on the tpu backend
     with its reference attention, which the kernel tests above hold the kernel to.)"""
     model_dir = checkpoint_factory(family)

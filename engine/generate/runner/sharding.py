@@ -31,6 +31,7 @@ from levanter.layers.attention import Attention
 
 from engine.formats.checkpoint_config import ModelInfo
 from engine.layers.fp8 import is_fp8
+from engine.layers.latent_attention import LatentAttention
 
 logger = logging.getLogger(__name__)
 
@@ -166,9 +167,14 @@ def to_mesh(tree, layout: TensorParallelLayout, mesh: Mesh):
 
 def repeat_kv_heads(model, repeats: int):
     """Every levanter `Attention` of `model` with each KV head repeated `repeats` times; query
-    heads regroup so that each still meets its own KV head (see the module docstring)."""
-    return jax.tree_util.tree_map(lambda m: _repeat_in_attention(m, repeats) if isinstance(m, Attention) else m,
-                                  model, is_leaf=lambda m: isinstance(m, Attention))
+    heads regroup so that each still meets its own KV head (see the module docstring). A latent
+    attention (DeepSeek's) keeps that many copies of its latent, one a device."""
+    def repeated(module):
+        if isinstance(module, LatentAttention):
+            return dataclasses.replace(module, kv_copies=module.kv_copies * repeats)
+        return _repeat_in_attention(module, repeats) if isinstance(module, Attention) else module
+
+    return jax.tree_util.tree_map(repeated, model, is_leaf=lambda m: isinstance(m, (Attention, LatentAttention)))
 
 
 def _repeat_in_attention(attn: Attention, r: int) -> Attention:
