@@ -28,11 +28,31 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 
 
 def dequantized(blocks: jax.Array, scales: jax.Array, dtype) -> jax.Array:
-    """[..., in blocks, 16] bytes and [..., in blocks] scales -> [..., in blocks * 32] values in `dtype`."""
+    """[..., in blocks, 16] bytes and [..., in blocks] scales -> [..., in blocks * 32] values in `dtype`
+    (float32 or bfloat16), made in `dtype` from the start: an e2m1 value is exact in either, and so is
+    its product with a power of two, whose bits are the scale byte moved into the exponent."""
     codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], BLOCK)
-    values = jnp.asarray(E2M1, jnp.float32)[codes]
-    values = jnp.ldexp(values, scales.astype(jnp.int32)[..., None] - 127)
-    return values.reshape(*blocks.shape[:-2], -1).astype(dtype)
+    values = e2m1(codes).astype(dtype)
+    return (values * power_of_two(scales, dtype)[..., None]).reshape(*blocks.shape[:-2], -1)
+
+
+def e2m1(codes: jax.Array) -> jax.Array:
+    """The bfloat16 value of each 4-bit code (sign, 2 exponent bits, 1 mantissa bit; exponent 0 is
+    0 or 0.5), built from bits elementwise: a table lookup becomes a one-hot product on TPUs, 16
+    values wide for every weight."""
+    codes = codes.astype(jnp.uint16)
+    exponent, mantissa = (codes >> 1) & 3, codes & 1
+    normal = ((exponent + 126) << 7) | (mantissa << 6)  # 2 ** (e - 1) * (1 + m / 2)
+    bits = jnp.where(exponent > 0, normal, mantissa * (126 << 7)) | ((codes >> 3) << 15)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def power_of_two(scales: jax.Array, dtype) -> jax.Array:
+    """2 ** (byte - 127) of E8M0 scale bytes (1..254), in `dtype` (float32 or bfloat16)."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bfloat16:
+        return jax.lax.bitcast_convert_type(scales.astype(jnp.uint16) << 7, jnp.bfloat16)
+    return jax.lax.bitcast_convert_type(scales.astype(jnp.uint32) << 23, jnp.float32).astype(dtype)
 
 
 class Mxfp4MoELinear(eqx.Module):
