@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 import equinox as eqx
 import haliax as hax
@@ -32,21 +33,14 @@ from engine.formats.checkpoint_quantization import CheckpointQuantization
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
-def scale_axes(axes: tuple[hax.Axis, ...], block: int) -> tuple[hax.Axis, ...]:
+def scale_axes(axes: tuple[hax.Axis, ...], block: int, parts: Optional[dict[str, int]] = None) -> tuple[hax.Axis, ...]:
     """The scales' axes for a weight's `axes` (its In or its Out) scaled in blocks of `block`
-    flattened values (0: all of them), as the module docstring says."""
+    flattened values (0: all of them), as the module docstring says; `parts`: how many parts the
+    serving layout may split each axis into (by name; absent: 1)."""
     *outer, inner = axes
     block = block or math.prod(ax.size for ax in axes)
-    f = math.gcd(block, inner.size, inner.size // _shards(inner.name))
+    f = math.gcd(block, inner.size, inner.size // (parts or {}).get(inner.name, 1))
     return (*outer, inner.resize(inner.size // f))
-
-
-def _shards(name: str) -> int:
-    """How many parts the context's axis mapping splits axis `name` into (1 outside a mesh)."""
-    try:
-        return hax.partitioning.physical_axis_size(name) or 1
-    except ValueError:  # no mesh
-        return 1
 
 
 def _block_index(axes: tuple[hax.Axis, ...], scaled: tuple[hax.Axis, ...], block: int) -> np.ndarray:
@@ -101,11 +95,14 @@ class Fp8Linear(eqx.Module):
     scale_name: str = eqx.field(static=True)
 
     @staticmethod
-    def like(linear: hnn.Linear, quantization: CheckpointQuantization) -> "Fp8Linear":
-        """An (all-zero) FP8 linear layer of `linear`'s axes, to be filled from a checkpoint."""
+    def like(linear: hnn.Linear, quantization: CheckpointQuantization,
+             parts: Optional[dict[str, int]] = None) -> "Fp8Linear":
+        """An (all-zero) FP8 linear layer of `linear`'s axes, to be filled from a checkpoint
+        (`parts`: `scale_axes`')."""
         In, Out = hax.axis_spec_to_tuple(linear.In), hax.axis_spec_to_tuple(linear.Out)
         lead = tuple(ax for ax in linear.weight.axes if ax not in In + Out)
-        scale = hax.zeros((*lead, *scale_axes(In, quantization.block[1]), *scale_axes(Out, quantization.block[0])))
+        scale = hax.zeros((*lead, *scale_axes(In, quantization.block[1], parts),
+                           *scale_axes(Out, quantization.block[0], parts)))
         return Fp8Linear(hax.zeros((*lead, *In, *Out), dtype=FP8), scale, linear.bias, In, Out, quantization.block,
                          quantization.scale_name)
 
@@ -155,10 +152,11 @@ class Fp8MoELinear(eqx.Module):
     scale_name: str = eqx.field(static=True)
 
     @staticmethod
-    def like(linear: hnn.MoELinear, quantization: CheckpointQuantization) -> "Fp8MoELinear":
+    def like(linear: hnn.MoELinear, quantization: CheckpointQuantization,
+             parts: Optional[dict[str, int]] = None) -> "Fp8MoELinear":
         lead = tuple(ax for ax in linear.weight.axes if ax not in (linear.In, linear.Out))
-        scale = hax.zeros((*lead, *scale_axes((linear.In,), quantization.block[1]),
-                           *scale_axes((linear.Out,), quantization.block[0])))
+        scale = hax.zeros((*lead, *scale_axes((linear.In,), quantization.block[1], parts),
+                           *scale_axes((linear.Out,), quantization.block[0], parts)))
         return Fp8MoELinear(hax.zeros((*lead, linear.In, linear.Out), dtype=FP8), scale, linear.bias, linear.Experts,
                             linear.In, linear.Out, linear.use_gmm, quantization.block, quantization.scale_name)
 

@@ -5,7 +5,7 @@ state-dict loader names them, so that the loader fills each from the checkpoint'
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import equinox as eqx
 import haliax.nn as hnn
@@ -19,19 +19,21 @@ from engine.layers.moe import ExpertMlps, MoE
 from engine.layers.mxfp4 import Mxfp4MoELinear
 
 
-def with_quantized_layers(model, quantization: CheckpointQuantization, quantized: Callable[[str], bool]):
+def with_quantized_layers(model, quantization: CheckpointQuantization, quantized: Callable[[str], bool],
+                          parts: Optional[dict[str, int]] = None):
     """`model` (a template: call under `eqx.filter_eval_shape`) with every layer that `quantized(its
     checkpoint name)` says the checkpoint holds quantized made the module that keeps its bytes, and
     the set of those names: FP8 linear layers and expert stacks (`Fp8Linear`, `Fp8MoELinear`), MXFP4
     expert stacks (`Mxfp4MoELinear`). An expert stack goes by its checkpoint name (stacked) or its
     first expert's. Routers stay float (a flipped choice costs more than their few bytes save). The
-    layers of a stack must agree."""
+    layers of a stack must agree. `parts`: how many parts the serving layout splits each axis into
+    (FP8 scales are never split within a block: engine.layers.fp8.scale_axes)."""
     names: set[str] = set()
 
     def linear(module, name):
         if isinstance(module, hnn.Linear) and quantization.method != "mxfp4" and quantized(name):
             names.add(name)
-            return Fp8Linear.like(module, quantization)
+            return Fp8Linear.like(module, quantization, parts)
         return module
 
     def experts(mlps: ExpertMlps, prefix):
@@ -45,7 +47,7 @@ def with_quantized_layers(model, quantization: CheckpointQuantization, quantized
             else:
                 continue
             mxfp4 = quantization.method == "mxfp4"
-            stacks[i] = Mxfp4MoELinear.like(stacks[i]) if mxfp4 else Fp8MoELinear.like(stacks[i], quantization)
+            stacks[i] = Mxfp4MoELinear.like(stacks[i]) if mxfp4 else Fp8MoELinear.like(stacks[i], quantization, parts)
         return _replaced(mlps, dict(zip(("gate_proj", "up_proj", "down_proj"), stacks)))
 
     def walk(tree, prefix):

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 from pathlib import Path
+from typing import Optional
 
 import equinox as eqx
 import haliax as hax
@@ -53,9 +54,10 @@ def resolve_dtype(dtype: str, info: ModelInfo) -> str:
     return info.dtype if dtype == "auto" else dtype
 
 
-def load_model(model_dir: str | Path, dtype: str):
+def load_model(model_dir: str | Path, dtype: str, parts: Optional[dict[str, int]] = None):
     """Load the levanter LM-head model for `model_dir` in `dtype` ("float32" or "bfloat16"); a
-    checkpoint's FP8 weights stay FP8 (engine.layers.fp8).
+    checkpoint's FP8 weights stay FP8 (engine.layers.fp8), their scales laid out for a split of
+    each axis into `parts[axis]` (the serving layout's `split_parts`).
 
     Call under the engine's mesh and axis mapping (`haliax.partitioning.set_mesh`,
     `haliax.axis_mapping`): levanter places the weights as the mapping splits them.
@@ -66,7 +68,7 @@ def load_model(model_dir: str | Path, dtype: str):
     quantization = read_quantization(hf_config)
     Vocab = hax.Axis("vocab", info.vocab_size)
     if quantization is not None:
-        model = _load_quantized(path, info, hf_config, quantization)
+        model = _load_quantized(path, info, hf_config, quantization, parts)
     elif info.family in decoder.FAMILIES:
         converter = HFCheckpointConverter(_FAMILIES[info.family], reference_checkpoint=path,
                                           tokenizer=load_tokenizer(path))
@@ -87,7 +89,8 @@ def load_model(model_dir: str | Path, dtype: str):
     return model, info
 
 
-def _load_quantized(path: str, info: ModelInfo, hf_config: dict, quantization: CheckpointQuantization):
+def _load_quantized(path: str, info: ModelInfo, hf_config: dict, quantization: CheckpointQuantization,
+                    parts: Optional[dict[str, int]]):
     """The model of a quantized checkpoint, read by engine.formats.safetensors_files (levanter's reader
     refuses its dtypes): each layer the checkpoint holds in FP8 or MXFP4 stays so
     (engine.layers.quantized_template), but an FP8 router's weight, which is widened to float here."""
@@ -102,7 +105,8 @@ def _load_quantized(path: str, info: ModelInfo, hf_config: dict, quantization: C
     names: set[str] = set()
 
     def build():
-        model, quantized = with_quantized_layers(_template(info, hf_config, Vocab), quantization, held.__contains__)
+        model, quantized = with_quantized_layers(_template(info, hf_config, Vocab), quantization, held.__contains__,
+                                                 parts)
         names.update(quantized)
         return model
 
@@ -117,11 +121,12 @@ def _load_quantized(path: str, info: ModelInfo, hf_config: dict, quantization: C
     return decoder.filled(template, tensors)
 
 
-def abstract_model(model_dir: str | Path, dtype: str, transform=lambda model: model):
+def abstract_model(model_dir: str | Path, dtype: str, transform=lambda model: model,
+                   parts: Optional[dict[str, int]] = None):
     """(`transform` of the levanter model `load_model` would load, as shapes and dtypes only,
     ModelInfo): built from config.json alone (no weights, no tokenizer, no memory), for planning
     and ahead-of-time compiling. Its arrays are jax.ShapeDtypeStructs; FP8 weights are those
-    the checkpoint's quantization_config names."""
+    the checkpoint's quantization_config names (`parts`: as `load_model`'s)."""
     info, hf_config = model_info(model_dir), read_hf_config(model_dir)
     quantization = read_quantization(hf_config)
     Vocab = hax.Axis("vocab", info.vocab_size)
@@ -129,7 +134,7 @@ def abstract_model(model_dir: str | Path, dtype: str, transform=lambda model: mo
     def build():
         model = _template(info, hf_config, Vocab)
         if quantization is not None:
-            model, _ = with_quantized_layers(model, quantization, quantization.quantizes)
+            model, _ = with_quantized_layers(model, quantization, quantization.quantizes, parts)
         return transform(inputs_first(cast_floating(model, jnp.dtype(dtype))))
 
     return eqx.filter_eval_shape(build), info

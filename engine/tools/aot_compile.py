@@ -166,7 +166,7 @@ def _sharded_model(config, layout, mesh, backend):
     scan = backend.scan_layers if config.scan_layers is None else config.scan_layers
     model, _ = abstract_model(config.model, resolve_dtype(config.dtype, info),
                               lambda m: serving_model(m, config.model, info, layout, scan,
-                                                      quantization=config.quantization))
+                                                      quantization=config.quantization), layout.split_parts)
     shardings = hax.partitioning.infer_resource_partitions(model, layout.axis_mapping, mesh=mesh)
     return jax.tree_util.tree_map(lambda a, s: _with_sharding(a, s or sharding.replicated(mesh)), model, shardings,
                                   is_leaf=lambda x: isinstance(x, hax.NamedArray))

@@ -69,12 +69,16 @@ def test_other_quantizations_are_refused_by_name_with_what_is_supported(config, 
 def test_scales_keep_the_weights_axes_with_the_innermost_blocked_as_finely_as_needed():
     """Blocks of 16 over heads of 8 values (a block spans two heads): one scale per head; blocks
     of 128 over an axis of 192 (DeepSeek's q heads): one per 64 (64 divides both); per channel
-    (block 0 over In): one per row of the outer In axes."""
+    (block 0 over In): one per row of the outer In axes; an axis the layout splits: whole blocks on
+    each device."""
     heads, head_dim = hax.Axis("heads", 4), hax.Axis("head_dim", 8)
     assert scale_axes((heads, head_dim), 16) == (heads, head_dim.resize(1))
     assert scale_axes((heads, hax.Axis("head_dim", 192)), 128) == (heads, hax.Axis("head_dim", 3))
     assert scale_axes((hax.Axis("embed", 64),), 0) == (hax.Axis("embed", 1),)
     assert scale_axes((heads, head_dim), 0) == (heads, head_dim.resize(1))
+    # DeepSeek-V3's MLP (18,432 = 144 blocks of 128) split 32 ways: one scale per 64 (9 a device's share)
+    assert scale_axes((hax.Axis("mlp", 18432),), 128, {"mlp": 32}) == (hax.Axis("mlp", 288),)
+    assert scale_axes((hax.Axis("mlp", 18432),), 128, {"embed": 32}) == (hax.Axis("mlp", 144),)
 
 
 @pytest.mark.parametrize("block", [(16, 32), (48, 40), (1, 0), (0, 0)])

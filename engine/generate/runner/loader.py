@@ -100,7 +100,7 @@ class ModelLoader:
             context = sharding.mesh_context(Mesh(np.array([host]).reshape(1, 1), self.mesh.axis_names), {})
             place = functools.partial(sharding.to_mesh, layout=layout, mesh=self.mesh)
         with context, jax.default_device(host):  # None: JAX's default device
-            model, info = load_model(config.model, self.dtype)
+            model, info = load_model(config.model, self.dtype, layout.split_parts)
             serving = serving_model(model, config.model, info, layout, self.scan_layers, place, config.quantization)
         lora_shape = LoraShape.of(serving.first_layer, info.num_layers, config.max_loras,
                                   config.max_lora_rank) if config.max_loras else None
@@ -123,7 +123,7 @@ class ModelLoader:
         layout = sharding.plan_layout(info, config.tensor_parallel_size, config.expert_parallel_size)
         place = functools.partial(sharding.place, layout=layout, mesh=self.mesh)
         with self._on_devices(load_mapping(layout)):
-            model, info = load_model(path, self.dtype)
+            model, info = load_model(path, self.dtype, layout.split_parts)
             serving = serving_model(model, path, info, layout, self.scan_layers, place, config.quantization)
         with self._on_devices(layout.axis_mapping):
             draft = self._prepared(serving)

@@ -132,7 +132,8 @@ def _served(config, path: str, info, tensor_parallel_size: int, dtype: str, byte
     `config` serves it over `tensor_parallel_size` devices."""
     layout = sharding.plan_layout(info, tensor_parallel_size, config.expert_parallel_size)
     model, _ = abstract_model(path, dtype, lambda m: serving_model(m, path, info, layout, True,
-                                                                  quantization=config.quantization))
+                                                                  quantization=config.quantization),
+                              layout.split_parts)
     shape = cache_shape(info, layout, config.page_size, 1, config.kv_cache_dtype or dtype)
     return (weight_bytes_per_device(model, layout.axis_mapping, sharding.MODEL_AXIS, layout.size),
             bytes_per_page(shape) // layout.size)

@@ -52,6 +52,14 @@ class TensorParallelLayout:
     """Whether the experts split over the devices whole (else each expert's MLP splits)."""
 
     @property
+    def split_parts(self) -> dict[str, int]:
+        """How many parts each axis this layout splits comes in, while loading or serving (the
+        experts' MLPs load split even where the experts serve split whole): what a checkpoint's
+        block-scaled weights lay their scales out for (engine.layers.fp8.scale_axes)."""
+        split = set(self.axis_mapping) | ({"expert_mlp"} if self.expert_parallel else set())
+        return {name: self.size for name in split}
+
+    @property
     def axis_mapping(self) -> dict[str, str]:
         if self.size == 1:
             return {}
