@@ -84,13 +84,19 @@ sizes may take: the rest is left to Mosaic's own temporaries."""
 def _vmem_bytes(pages: int, queries: int, page_size: int, combined_heads: int, q_heads: int, head_dim: int,
                 group: int, q_dtype, kv_dtype) -> int:
     """The kernel's VMEM for these blocks: the double-buffered KV block, the float32 accumulator,
-    the softmax's running max and sum (128 lanes each), the query and output blocks (double-buffered)."""
+    the softmax's running max and sum (128 lanes each), the query and output blocks (double-buffered),
+    and Mosaic's temporaries, which outgrow the rest with wide heads (DeepSeek's 576-wide latent): a
+    KV head's float32 scores over the block with their exponentials, and its keys and values read
+    out of the block's interleaved heads once more (compiled with libtpu: DeepSeek-V3's 128 pages
+    of one 640-lane head overflow the 16 MiB without them counted)."""
     kv_item, q_item = jnp.dtype(kv_dtype).itemsize, jnp.dtype(q_dtype).itemsize
     kv = 2 * pages * page_size * combined_heads * head_dim * kv_item
     acc = queries * q_heads * head_dim * 4
     softmax = 2 * (combined_heads // 2) * queries * group * 128 * 4
     q_and_out = 2 * 2 * queries * q_heads * head_dim * q_item
-    return kv + acc + softmax + q_and_out
+    scores = 2 * queries * group * pages * page_size * 4
+    head = 2 * pages * page_size * head_dim * kv_item
+    return kv + acc + softmax + q_and_out + scores + head
 
 
 def ragged_paged_attention(q: jax.Array, pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,

@@ -91,6 +91,10 @@ def test_blocks_that_would_overflow_the_scoped_vmem_are_halved():
     assert tpu_kernel._vmem_bytes(128, 32, 16, 16, 32, 128, 4, bf16, bf16) > tpu_kernel.VMEM_BUDGET
     assert tpu_kernel.block_sizes("TPU v5", bf16, bf16, 32, 16, 128, 16, 512, 256) == (64, 32)
     assert tpu_kernel._vmem_bytes(64, 32, 16, 16, 32, 128, 4, bf16, bf16) <= tpu_kernel.VMEM_BUDGET
+    # DeepSeek-V3 over 32 chips: one 576-wide latent head (640 lanes) under 4 query heads a chip; 128
+    # pages overflowed Mosaic's scoped VMEM when compiled (its per-head temporaries), 64 compile
+    assert tpu_kernel.block_sizes("TPU v5", bf16, bf16, 4, 2, 640, 16, 1, 512) == (64, 1)
+    assert tpu_kernel.block_sizes("TPU v5", bf16, bf16, 4, 2, 640, 16, 32, 512) == (64, 32)
 
 
 @pytest.mark.parametrize("kind, generation", [("TPU v4", 4), ("TPU v5 lite", 5), ("TPU v5", 5), ("TPU v6 lite", 6),
