@@ -162,9 +162,23 @@ def filled(template, state_dict: dict):
     return hax.shard(from_torch_compatible_state_dict(template, state_dict))
 
 
+def model_layers(hf: dict, state_dict: dict) -> dict:
+    """The state dict without the layers numbered from `num_hidden_layers` on (DeepSeek's
+    multi-token-prediction layers), which the model does not run."""
+    layers = hf["num_hidden_layers"]
+
+    def extra(name: str) -> bool:
+        parts = name.split(".")
+        return len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= layers
+
+    return {name: array for name, array in state_dict.items() if not extra(name)}
+
+
 def prepared(hf: dict, state_dict: dict) -> dict:
-    """The checkpoint's state dict under the names (and in the shapes) the family's modules read:
-    Phi-3's and gpt-oss's rearranged (`_phi3`, `_gpt_oss`), other families' as they are."""
+    """The checkpoint's state dict under the names (and in the shapes) the family's modules read
+    (`model_layers` only): Phi-3's, gpt-oss's and DeepSeek's rearranged (`_phi3`, `_gpt_oss`,
+    `_deepseek`), other families' as they are."""
+    state_dict = model_layers(hf, state_dict)
     if hf["model_type"] == "phi3":
         return _phi3(hf, state_dict)
     if hf["model_type"] == "gpt_oss":
@@ -175,19 +189,16 @@ def prepared(hf: dict, state_dict: dict) -> dict:
 
 
 def _deepseek(hf: dict, state_dict: dict) -> dict:
-    """DeepSeek's state dict without its multi-token-prediction layers (numbered from
-    `num_hidden_layers` on), and, where `rope_interleave` (the default), each RoPE part's dimensions
+    """DeepSeek's state dict with, where `rope_interleave` (the default), each RoPE part's dimensions
     reordered from interleaved pairs to halves (evens then odds, as transformers reorders them before
     rotating): the rows of q_b_proj (q_proj) and kv_a_proj_with_mqa that make them (a block-scaled
     FP8 weight's RoPE rows lie within one block of rows, so its scales are unchanged); kv_b_proj's
     weight by head (an FP8 one is widened before: it is read as a float weight)."""
-    layers, rope, nope = hf["num_hidden_layers"], hf["qk_rope_head_dim"], hf["qk_nope_head_dim"]
+    rope, nope = hf["qk_rope_head_dim"], hf["qk_nope_head_dim"]
     halves = np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
     out = {}
     for name, array in state_dict.items():
         parts = name.split(".")
-        if len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= layers:
-            continue
         if hf.get("rope_interleave", True) and parts[-1] == "weight" and parts[-2] in ("q_b_proj", "q_proj"):
             head = nope + rope
             rows = np.arange(array.shape[0]).reshape(-1, head)

@@ -66,35 +66,40 @@ def load_model(model_dir: str | Path, dtype: str, parts: Optional[dict[str, int]
     info = model_info(path)
     hf_config = read_hf_config(path)
     quantization = read_quantization(hf_config)
-    Vocab = hax.Axis("vocab", info.vocab_size)
     if quantization is not None:
         model = _load_quantized(path, info, hf_config, quantization, parts)
-    elif info.family in decoder.FAMILIES:
-        converter = HFCheckpointConverter(_FAMILIES[info.family], reference_checkpoint=path,
-                                          tokenizer=load_tokenizer(path))
-        model = decoder.load(hf_config, Vocab, converter.load_state_dict(path, jnp.dtype(dtype)))
     else:
-        converter = HFCheckpointConverter(_FAMILIES[info.family], reference_checkpoint=path,
-                                          tokenizer=load_tokenizer(path))
-        if info.family == "qwen2":
-            load = converter.load_state_dict
-            object.__setattr__(converter, "load_state_dict",
-                               lambda ref=None, dtype=None: _with_qwen2_biases(load(ref, dtype), hf_config))
-        lev_config = _levanter_config(info, hf_config)
-        model = converter.load_pretrained(lev_config.model_type, ref=path, config=lev_config,
-                                          resize_vocab_to_match_tokenizer=False, dtype=jnp.dtype(dtype))
+        model = _load_float(path, info, hf_config, dtype)
     model = _serving_layout(model, jnp.dtype(dtype))
     logger.info("loaded %s checkpoint %s (%d layers, %s%s)", info.family, path, info.num_layers, dtype,
-                "" if quantization is None else f", {quantization.method} FP8 weights")
+                "" if quantization is None else f", {quantization.method} weights kept quantized")
     return model, info
+
+
+def _load_float(path: str, info: ModelInfo, hf_config: dict, dtype: str):
+    """The model of a float checkpoint, read by levanter's converter: through levanter's own model
+    of the family, or filled into engine.models.decoder's."""
+    converter = HFCheckpointConverter(_FAMILIES[info.family], reference_checkpoint=path,
+                                      tokenizer=load_tokenizer(path))
+    if info.family in decoder.FAMILIES:
+        Vocab = hax.Axis("vocab", info.vocab_size)
+        return decoder.load(hf_config, Vocab, converter.load_state_dict(path, jnp.dtype(dtype)))
+    if info.family == "qwen2":
+        load = converter.load_state_dict
+        object.__setattr__(converter, "load_state_dict",
+                           lambda ref=None, dtype=None: _with_qwen2_biases(load(ref, dtype), hf_config))
+    lev_config = _levanter_config(info, hf_config)
+    return converter.load_pretrained(lev_config.model_type, ref=path, config=lev_config,
+                                     resize_vocab_to_match_tokenizer=False, dtype=jnp.dtype(dtype))
 
 
 def _load_quantized(path: str, info: ModelInfo, hf_config: dict, quantization: CheckpointQuantization,
                     parts: Optional[dict[str, int]]):
     """The model of a quantized checkpoint, read by engine.formats.safetensors_files (levanter's reader
     refuses its dtypes): each layer the checkpoint holds in FP8 or MXFP4 stays so
-    (engine.layers.quantized_template), but an FP8 router's weight, which is widened to float here."""
-    tensors = read_checkpoint(path)
+    (engine.layers.quantized_template), but an FP8 router's weight, which is widened to float here.
+    Layers the model does not run are dropped first (no host work is spent on them)."""
+    tensors = decoder.model_layers(hf_config, read_checkpoint(path))
     if quantization.method == "mxfp4":
         tensors = decoder.prepared(hf_config, tensors)
         held = {name.removesuffix(".blocks") for name in tensors if name.endswith(".blocks")}
