@@ -112,15 +112,14 @@ class Fp8Linear(eqx.Module):
         out = hax.dot(inputs, weight, axis=self.In, preferred_element_type=jnp.float32).astype(inputs.dtype)
         return out if self.bias is None else out + self.bias
 
-    def column_scales(self) -> tuple[jax.Array, int]:
-        """(f32[..., K / G, N], G): the scale of every output column (flattened Out, N of them) for
-        each group of G flattened input rows (K of them), as engine.backends.cpu's kernel reads them."""
+    def column_scales(self) -> jax.Array:
+        """f32[..., K / G, N]: the scale of every output column (flattened Out, N of them) for each
+        group of G flattened input rows (K of them), as engine.backends.cpu's kernel reads them."""
         ScaledIn, _ = self.scaled_axes()
         lead = tuple(ax for ax in self.weight.axes if ax not in self.In + self.Out)
         columns = repeated(self.scale, self.Out).rearrange((*lead, *ScaledIn, *self.Out)).array
         groups = math.prod(ax.size for ax in ScaledIn)
-        flat = columns.reshape(*(ax.size for ax in lead), groups, hax.axis_size(self.Out))
-        return flat, hax.axis_size(self.In) // groups
+        return columns.reshape(*(ax.size for ax in lead), groups, hax.axis_size(self.Out))
 
     def scaled_axes(self) -> tuple[tuple, tuple]:
         return (tuple(self.scale.resolve_axis(ax.name) for ax in self.In),

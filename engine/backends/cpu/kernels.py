@@ -173,7 +173,7 @@ class PackedLinear(eqx.Module):
         lead = tuple(ax for ax in linear.weight.axes if ax not in In + Out)
         w = linear.weight.rearrange((*lead, *In, *Out)).array
         w = w.reshape(*(ax.size for ax in lead), hax.axis_size(In), hax.axis_size(Out))
-        columns, _ = linear.column_scales()
+        columns = linear.column_scales()
         packed = hax.named(pack(w, w.dtype), (*lead, "panel", "in", "lane"))
         scales = hax.named(pack_scales(columns), (*lead, "panel", "group", "lane"))
         bias = None if linear.bias is None else linear.bias.astype(jnp.float32)
