@@ -52,10 +52,27 @@ def dequantized(q: np.ndarray, scales: np.ndarray, block: tuple[int, int]) -> np
     return q.astype(np.float32) * full
 
 
-def _read(path: Path) -> dict[str, np.ndarray]:
+def rewritten(model_dir: Path, out: Path, convert, quantization_config: dict) -> tuple[Path, Path]:
+    """(a copy of `model_dir` at `out` whose tensors `convert(name, array)` rewrites and whose
+    config.json carries `quantization_config`, the float32 copy transformers reads it as at
+    `out`-float). `convert` returns (the tensors it becomes: name -> (dtype name, array), its float32
+    value)."""
     from safetensors.numpy import load_file
 
-    return load_file(path)
+    reference = Path(f"{out}-float")
+    shutil.copytree(model_dir, out)
+    shutil.copytree(model_dir, reference)
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors, floats = {}, {}
+        for name, w in load_file(path).items():
+            written, floats[name] = convert(name, w)
+            tensors.update(written)
+        write_safetensors(out / path.name, tensors)
+        write_safetensors(reference / path.name, {name: ("F32", w) for name, w in floats.items()})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out, reference
 
 
 def make_fp8_checkpoint(model_dir: Path, out: Path, *, method: str = "fp8", block: tuple[int, int] = (16, 32),
@@ -66,31 +83,19 @@ def make_fp8_checkpoint(model_dir: Path, out: Path, *, method: str = "fp8", bloc
     "compressed-tensors" (`weight_scale` per tensor, channel or block, as `strategy` says)."""
     if method == "compressed-tensors":
         block = {"tensor": (0, 0), "channel": (1, 0), "block": block}[strategy]
-    reference = Path(f"{out}-float")
-    shutil.copytree(model_dir, out)
-    shutil.copytree(model_dir, reference)
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        tensors, floats = {}, {}
-        for name, w in _read(path).items():
-            linear = w.ndim == 2 and name.endswith(".weight") and "embed_tokens" not in name and "lm_head" not in name
-            if linear and (routers or not name.endswith("mlp.gate.weight")):
-                q, scales = quantized(w, block)
-                stem = name.removesuffix(".weight")
-                scale_name = "weight_scale_inv" if method == "fp8" else "weight_scale"
-                if method == "compressed-tensors" and strategy != "block":
-                    scales = scales.reshape(-1, 1) if strategy == "channel" else scales.reshape(1)
-                tensors[name] = ("F8_E4M3", q)
-                tensors[f"{stem}.{scale_name}"] = ("F32", scales)
-                floats[name] = dequantized(q, scales.reshape(-(-w.shape[0] // (block[0] or w.shape[0])), -1), block)
-            else:
-                tensors[name] = (_DTYPES[w.dtype], w)
-                floats[name] = w.astype(np.float32)
-        write_safetensors(out / path.name, tensors)
-        write_safetensors(reference / path.name, {name: ("F32", w) for name, w in floats.items()})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = quantization_config(method, block, strategy)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out, reference
+    scale_name = "weight_scale_inv" if method == "fp8" else "weight_scale"
+
+    def convert(name: str, w: np.ndarray):
+        linear = w.ndim == 2 and name.endswith(".weight") and "embed_tokens" not in name and "lm_head" not in name
+        if not linear or (not routers and name.endswith("mlp.gate.weight")):
+            return {name: (_DTYPES[w.dtype], w)}, w.astype(np.float32)
+        q, scales = quantized(w, block)
+        value = dequantized(q, scales, block)
+        if method == "compressed-tensors" and strategy != "block":
+            scales = scales.reshape(-1, 1) if strategy == "channel" else scales.reshape(1)
+        return {name: ("F8_E4M3", q), f"{name.removesuffix('.weight')}.{scale_name}": ("F32", scales)}, value
+
+    return rewritten(model_dir, out, convert, quantization_config(method, block, strategy))
 
 
 def quantization_config(method: str, block: tuple[int, int], strategy: str) -> dict:

@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 
-from tests.support.fp8_checkpoints import write_safetensors
+from tests.support.fp8_checkpoints import rewritten
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
@@ -37,25 +35,12 @@ def make_mxfp4_checkpoint(model_dir: Path, out: Path) -> tuple[Path, Path]:
     """(an MXFP4 copy of the float gpt-oss checkpoint `model_dir` at `out`, the float32 copy
     transformers reads it as at `out`-float): the experts' gate_up_proj [E, in, out] and down_proj
     as `_blocks` / `_scales` over their output rows, everything else as it is."""
-    from safetensors.numpy import load_file
+    def convert(name: str, w: np.ndarray):
+        if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            return {name: ("F32", w.astype(np.float32))}, w.astype(np.float32)
+        blocks, scales = quantized(np.swapaxes(w, -1, -2))
+        return ({f"{name}_blocks": ("U8", blocks), f"{name}_scales": ("U8", scales)},
+                np.swapaxes(dequantized(blocks, scales), -1, -2))
 
-    reference = Path(f"{out}-float")
-    shutil.copytree(model_dir, out)
-    shutil.copytree(model_dir, reference)
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        tensors, floats = {}, {}
-        for name, w in load_file(path).items():
-            floats[name] = w.astype(np.float32)
-            if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-                blocks, scales = quantized(np.swapaxes(w, -1, -2))
-                tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = ("U8", blocks), ("U8", scales)
-                floats[name] = np.swapaxes(dequantized(blocks, scales), -1, -2)
-            else:
-                tensors[name] = ("F32", w.astype(np.float32))
-        write_safetensors(out / path.name, tensors)
-        write_safetensors(reference / path.name, {name: ("F32", w) for name, w in floats.items()})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out, reference
+    return rewritten(model_dir, out, convert, {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
