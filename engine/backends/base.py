@@ -43,6 +43,14 @@ class CacheShape:
     head_dim: int
     dtype: Any
     """The dtype of the values (float32 or bfloat16); a backend may store them otherwise."""
+    values_are_keys: bool = False
+    """Each token's value is its key (latent attention's cached latent): the pool stores the keys
+    only, `attend` gets k and v the same and reads both from the one array."""
+
+    @property
+    def arrays(self) -> int:
+        """Arrays of `head_dim` a token and layer the pool stores: keys and values, or keys alone."""
+        return 1 if self.values_are_keys else 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +114,9 @@ class AttentionBackend:
         raise NotImplementedError
 
     def cache_bytes_per_page(self, shape: CacheShape) -> int:
-        """Bytes one page takes over all layers, all KV heads (keys and values)."""
+        """Bytes one page takes over all layers, all KV heads (keys and values, or keys alone)."""
         itemsize = jnp.dtype(self.storage_dtype(shape.dtype)).itemsize
-        return shape.num_layers * shape.page_size * shape.kv_heads * shape.head_dim * 2 * itemsize
+        return shape.num_layers * shape.page_size * shape.kv_heads * shape.head_dim * shape.arrays * itemsize
 
     def storage_dtype(self, dtype) -> jnp.dtype:
         return jnp.dtype(dtype)

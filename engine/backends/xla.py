@@ -9,8 +9,10 @@ and the page table's width (max_model_len) is no dimension of the program.
 The cache (`SplitKVCache`) keeps keys f[layer, page, kv_head, head_dim, slot] and values
 f[layer, page, kv_head, slot, head_dim]: a page is one contiguous block per head, so gathering a
 block of pages copies whole blocks, and keys keep the token position minor, as the score
-reduction wants it. Both are split on `kv_head` under tensor parallelism: every device attends
-with its own heads, and only the output projection's all-reduce crosses devices.
+reduction wants it. A cache whose values are its keys (`CacheShape.values_are_keys`: latent
+attention) keeps the values alone and reads the keys from them. Both are split on `kv_head` under
+tensor parallelism: every device attends with its own heads, and only the output projection's
+all-reduce crosses devices.
 """
 
 from __future__ import annotations
@@ -37,30 +39,39 @@ NEG_INF = -1e30
 
 
 class SplitKVCache(eqx.Module):
-    """Keys f[layer, page, kv_head, head_dim, slot] and values f[layer, page, kv_head, slot, head_dim]."""
+    """Keys f[layer, page, kv_head, head_dim, slot] (None: the values are the keys) and values
+    f[layer, page, kv_head, slot, head_dim]."""
 
-    k: jax.Array
+    k: jax.Array | None
     v: jax.Array
 
     @classmethod
     def zeros(cls, shape: CacheShape, dtype) -> "SplitKVCache":
         s = shape
-        k = jnp.zeros((s.num_layers, s.num_pages, s.kv_heads, s.head_dim, s.page_size), dtype)
+        k = None if s.values_are_keys else jnp.zeros((s.num_layers, s.num_pages, s.kv_heads, s.head_dim, s.page_size),
+                                                     dtype)
         v = jnp.zeros((s.num_layers, s.num_pages, s.kv_heads, s.page_size, s.head_dim), dtype)
         return cls(k, v)
 
     def write(self, layer, kv_dest: jax.Array, k: NamedArray, v: NamedArray) -> "SplitKVCache":
-        """Store each token's key and value at its flat slot `kv_dest` (page * page_size + slot)."""
-        page_size = self.k.shape[-1]
+        """Store each token's key and value at its flat slot `kv_dest` (page * page_size + slot);
+        where the values are the keys, `v` alone (it is `k`)."""
+        page_size = self.v.shape[-2]
         page, slot = kv_dest // page_size, kv_dest % page_size
-        k_arr = self.stored(k.rearrange(("position", "kv_head", "head_size")).array)
         v_arr = self.stored(v.rearrange(("position", "kv_head", "head_size")).array)
-        return dataclasses.replace(self, k=self.k.at[layer, page, :, :, slot].set(k_arr),
-                                   v=self.v.at[layer, page, :, slot].set(v_arr))
+        keys = self.k
+        if keys is not None:
+            k_arr = self.stored(k.rearrange(("position", "kv_head", "head_size")).array)
+            keys = keys.at[layer, page, :, :, slot].set(k_arr)
+        return dataclasses.replace(self, k=keys, v=self.v.at[layer, page, :, slot].set(v_arr))
+
+    @property
+    def page_size(self) -> int:
+        return self.v.shape[-2]
 
     def stored(self, x: jax.Array) -> jax.Array:
         """x as the cache stores it."""
-        return x.astype(self.k.dtype)
+        return x.astype(self.v.dtype)
 
 
 class XlaBackend(AttentionBackend):
@@ -105,11 +116,12 @@ def _paged_attention(q, cache: SplitKVCache, layer, tables, lens, first=None, so
     tokens, heads, _, dim = q.shape
 
     def read(pages):
-        k = cache.k[layer, pages].transpose(0, 2, 3, 1, 4).reshape(tokens, heads, dim, -1)
         v = cache.v[layer, pages].transpose(0, 2, 1, 3, 4).reshape(tokens, heads, -1, dim)
-        return k, v
+        if cache.k is None:  # the values are the keys
+            return v.transpose(0, 1, 3, 2), v
+        return cache.k[layer, pages].transpose(0, 2, 3, 1, 4).reshape(tokens, heads, dim, -1), v
 
-    return flash_paged_attention(q, read, cache.k.shape[-1], tables, lens, first, softcap, sinks)
+    return flash_paged_attention(q, read, cache.page_size, tables, lens, first, softcap, sinks)
 
 
 def flash_paged_attention(q, read, page_size: int, tables, lens, first=None, softcap=None, sinks=None):

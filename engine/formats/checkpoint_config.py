@@ -41,6 +41,9 @@ class ModelInfo:
     """The MLP size of one expert."""
     expert_block: int = 1
     """Values of an expert's MLP that split over devices only together (MXFP4's blocks of 32)."""
+    values_are_keys: bool = False
+    """The cached vector is each token's key and its value too (latent attention): the KV pool
+    stores one array of `head_dim` a token and layer, not two."""
     long_rope_from: Optional[int] = None
     """longrope (Phi-3): a sequence longer than this rotates with its long factors, all its tokens
     (engine.layers.rope; the scheduler recomputes one that grows past it). None: one RoPE."""
@@ -66,7 +69,8 @@ def model_info(model_dir: str | Path) -> ModelInfo:
         )
     heads = hf["num_attention_heads"]
     kv_heads, head_dim = hf.get("num_key_value_heads") or heads, hf.get("head_dim") or hf["hidden_size"] // heads
-    if family == "deepseek_v3":  # latent attention: one cached vector a token, the latent and the RoPE key
+    latent = family == "deepseek_v3"  # latent attention: one cached vector a token, the RoPE key and the latent
+    if latent:
         kv_heads, head_dim = 1, hf["kv_lora_rank"] + hf["qk_rope_head_dim"]
     return ModelInfo(
         family=family,
@@ -80,6 +84,7 @@ def model_info(model_dir: str | Path) -> ModelInfo:
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         eos_token_ids=_eos_ids(Path(model_dir), hf),
         dtype=declared_dtype(hf),
+        values_are_keys=latent,
         long_rope_from=_long_rope_from(hf),
         **_experts(hf),
     )

@@ -166,7 +166,7 @@ def test_the_tpu_backends_reference_attends_with_sinks(case):
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]])
 def test_the_tpu_backends_kernel_attends_with_sinks(interpreter_fixes, case):  # noqa: F811
-    """The Pallas kernel with sinks (engine.backends.tpu_sink_kernel) in TPU interpret mode, heads of
+    """The Pallas kernel with sinks (engine.backends.tpu_kernel_modified) in TPU interpret mode, heads of
     16 stored padded to 128 lanes, the window chosen per layer as in a scanned loop (a traced bool)."""
     backend = TpuBackend(single_device_mesh(), "model", interpret_as=SIMULATED_TPU)
     assert_steps_match(*run_two_steps(backend, Scenario(), **case))
@@ -234,7 +234,7 @@ for topology, tp in (("v5e:2x2", 4), ("v6e:2x2", 1)):
             q, p, l, i, c, n, scale=0.125, mesh=mesh, model_axis="model", device_kind=devices[0].device_kind,
             sliding_window=window, sinks=s)
         text = jax.jit(attend).lower(*args).compile().as_text()
-        assert "ragged_paged_attention_with_sinks_kernel" in text
+        assert "ragged_paged_attention_modified_kernel" in text
         print("compiled", devices[0].device_kind, "tp", tp, "window", window)
 """
 

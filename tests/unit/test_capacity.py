@@ -121,3 +121,19 @@ def test_a_draft_models_weights_and_keys_and_values_are_counted(tiny_dir, tmp_pa
         one_layer = memory_plan.plan(EngineConfig(model=str(draft_dir)), size, 2**20)
         assert plan.weight_bytes == WEIGHT_BYTES[size] + one_layer.weight_bytes
         assert plan.kv_bytes_per_page == PAGE_BYTES[size] + PAGE_BYTES[size] // 2
+
+
+def test_a_latent_attention_page_holds_one_vector_a_token_and_layer(tmp_path):
+    """DeepSeek-V3's cache: per token and layer the RoPE key and the latent (16 + 48 = 64 values
+    here), stored once (it is the key and the value), copied once per device under tensor
+    parallelism; not twice, as a model's separate keys and values are."""
+    config_json = dict(model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128,
+                       moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                       q_lora_rank=48, kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                       n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+                       first_k_dense_replace=1, max_position_embeddings=256, torch_dtype="bfloat16",
+                       eos_token_id=1, rms_norm_eps=1e-6)
+    (tmp_path / "config.json").write_text(json.dumps(config_json))
+    config = EngineConfig(model=str(tmp_path))
+    for size in (1, 2, 4):  # 3 layers x 16 tokens x 64 values x 2 bytes, one copy a device
+        assert memory_plan.plan(config, size, 2**22).kv_bytes_per_page == 3 * 16 * 64 * 2 == 6144

@@ -454,6 +454,37 @@ def test_paged_attention_with_sinks(page_size, group, dim, vector_width):
     assert np.abs(got[:, 0, 0]).max() < 1e-6 < np.abs(plain[:, 0, 0]).max(), "a sink of 30 takes all the weight"
 
 
+@pytest.mark.parametrize(("page_size", "group", "dim"), [(4, 3, 12), (16, 4, 72), (16, 13, 576), (8, 2, 32)])
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.uint16])
+def test_a_cache_whose_values_are_its_keys_is_read_from_one_array(page_size, group, dim, cache_dtype, vector_width):
+    """Latent attention's cache (k_all None): one array in the values' layout [layer, page, head,
+    slot, dim], each token's key and its value. Scalar (dim 12) and 8-lane dot products, 16-token
+    pages in pairs and alone, DeepSeek-V3's 576-wide latent with 13 heads per query; prompt runs
+    attend exactly as each query alone."""
+    rng = np.random.default_rng(page_size * group + dim)
+    layers, num_pages, heads, table_len = 2, 30, 1, 5
+    v_all = rng.standard_normal((layers, num_pages, heads, page_size, dim)).astype(np.float32)
+    if cache_dtype == jnp.uint16:
+        v_all = np.asarray(jnp.asarray(v_all).astype(jnp.bfloat16)).astype(np.float32)
+    stored = jnp.asarray(v_all) if cache_dtype == jnp.float32 else jax.lax.bitcast_convert_type(
+        jnp.asarray(v_all, jnp.bfloat16), jnp.uint16)
+    pages = rng.permutation(np.arange(1, num_pages))[: 3 * table_len].reshape(3, table_len).astype(np.int32)
+    lens = np.array([1, *range(page_size - 1, page_size + 2), 0, 2 * page_size + 3, table_len * page_size], np.int32)
+    rows = np.array([0, 1, 1, 1, 2, 2, 2], np.int32)
+    q = (rng.standard_normal((len(lens), heads, group, dim)) * dim ** -0.5).astype(np.float32)
+    attend = jax.jit(paged_attention, static_argnames="wide")
+    got = np.asarray(attend(jnp.asarray(q), None, stored, 1, jnp.asarray(pages), jnp.asarray(rows),
+                            jnp.asarray(lens), wide=vector_width))
+    keys = v_all.transpose(0, 1, 2, 4, 3)  # [layer, page, head, dim, slot]: the keys' own layout
+    want = _reference_attention(q, keys, v_all, 1, pages, rows, lens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    alone = np.concatenate([np.asarray(attend(jnp.asarray(q[s:s + 1]), None, stored, 1, jnp.asarray(pages),
+                                              jnp.asarray(rows[s:s + 1]), jnp.asarray(lens[s:s + 1]),
+                                              wide=vector_width)) for s in range(len(lens))])
+    np.testing.assert_array_equal(got, alone)
+    assert not got[4].any(), "padding (lens 0) gets zeros"
+
+
 def test_paged_attention_refuses_sinks_of_another_shape():
     q = jnp.zeros((1, 2, 3, 16), jnp.float32)
     kv = jnp.zeros((1, 2, 2, 16, 16), jnp.float32)

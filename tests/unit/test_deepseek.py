@@ -5,15 +5,21 @@ Tiny checkpoints, float and FP8, through the engine against transformers on ever
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
+from engine.backends.tpu import TpuBackend
 from engine.config import EngineConfig
 from engine.formats.checkpoint_config import model_info
 from engine.generate.engine import LLMEngine
+from engine.generate.runner import sharding
+from engine.generate.runner.kv_pool import cache_shape
 from engine.layers.fp8 import FP8
 from engine.layers.latent_attention import LatentAttention
 from engine.layers.moe import MoE
@@ -32,6 +38,25 @@ def test_the_cache_holds_the_latent_and_the_rope_key_once_a_token(deepseek):
     info = model_info(deepseek)
     assert (info.num_kv_heads, info.head_dim, info.num_heads) == (1, 64, 4)
     assert (info.num_experts, info.expert_intermediate_size) == (8, 32)
+
+
+def test_the_tpu_cache_holds_the_latent_once_a_token_and_layer(deepseek, tmp_path):
+    """DeepSeek-V3's sizes (61 layers, a 512-wide latent and a 64-wide RoPE key) on the tpu backend
+    built for the kernel, pages of 16 in bfloat16: one array of 576 values a token and layer, stored
+    in 640 lanes, 61 * 16 * 640 * 2 bytes a page; keys and values would take twice that."""
+    config = {**json.loads((deepseek / "config.json").read_text()), "num_hidden_layers": 61, "kv_lora_rank": 512,
+              "qk_rope_head_dim": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    info = model_info(tmp_path)
+    shape = cache_shape(info, sharding.plan_layout(info, 1), page_size=16, num_pages=3, dtype=jnp.bfloat16)
+    assert (shape.kv_heads, shape.head_dim, shape.values_are_keys) == (1, 576, True)
+    backend = TpuBackend(Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model")), "model",
+                         interpret_as="TPU v5 lite")
+    assert backend.cache_bytes_per_page(shape) == 61 * 16 * 1 * 640 * 2 == 1_249_280
+    assert backend.cache_bytes_per_page(dataclasses.replace(shape, values_are_keys=False)) == 2 * 1_249_280
+    cache = backend.init_cache(dataclasses.replace(shape, num_layers=2))
+    assert (cache.pages.shape, cache.pages.dtype, cache.values_are_keys) == ((2 * 3, 16, 1, 640), jnp.bfloat16, True)
+    assert cache.pages.nbytes == 3 * backend.cache_bytes_per_page(dataclasses.replace(shape, num_layers=2))
 
 
 def test_the_softmax_scale_takes_yarns_mscale_squared():
@@ -68,6 +93,9 @@ def test_deepseek_v3_answers_as_transformers(deepseek, backend, scan_layers):
     assert isinstance(layers[0].self_attn, LatentAttention) and not isinstance(layers[0].mlp, MoE)
     moe = layers[1].mlp
     assert isinstance(moe, MoE) and moe.shared is not None and moe.correction_bias.dtype == jnp.float32
+    if backend == "tpu":  # the latent and the RoPE key (48 + 16) once a token and layer: keys alone
+        cache = engine.executor.runner.cache
+        assert (cache.pages.shape[1:], cache.values_are_keys) == ((4, 1, 64), True)
     assert_greedy_parity(engine, deepseek)
 
 

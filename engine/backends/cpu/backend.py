@@ -12,7 +12,8 @@ on CPU. One device only: the FFI calls have no partitioning rule.
 - Attention: one kernel call per layer for the whole step, reading the pages in place. Every token
   is a query of its own (its row's page table, its own causal length), so causal prefill attention
   is decode attention with one query per token.
-- The cache has the xla backend's layout (`SplitKVCache`); a bfloat16 cache is stored as its
+- The cache has the xla backend's layout (`SplitKVCache`: values alone where they are the keys,
+  the kernel then scoring against the value rows); a bfloat16 cache is stored as its
   uint16 bits: XLA's CPU backend widens a bfloat16 scatter to float32 (converting the whole cache
   twice per layer and step); an integer scatter writes in place, and the kernel reads the bits as
   bfloat16.

@@ -22,7 +22,8 @@
 //    too, which cost more than the matmuls at batch 32 and ~20% of a 512-token prefill step.
 //    A run of a prompt's consecutive tokens is attended together, so that each key and value load
 //    feeds all their query heads. On CPUs with AVX-512 (and pages of 16 tokens) it runs on
-//    16-lane vectors: half the instructions per score and per value column.
+//    16-lane vectors: half the instructions per score and per value column. A cache whose values
+//    are its keys (latent attention's) is one array in the values' layout, scored row by row.
 //
 // 3. SwiGLU's gating, out = silu(g) * u elementwise, read from the fused gate/up matmul's output.
 //    Why: XLA runs this fusion on one thread; it took ~1.3 ms of a batch-32 decode step and ~14 ms
@@ -519,8 +520,9 @@ inline __m256 Exp8(__m256 x) {  // e^x for x <= 0; exactly 0 below -87
 
 struct AttnShape {
   int64_t heads, group, dim, page_size, pool_pages, table_len;
-  int64_t window;  // > 0: the sliding window
-  float softcap;   // > 0: the scores' soft-cap
+  int64_t window;       // > 0: the sliding window
+  float softcap;        // > 0: the scores' soft-cap
+  bool values_are_keys;  // the keys are the value rows [PS, D] (one array), not [D, PS] blocks
 };
 
 // Row stride of the scores buffer for n tokens: whole pages, rounded to a multiple of 8 (one register).
@@ -552,6 +554,33 @@ inline void ScoreBlock(const float* q, int64_t D, const T* kb, int64_t PS, float
   for (int v = 0; v < NV; ++v)
 #pragma GCC unroll 2
     for (int t = 0; t < NT; ++t) _mm256_storeu_ps(scores + v * ld + 8 * t, acc[v][t]);
+}
+
+inline float Sum8(__m256 x) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// scores[m, t] = q[m] . k[t] for the M query vectors at q (rows D apart) and the PS keys of a page
+// stored as rows, kb [PS, D] (a cache whose values are its keys). Dot products on 8 lanes where D % 8 == 0.
+template <typename T>
+inline void ScoreRows(const float* q, int64_t M, int64_t D, const T* kb, int64_t PS, float* scores, int64_t ld) {
+  for (int64_t t = 0; t < PS; ++t) {
+    const T* kt = kb + t * D;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* qm = q + m * D;
+      float score = 0.0f;
+      if (D % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qm + d), Load8(kt + d), acc);
+        score = Sum8(acc);
+      } else {
+        for (int64_t d = 0; d < D; ++d) score += qm[d] * ToFloat(kt[d]);
+      }
+      scores[m * ld + t] = score;
+    }
+  }
 }
 
 // out[v, d0:d0+16] = sum_t p[v, t] v[t, d0:d0+16] for NV query vectors over the n tokens of `table`'s pages.
@@ -665,6 +694,10 @@ void AttendVectors(const float* q, const QueryRun& run, const T* kpool, const T*
     // A row's pages lie scattered over the pool, 2 KiB blocks the hardware prefetcher does not see coming.
     if (t0 + PS < longest) Prefetch<3>(kpool + table[t0 / PS + 1] * page_stride, D * PS);  // next keys
     Prefetch<2>(vpool + table[t0 / PS] * page_stride, D * PS);  // values, for the second pass
+    if (a.values_are_keys) {
+      ScoreRows(q, M, D, kb, PS, scores + t0, padded);
+      continue;
+    }
     if (PS % 8 == 0) {
       for (int64_t t = 0; t < PS; t += 16) {
         const bool two = t + 16 <= PS;
@@ -818,6 +851,11 @@ WIDE_TARGET void AttendVectors16(const float* q, const QueryRun& run, const T* k
     if (pg + 3 < pages) Prefetch<3>(kpool + table[pg + 3] * page_stride, D * 16);
     Prefetch<2>(vpool + table[pg] * page_stride, D * 16);  // values, for the second pass
     if (two) Prefetch<2>(vpool + table[pg + 1] * page_stride, D * 16);
+    if (a.values_are_keys) {
+      ScoreRows(q, M, D, kb[0], 16, scores + pg * 16, padded);
+      if (two) ScoreRows(q, M, D, kb[1], 16, scores + pg * 16 + 16, padded);
+      continue;
+    }
     ForVectorBlocks<kMaxVectors16>(M, [&](int64_t v, auto nv) {
       if (two) ScorePages16<decltype(nv)::value, 2>(q + v * D, D, kb, scores + v * padded + pg * 16, padded);
       else ScorePages16<decltype(nv)::value, 1>(q + v * D, D, kb, scores + v * padded + pg * 16, padded);
@@ -899,12 +937,14 @@ void AttendAll(ffi::ThreadPool& pool, const AttnShape& a, int64_t queries, int64
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> rows,
                            ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> softcap,
-                           ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out, bool wide) {
+                           ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out, bool wide,
+                           bool values_are_keys) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = pages.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || kd[2] != qd[1] || kd[3] != qd[3] ||
+  const int64_t k_dim = kd.size() == 5 ? kd[values_are_keys ? 4 : 3] : -1;
+  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || kd[2] != qd[1] || k_dim != qd[3] ||
       rows.element_count() != qd[0] || lens.element_count() != qd[0] || v.dimensions().size() != 5) {
-    return ffi::Error::InvalidArgument("paged_attention: want q[S,H,G,D], k[layers,pages,H,D,PS], "
-                                       "pages[R,L], rows[S], lens[S]");
+    return ffi::Error::InvalidArgument("paged_attention: want q[S,H,G,D], k[layers,pages,H,D,PS] (values_are_keys: "
+                                       "[layers,pages,H,PS,D]), pages[R,L], rows[S], lens[S]");
   }
   if (k.element_type() != v.element_type()) {
     return ffi::Error::InvalidArgument("paged_attention: keys and values must have one dtype");
@@ -913,7 +953,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     return ffi::Error::InvalidArgument("paged_attention: want sinks[H,G] (or an empty array for none)");
   }
   const float* sp = sinks.element_count() == 0 ? nullptr : sinks.typed_data();
-  const AttnShape a{qd[1], qd[2], qd[3], kd[4], kd[1], td[1], window.typed_data()[0], softcap.typed_data()[0]};
+  const AttnShape a{qd[1], qd[2], qd[3], kd[values_are_keys ? 3 : 4], kd[1], td[1], window.typed_data()[0],
+                    softcap.typed_data()[0], values_are_keys};
   const int64_t layer_offset = layer.typed_data()[0] * a.pool_pages * a.heads * a.dim * a.page_size;
   const int32_t *tp = pages.typed_data(), *rp = rows.typed_data(), *lp = lens.typed_data();
   switch (k.element_type()) {
@@ -1031,7 +1072,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServePagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("wide"));
+                                  .Attr<bool>("wide")
+                                  .Attr<bool>("values_are_keys"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeSiluMul, SiluMul,
                               ffi::Ffi::Bind()

@@ -287,8 +287,8 @@ def _product(module, inputs: NamedArray) -> tuple[list[hax.Axis], jax.Array]:
     return batch, y if module.scale is None else y * module.scale.array
 
 
-def paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pages: jax.Array, rows: jax.Array,
-                    lens: jax.Array, window=0, softcap=None, sinks: jax.Array | None = None,
+def paged_attention(q: jax.Array, k_all: jax.Array | None, v_all: jax.Array, layer, pages: jax.Array,
+                    rows: jax.Array, lens: jax.Array, window=0, softcap=None, sinks: jax.Array | None = None,
                     wide: bool | None = None) -> jax.Array:
     """Softmax attention of each pre-scaled query over the first `lens` cached tokens of its
     sequence (a query is a decoding sequence's token or one prompt token); with `window` > 0 (an
@@ -296,7 +296,8 @@ def paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pag
     cap * tanh(scores / cap); with `sinks` f32[kv_head, group], query head (h, g) has the logit
     sinks[h, g] in its softmax's denominator (and no value).
 
-    q: f32[S, kv_head, group, head_dim]; k_all: [layer, page, kv_head, head_dim, slot]; v_all:
+    q: f32[S, kv_head, group, head_dim]; k_all: [layer, page, kv_head, head_dim, slot], or None
+    where the values are the keys (latent attention: the keys are read from v_all's rows); v_all:
     [layer, page, kv_head, slot, head_dim], both float32 or both bfloat16 (or bfloat16's uint16 bits;
     read as such, summed in float32); layer: i32 scalar; pages: i32[R, L] page tables; rows: i32[S]
     each query's page table; lens: i32[S] (0 for padding, which gets zeros); wide: 16-lane vectors
@@ -304,9 +305,10 @@ def paged_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, layer, pag
     Returns f32[S, kv_head, group, head_dim]."""
     call = jax.ffi.ffi_call("jax_serve_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     sinks = jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
-    return call(q, k_all, v_all, jnp.asarray(layer, jnp.int32), pages, rows, lens, jnp.asarray(window, jnp.int32),
+    keys = v_all if k_all is None else k_all
+    return call(q, keys, v_all, jnp.asarray(layer, jnp.int32), pages, rows, lens, jnp.asarray(window, jnp.int32),
                 jnp.asarray(0.0 if softcap is None else softcap, jnp.float32), sinks,
-                wide=wide_vectors() if wide is None else bool(wide))
+                wide=wide_vectors() if wide is None else bool(wide), values_are_keys=k_all is None)
 
 
 def wide_vectors() -> bool:

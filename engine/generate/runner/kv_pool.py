@@ -36,7 +36,7 @@ def cache_shape(info: ModelInfo, layout: sharding.TensorParallelLayout, page_siz
                 dtype) -> CacheShape:
     """The KV pool of a replica: every layer, the KV heads as the layout repeats them (all devices')."""
     return CacheShape(info.num_layers, num_pages, page_size, info.num_kv_heads * layout.kv_repeats, info.head_dim,
-                      jnp.dtype(dtype))
+                      jnp.dtype(dtype), info.values_are_keys)
 
 
 def pages_for_memory(free_bytes: int, fraction: float, bytes_per_page: int) -> int:

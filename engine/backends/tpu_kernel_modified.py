@@ -12,15 +12,25 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""JAX's Pallas ragged paged attention kernel with attention sinks (gpt-oss's).
+"""JAX's Pallas ragged paged attention kernel, modified for attention sinks
+(gpt-oss's) and for caches whose values are their keys (DeepSeek's latent).
 
 A modified copy of jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel
-(JAX 0.10.2). What changed: each query head has a learned sink logit (`sinks`,
-f32[num_q_heads], a fifth scalar prefetch); the flash recurrence starts every
-row's running max at its sink and its running sum at 1, where the original starts
-them at -inf and 0, so the softmax's denominator holds exp(sink - m) and the sink
-adds no value; the block sizes must be given (engine.backends.tpu_kernel picks
-them from the original's table). Everything else is the original's, unchanged.
+(JAX 0.10.2). What changed:
+- sinks (optional): each query head has a learned sink logit (`sinks`,
+  f32[num_q_heads], a sixth scalar prefetch); the flash recurrence starts every
+  row's running max at its sink and its running sum at 1, where the original
+  starts them at -inf and 0, so the softmax's denominator holds exp(sink - m) and
+  the sink adds no value. Without sinks the recurrence starts as the original's.
+- values_are_keys (static): the pages hold keys only, [total_num_pages,
+  page_size, num_kv_heads, head_dim] with one KV head (the only layout served:
+  the latent is copied once per device under tensor parallelism), not keys and
+  values interleaved; the kernel reads them as [total_num_pages, page_size,
+  head_dim], each block's keys are its values too (no strided K/V split), and the
+  KV block in VMEM is half the size.
+- the block sizes must be given (engine.backends.tpu_kernel picks them from the
+  original's table).
+Everything else is the original's, unchanged.
 """
 import functools
 
@@ -38,7 +48,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import (
 )
 
 
-def ragged_paged_attention_with_sinks_kernel(
+def ragged_paged_attention_modified_kernel(
     # Prefetch
     kv_lens_ref,  # [max_num_seqs]
     page_indices_ref,  # [max_num_seqs, pages_per_seq]
@@ -46,35 +56,48 @@ def ragged_paged_attention_with_sinks_kernel(
     seq_buf_idx_ref,
     # TODO(jevinjiang): if OOM in SMEM, consider pack to other scalar refs.
     num_seqs_ref,
-    sinks_ref,  # f32[num_q_heads]: each query head's sink logit
-    # Input
-    q_ref,  # [num_q_per_blk, num_q_heads_per_blk, head_dim]
-    kv_pages_hbm_ref,  # [total_num_pages, page_size, num_combined_kv_heads, head_dim]
-    # Output
-    o_ref,  # [num_q_per_blk, num_q_heads_per_blk, head_dim]
-    # Scratch
-    kv_bufs,  # [2, num_kv_pages_per_blk, page_size, num_combined_kv_heads_per_blk, head_dim]
-    sems,  # [2, 2]
-    l_ref,  # [num_kv_heads_per_blk, num_q_per_blk * num_q_heads_per_kv_head, 128]
-    m_ref,  # [num_kv_heads_per_blk, num_q_per_blk * num_q_heads_per_kv_head, 128]
-    acc_ref,  # [num_q_per_blk, num_q_heads_per_blk, head_dim]
-    *,
+    # *refs: with sinks, sinks_ref (f32[num_q_heads], each query head's sink
+    # logit, a prefetch), then:
+    #   Input
+    #   q_ref,  # [num_q_per_blk, num_q_heads_per_blk, head_dim]
+    #   kv_pages_hbm_ref,  # [total_num_pages, page_size, num_combined_kv_heads, head_dim]
+    #                      # values_are_keys: [total_num_pages, page_size, head_dim]
+    #   Output
+    #   o_ref,  # [num_q_per_blk, num_q_heads_per_blk, head_dim]
+    #   Scratch
+    #   kv_bufs,  # [2, num_kv_pages_per_blk, page_size, num_combined_kv_heads_per_blk, head_dim]
+    #             # values_are_keys: [2, num_kv_pages_per_blk, page_size, head_dim]
+    #   sems,  # [2, 2]
+    #   l_ref,  # [num_kv_heads_per_blk, num_q_per_blk * num_q_heads_per_kv_head, 128]
+    #   m_ref,  # [num_kv_heads_per_blk, num_q_per_blk * num_q_heads_per_kv_head, 128]
+    #   acc_ref,  # [num_q_per_blk, num_q_heads_per_blk, head_dim]
+    *refs,
     sm_scale: float,
+    with_sinks: bool,
+    values_are_keys: bool,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     mask_value: float | None = DEFAULT_MASK_VALUE,
     k_scale: float | None = None,
     v_scale: float | None = None,
 ):
+  sinks_ref = refs[0] if with_sinks else None
+  q_ref, kv_pages_hbm_ref, o_ref, kv_bufs, sems, l_ref, m_ref, acc_ref = (
+      refs[1:] if with_sinks else refs
+  )
   if mask_value is None:
     mask_value = DEFAULT_MASK_VALUE
   num_q_per_blk, num_q_heads_per_blk, head_dim = q_ref.shape
   pages_per_seq = page_indices_ref.shape[-1]
   num_seqs = num_seqs_ref[0]
-  _, num_kv_pages_per_blk, page_size, num_combined_kv_heads_per_blk, _ = (
-      kv_bufs.shape
-  )
-  num_kv_heads_per_blk = num_combined_kv_heads_per_blk // 2
+  if values_are_keys:  # one KV head, its keys only
+    _, num_kv_pages_per_blk, page_size, _ = kv_bufs.shape
+    num_combined_kv_heads_per_blk = num_kv_heads_per_blk = 1
+  else:
+    _, num_kv_pages_per_blk, page_size, num_combined_kv_heads_per_blk, _ = (
+        kv_bufs.shape
+    )
+    num_kv_heads_per_blk = num_combined_kv_heads_per_blk // 2
   num_kv_per_blk = num_kv_pages_per_blk * page_size
   num_q_heads_per_kv_head = num_q_heads_per_blk // num_kv_heads_per_blk
   heads_blk_idx, q_blk_idx = (
@@ -97,7 +120,7 @@ def ragged_paged_attention_with_sinks_kernel(
     metadata = (seq_idx, start_kv_page_idx, end_kv_page_idx)
     heads_start = heads_blk_idx * num_combined_kv_heads_per_blk
     async_copy_kv = MultiPageAsyncCopyDescriptor(
-        kv_pages_hbm_ref.at[
+        kv_pages_hbm_ref if values_are_keys else kv_pages_hbm_ref.at[
             :, :, pl.ds(heads_start, num_combined_kv_heads_per_blk), :
         ],
         kv_bufs.at[buf_idx],
@@ -222,7 +245,7 @@ def ragged_paged_attention_with_sinks_kernel(
         head_acc_ref,  # [num_q_per_blk, num_q_heads_per_kv_head, head_dim]
         *,
         kv_blk_idx,
-        sink,  # [num_q_per_blk * num_q_heads_per_kv_head, 128]: each row's sink
+        sink,  # [num_q_per_blk * num_q_heads_per_kv_head, 128] each row's sink, or None
     ):
       assert q.shape == (
           num_q_per_blk * num_q_heads_per_kv_head,
@@ -266,7 +289,10 @@ def ragged_paged_attention_with_sinks_kernel(
           lax.broadcasted_iota(jnp.int32, k.shape, 0) < kv_len - kv_len_start
       )
       k = jnp.where(kv_mask, k.astype(jnp.float32), 0).astype(k.dtype)
-      v = jnp.where(kv_mask, v.astype(jnp.float32), 0).astype(v.dtype)
+      if values_are_keys:  # the value is the key, masked once
+        v = k
+      else:
+        v = jnp.where(kv_mask, v.astype(jnp.float32), 0).astype(v.dtype)
 
       qk = (
           jnp.einsum("nd,md->nm", q, k, preferred_element_type=jnp.float32)
@@ -306,10 +332,14 @@ def ragged_paged_attention_with_sinks_kernel(
       l_curr = jnp.broadcast_to(
           s_curr.sum(axis=1, keepdims=True), lm_store_shape
       )
-      # The sink is a key with logit `sink` and no value: the running max starts
-      # at it and the running sum at exp(sink - sink) = 1.
-      m_prev = jnp.where(kv_blk_idx == 0, sink, head_m_ref[...])
-      l_prev = load_with_init(head_l_ref, 1.0)
+      if sink is None:  # the original's start
+        m_prev = load_with_init(head_m_ref, -jnp.inf)
+        l_prev = load_with_init(head_l_ref, 0.0)
+      else:
+        # The sink is a key with logit `sink` and no value: the running max
+        # starts at it and the running sum at exp(sink - sink) = 1.
+        m_prev = jnp.where(kv_blk_idx == 0, sink, head_m_ref[...])
+        l_prev = load_with_init(head_l_ref, 1.0)
       m_next = jnp.maximum(m_prev, m_curr)
       masked_store(
           head_m_ref, m_next, store_start, store_end, num_q_heads_per_kv_head
@@ -384,11 +414,14 @@ def ragged_paged_attention_with_sinks_kernel(
       )
       kv_packing = get_dtype_packing(kv_ref.dtype)
       # NOTE: kv_packing is divided by 2 because k and v are packed together.
-      kv_load_step = max(1, kv_packing // 2)
+      kv_load_step = 1 if values_are_keys else max(1, kv_packing // 2)
       for kv_head_chunk_idx in range(0, num_kv_heads_per_blk, kv_load_step):
-        k_list, v_list = strided_load_kv(
-            kv_ref, kv_head_chunk_idx * 2, num_combined_kv_heads_per_blk
-        )
+        if values_are_keys:  # the block is the one KV head's keys: its values too
+          k_list = v_list = [kv_ref[...]]
+        else:
+          k_list, v_list = strided_load_kv(
+              kv_ref, kv_head_chunk_idx * 2, num_combined_kv_heads_per_blk
+          )
         for step_idx in range(kv_load_step):
           k = k_list[step_idx]
           v = v_list[step_idx]
@@ -419,7 +452,7 @@ def ragged_paged_attention_with_sinks_kernel(
               kv_blk_idx=kv_blk_idx,
               sink=sink_rows(
                   heads_blk_idx * num_q_heads_per_blk + q_head_idx
-              ),
+              ) if with_sinks else None,
           )
       return kv_blk_idx + 1, next_buf_idx
 
@@ -456,9 +489,10 @@ def ragged_paged_attention_with_sinks_kernel(
         "soft_cap",
         "k_scale",
         "v_scale",
+        "values_are_keys",
     ],
 )
-def ragged_paged_attention_with_sinks(
+def ragged_paged_attention_modified(
     q: jax.Array,  # [max_num_batched_tokens, num_q_heads, head_dim]
     # TODO(jevinjiang): create a write_to_kv_cache kernel!
     kv_pages: jax.Array,  # [total_num_pages, page_size, num_combined_kv_heads, head_dim]
@@ -466,8 +500,9 @@ def ragged_paged_attention_with_sinks(
     page_indices: jax.Array,  # i32[max_num_seqs, pages_per_seq]
     cu_q_lens: jax.Array,  # i32[max_num_seqs + 1]
     num_seqs: jax.Array,  # i32[1]
-    sinks: jax.Array,  # f32[num_q_heads]
+    sinks: jax.Array | None = None,  # f32[num_q_heads]
     *,
+    values_are_keys: bool = False,
     sm_scale: float = 1.0,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
@@ -478,19 +513,22 @@ def ragged_paged_attention_with_sinks(
     num_queries_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
 ):
-  """Ragged paged attention that supports mixed prefill and decode, with a
-  learned sink logit per query head in every softmax's denominator.
+  """Ragged paged attention that supports mixed prefill and decode, optionally
+  with a learned sink logit per query head in every softmax's denominator, over
+  interleaved keys and values or keys that are their values.
 
   Args:
     q: concatenated all sequences' queries.
-    kv_pages: paged KV cache. Normally in HBM.
+    kv_pages: paged KV cache. Normally in HBM. values_are_keys: [total_num_pages,
+      page_size, 1, head_dim], each token's key, which is its value too.
     kv_lens: padded kv lengths. Only the first num_seqs values are valid.
     page_indices: the first index indicates which page to use in the kv cache
       for each sequence. Only the first num_seqs values are valid.
     cu_q_lens: the cumulative sum of the effective query lengths. Similar to
       kv_lens, only the first num_seqs+1 values are valid.
     num_seqs: the dynamic number of sequences.
-    sinks: each query head's sink logit (float32).
+    sinks: each query head's sink logit (float32), or None (no sinks).
+    values_are_keys: the pages hold one KV head's keys, its values too.
     sm_scale: the softmax scale which will be applied to the Q@K^T.
     sliding_window: the sliding window size for the attention.
     soft_cap: the logit soft cap for the attention.
@@ -506,9 +544,24 @@ def ragged_paged_attention_with_sinks(
   Returns:
     The output of the attention.
   """
+  if values_are_keys:
+    if kv_pages.shape[2] != 1:
+      raise ValueError(
+          "a cache whose values are its keys is served with one KV head per"
+          f" device (the latent, copied once a device), not {kv_pages.shape[2]}"
+      )
+    if v_scale is not None:
+      raise ValueError("the values are the keys: give k_scale, not v_scale")
+  kv_layout = (  # validated as the interleaved layout of the same heads
+      jax.ShapeDtypeStruct(
+          (*kv_pages.shape[:2], 2, kv_pages.shape[3]), kv_pages.dtype
+      )
+      if values_are_keys
+      else kv_pages
+  )
   static_validate_inputs(
       q,
-      kv_pages,
+      kv_layout,
       kv_lens,
       page_indices,
       cu_q_lens,
@@ -526,7 +579,7 @@ def ragged_paged_attention_with_sinks(
   if mask_value is None:
     mask_value = DEFAULT_MASK_VALUE
   num_q_tokens, num_q_heads, head_dim = q.shape
-  _, page_size, num_combined_kv_heads, _ = kv_pages.shape
+  _, page_size, num_combined_kv_heads, _ = kv_layout.shape
   assert num_combined_kv_heads % 2 == 0
   num_kv_heads = num_combined_kv_heads // 2
   _, pages_per_seq = page_indices.shape
@@ -537,7 +590,7 @@ def ragged_paged_attention_with_sinks(
   num_kv_pages_per_blk = num_kv_pages_per_block
   if num_q_per_blk is None or num_kv_pages_per_blk is None:
     raise ValueError("the block sizes are the caller's (engine.backends.tpu_kernel)")
-  if sinks.shape != (num_q_heads,):
+  if sinks is not None and sinks.shape != (num_q_heads,):
     raise ValueError(f"{sinks.shape=} must be ({num_q_heads},)")
   num_q_heads_per_kv_head = num_q_heads // num_kv_heads
   num_q_blks = pl.cdiv(num_q_tokens, num_q_per_blk)
@@ -574,7 +627,7 @@ def ragged_paged_attention_with_sinks(
           2,  # For double buffering during DMA copies.
           num_kv_pages_per_blk,
           page_size,
-          num_combined_kv_heads_per_blk,
+          *(() if values_are_keys else (num_combined_kv_heads_per_blk,)),
           head_dim,
       ),
       kv_pages.dtype,
@@ -592,12 +645,14 @@ def ragged_paged_attention_with_sinks(
       cu_q_lens,
       jnp.array((0, 0), jnp.int32),  # seq_idx, buf_idx
       num_seqs,
-      sinks.astype(jnp.float32),
+      *(() if sinks is None else (sinks.astype(jnp.float32),)),
   )
   kernel = pl.pallas_call(
       functools.partial(
-          ragged_paged_attention_with_sinks_kernel,
+          ragged_paged_attention_modified_kernel,
           sm_scale=sm_scale,
+          with_sinks=sinks is not None,
+          values_are_keys=values_are_keys,
           sliding_window=sliding_window,
           soft_cap=soft_cap,
           mask_value=mask_value,
@@ -619,7 +674,9 @@ def ragged_paged_attention_with_sinks(
           vmem_limit_bytes=vmem_limit_bytes,
       ),
       out_shape=jax.ShapeDtypeStruct(shape=q.shape, dtype=q.dtype),
-      name="ragged_paged_attention_with_sinks_kernel",
+      name="ragged_paged_attention_modified_kernel",
   )
 
+  if values_are_keys:  # the one head's keys: [total_num_pages, page_size, head_dim]
+    kv_pages = kv_pages.reshape(kv_pages.shape[:2] + kv_pages.shape[3:])
   return kernel(*scalar_prefetches, q, kv_pages)
