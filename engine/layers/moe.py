@@ -395,7 +395,8 @@ def dispatch_tiled(x: NamedArray, weights: NamedArray, chosen: NamedArray, exper
 
 def for_platform(model, platform: str):
     """`model` with every MoE set to run as suits `platform`: on "cpu", tile by tile, its bfloat16
-    expert weights held as their bits (`_product` widens them)."""
+    expert weights held as their bits (`_product` widens them), unless its grouped products are
+    fast there already (a backend's own modules, `runs_grouped`: engine.backends.cpu.packed_experts)."""
     def bits(linear):
         if isinstance(linear, hnn.MoELinear) and linear.weight.dtype == jnp.bfloat16:
             weight = linear.weight
@@ -404,7 +405,7 @@ def for_platform(model, platform: str):
         return linear
 
     def prepared(moe: MoE) -> MoE:
-        if platform != "cpu":
+        if platform != "cpu" or getattr(moe.experts.gate_proj, "runs_grouped", False):
             return moe
         experts = jax.tree_util.tree_map(bits, moe.experts, is_leaf=lambda m: isinstance(m, hnn.MoELinear))
         return dataclasses.replace(moe, experts=experts, tiled=True)

@@ -20,6 +20,7 @@ from engine.backends.cpu.kernels import (
     FusedLinear,
     PackedLinear,
     argmax,
+    grouped_matmul,
     matmul,
     pack,
     paged_attention,
@@ -307,6 +308,26 @@ def test_argmax_is_the_first_maximum(rows, vocab):
     got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
     assert got.dtype == np.int32 and got.shape == (rows,)
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+
+
+@pytest.mark.parametrize("sizes", [(1, 0, 1, 0, 0, 1), (0, 3, 0, 0, 5, 0), (20, 0, 1, 0, 30, 2), (0,) * 6])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("wide", WIDTHS)
+def test_grouped_matmul_multiplies_each_group_by_its_own_expert(sizes, dtype, wide):
+    """A mixture of experts' grouped product: rows grouped by expert (decode-sized groups sharing
+    one pass, groups past 16 rows one after another, empty groups, no rows at all), each group
+    times its own expert's weight read from the stack; the rows after the last group are zeros."""
+    rng = np.random.default_rng(sum(sizes))
+    experts, k, n = len(sizes), 64, 48
+    w = np.asarray(jnp.asarray(rng.standard_normal((experts, k, n)), dtype).astype(jnp.float32))
+    x = rng.standard_normal((sum(sizes) + 3, k)).astype(np.float32)
+    got = np.asarray(jax.jit(grouped_matmul, static_argnames="wide")(
+        jnp.asarray(x), pack(jnp.asarray(w), dtype), jnp.asarray(sizes, jnp.int32), wide=wide))
+    expert = np.repeat(np.arange(experts), sizes)
+    want = np.einsum("rk,rkn->rn", x[:len(expert)].astype(np.float64), w[expert].astype(np.float64))
+    assert got.shape == (len(x), n)
+    np.testing.assert_allclose(got[:len(expert)], want, rtol=1e-5, atol=1e-4)
+    assert not got[len(expert):].any(), "rows in no group get zeros"
 
 
 def _reference_attention(q, k_all, v_all, layer, pages, rows, lens, window=0, softcap=None, sinks=None):

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from engine.backends.cpu import kernels as cpu_kernels
+from engine.backends.cpu.packed_experts import PackedExperts
 from engine.config import EngineConfig
 from engine.formats.checkpoint_config import ModelInfo
 from engine.generate.engine import LLMEngine
@@ -93,6 +95,28 @@ def test_on_cpus_bfloat16_experts_are_held_as_bits_and_run_tile_by_tile():
     assert on_cpu.tiled and on_cpu.experts.gate_proj.weight.dtype == jnp.uint16
     on_tpu = for_platform(moe, "tpu")
     assert on_cpu.gate.weight.dtype == on_tpu.experts.gate_proj.weight.dtype == jnp.bfloat16 and not on_tpu.tiled
+    widened = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32) if isinstance(a, jax.Array) else a, moe)
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda m, x: m(x))(on_cpu, x).array),
+                               np.asarray(widened(x).array), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs the cpu kernels")
+@pytest.mark.parametrize("mlp", [16, 12])
+def test_packed_experts_run_grouped_on_the_kernel_or_tile_by_tile_beside_unpacked_ones(mlp):
+    """The cpu backend's expert stacks (PackedExperts): with every projection packed (an MLP of 16,
+    whole panels) the MoE dispatches grouped, each projection one kernel call; where the gate and up
+    projections cannot be packed (an MLP of 12) it runs tile by tile, the packed down projection read
+    expert by expert from its stack. Either way the output is the grouped products' on the same
+    bfloat16 weights widened to float32."""
+    Wide = Mlp.resize(mlp)
+    moe = MoE.init(Embed, Experts, Wide, Routing(2), hnn.silu, key=jax.random.PRNGKey(7))
+    moe = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16) if isinstance(a, jax.Array) else a, moe)
+    x = hax.random.normal(jax.random.PRNGKey(8), (Pos, Embed))
+    pack = lambda m: PackedExperts.from_moe_linear(m, jnp.bfloat16) if PackedExperts.packable(m) else m  # noqa: E731
+    packed = jax.tree_util.tree_map(pack, moe, is_leaf=lambda m: isinstance(m, hnn.MoELinear))
+    on_cpu = for_platform(packed, "cpu")
+    assert isinstance(on_cpu.experts.down_proj, PackedExperts)
+    assert on_cpu.tiled == (mlp == 12) and isinstance(on_cpu.experts.gate_proj, PackedExperts) == (mlp == 16)
     widened = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32) if isinstance(a, jax.Array) else a, moe)
     np.testing.assert_allclose(np.asarray(jax.jit(lambda m, x: m(x))(on_cpu, x).array),
                                np.asarray(widened(x).array), rtol=1e-5, atol=1e-5)
@@ -254,7 +278,11 @@ def test_qwen3_moe_answers_as_transformers(checkpoint_factory, scan_layers, back
     engine = LLMEngine(EngineConfig(model=str(model_dir), attention_backend=backend, scan_layers=scan_layers,
                                     **TIGHT))
     moe = engine.executor.runner.model.first_layer.mlp
-    assert isinstance(moe, MoE) and moe.tiled  # on CPUs, expert by expert (the grouped path: the tests above)
+    assert isinstance(moe, MoE)
+    if backend == "cpu":  # the kernels' grouped products, each expert's packed weight read in place
+        assert not moe.tiled and isinstance(moe.experts.down_proj, PackedExperts)
+    else:  # XLA on CPUs: expert by expert
+        assert moe.tiled
     assert_greedy_parity(engine, model_dir)
 
 

@@ -5,7 +5,9 @@ on CPU. One device only: the FFI calls have no partitioning rule.
   becomes a `PackedLinear` (16-column panels in the weights' dtype, streamed by a register-blocked
   matmul that widens bf16, int8 and float8 in registers; int8 weights' column scales multiply its
   output, float8 weights' block scales each weight as it loads); q/k/v and a SwiGLU MLP's gate/up
-  are fused into one `FusedLinear` each, so a layer makes four matmul calls instead of seven. Each
+  are fused into one `FusedLinear` each, so a layer makes four matmul calls instead of seven. A
+  mixture of experts' float expert weights become one `PackedExperts` stack per projection, each
+  grouped product one kernel call (engine.backends.cpu.packed_experts). Each
   product shape runs on the kernel or on XLA's dot (in the weights' dtype or in float32), whichever
   is fastest on this machine (engine.backends.cpu.matmul_choice); float8 weights on the kernel.
 - Activations are float32 whatever the weights' dtype (XLA's bf16 converts are slow on CPU).
@@ -46,6 +48,7 @@ from engine.backends.cpu.kernels import (
     unflatten_rows,
 )
 from engine.backends.cpu.matmul_choice import XLA_F32, XLA_PATHS, MatmulChooser, Product
+from engine.backends.cpu.packed_experts import PackedExperts
 from engine.backends.xla import SplitKVCache, XlaBackend
 from engine.layers.fp8 import Fp8Linear
 from engine.layers.quantize import Int8Embedding, Int8Linear
@@ -103,9 +106,12 @@ class CpuBackend(XlaBackend):
         (donated: the model's layers are not used again), so a weight kept in its own layout is
         the same buffer."""
         pack = lambda m: PackedLinear.from_linear(m, self.weight_dtype) if _packable(m) else m  # noqa: E731
+        pack_experts = lambda m: (PackedExperts.from_moe_linear(m, self.weight_dtype)  # noqa: E731
+                                  if PackedExperts.packable(m) else m)
 
         @functools.partial(eqx.filter_jit, donate="all")
         def packed_layer(layer):
+            layer = jax.tree_util.tree_map(pack_experts, layer, is_leaf=lambda m: isinstance(m, hnn.MoELinear))
             layer = _fuse(jax.tree_util.tree_map(pack, layer, is_leaf=_packable))
             return jax.tree_util.tree_map(lambda m: keep(m, rows["layers"]) if _is_packed(m) else m, layer,
                                           is_leaf=_is_packed)

@@ -25,6 +25,10 @@
 //    16-lane vectors: half the instructions per score and per value column. A cache whose values
 //    are its keys (latent attention's) is one array in the values' layout, scored row by row.
 //
+// 1b. Grouped matmul: a mixture of experts' products, rows grouped by expert, each group against its
+//    own expert's panels, read in place from the stack of every expert's (XLA on CPUs runs
+//    jax.lax.ragged_dot as a product over every expert, and widens bfloat16 weights whole).
+//
 // 3. SwiGLU's gating, out = silu(g) * u elementwise, read from the fused gate/up matmul's output.
 //    Why: XLA runs this fusion on one thread; it took ~1.3 ms of a batch-32 decode step and ~14 ms
 //    of a 512-token prefill step, and slicing g and u out of the fused output ~11 ms more.
@@ -481,6 +485,76 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
       break;
     }
     default: return ffi::Error::InvalidArgument("matmul: weights must be float32, bfloat16, int8 or float8 e4m3");
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouped matmul (a mixture of experts' products): x f32[R, K] holds rows grouped by expert, in
+// expert order, sizes[e] rows for expert e; y[r] = x[r] @ W_e for each row r of group e, reading
+// w T[E, N / 16, K, 16] (every expert's panels) in place; rows after the last group get zeros. Groups
+// of few rows (decoding) share one pass over the threads, each chunk one expert's panel range; larger
+// groups run one after another, each as the plain matmul runs it.
+
+template <typename T>
+void GroupedMatmulOf(ffi::ThreadPool& pool, const float* xp, const void* w, const int32_t* sizes, float* yp,
+                     int64_t experts, int64_t k, int64_t panels, bool wide) {
+  const T* wp = static_cast<const T*>(w);
+  const int64_t n = panels * kNR, threads = std::max<int64_t>(1, pool.num_threads());
+  std::vector<int64_t> start(experts + 1, 0);
+  int64_t widest = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    start[e + 1] = start[e] + std::max<int32_t>(sizes[e], 0);
+    widest = std::max<int64_t>(widest, start[e + 1] - start[e]);
+  }
+  if (!wide || widest <= kStreamRows) {
+    std::vector<int64_t> used;  // the experts with rows
+    for (int64_t e = 0; e < experts; ++e) {
+      if (start[e + 1] > start[e]) used.push_back(e);
+    }
+    const int64_t count = static_cast<int64_t>(used.size());
+    if (count == 0) return;
+    const int64_t chunks = std::max<int64_t>(1, std::min(panels, threads * 4 / count + 1));
+    const int64_t* up = used.data();
+    const int64_t* sp = start.data();
+    ParallelFor(pool, count * chunks, [=](int64_t c) {
+      const int64_t e = up[c / chunks], part = c % chunks, r0 = sp[e];
+      Panels<T>(xp + r0 * k, wp + e * panels * k * kNR, yp + r0 * n, sp[e + 1] - r0, k, n, panels * part / chunks,
+                panels * (part + 1) / chunks, Scales{});
+    });
+    return;
+  }
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t rows = start[e + 1] - start[e];
+    if (rows > 0) {
+      MatmulOf<T>(pool, xp + start[e] * k, wp + e * panels * k * kNR, yp + start[e] * n, rows, k, panels, wide);
+    }
+  }
+}
+
+ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> sizes,
+                         ffi::ResultBuffer<ffi::F32> y, bool wide) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[3] != kNR || wd[2] != xd[1] || sizes.element_count() != wd[0]) {
+    return ffi::Error::InvalidArgument("grouped_matmul: want x[R, K], w[E, N / 16, K, 16] and sizes[E]");
+  }
+  const int64_t r = xd[0], k = xd[1], panels = wd[1], experts = wd[0];
+  const int32_t* sp = sizes.typed_data();
+  int64_t grouped = 0;
+  for (int64_t e = 0; e < experts; ++e) grouped += std::max<int32_t>(sp[e], 0);
+  if (grouped > r) return ffi::Error::InvalidArgument("grouped_matmul: the groups hold more rows than x has");
+  float* yp = y->typed_data();
+  std::fill(yp + grouped * panels * kNR, yp + r * panels * kNR, 0.0f);
+  if (grouped == 0 || panels == 0) return ffi::Error::Success();
+  switch (w.element_type()) {
+    case ffi::F32:
+      GroupedMatmulOf<float>(pool, x.typed_data(), w.untyped_data(), sp, yp, experts, k, panels, wide);
+      break;
+    case ffi::BF16:
+      GroupedMatmulOf<uint16_t>(pool, x.typed_data(), w.untyped_data(), sp, yp, experts, k, panels, wide);
+      break;
+    default: return ffi::Error::InvalidArgument("grouped_matmul: weights must be float32 or bfloat16");
   }
   return ffi::Error::Success();
 }
@@ -1057,6 +1131,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeMatmul, Matmul,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("wide")
                                   .Attr<int64_t>("group"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServeGroupedMatmul, GroupedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("wide"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxServePagedAttention, PagedAttention,
                               ffi::Ffi::Bind()

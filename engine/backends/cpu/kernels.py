@@ -5,6 +5,8 @@
   per output column) and accumulates in float32, on 16-lane vectors for many-row products where
   the CPU has AVX-512. Many-row products may run on XLA's dot instead, over the plain matrix
   (`xla_matmul`).
+- `grouped_matmul`: a mixture of experts' products, rows grouped by expert, each group against its
+  own expert's packed weight read in place (XLA on CPUs runs a grouped product over every expert).
 - `paged_attention`: each query token against its sequence's pages, read in place from the KV pool
   (XLA would gather every row's pages into a padded copy first). A prompt token is a query with its
   own visible length, so the same kernel runs causal prefill attention; a prompt's consecutive
@@ -50,7 +52,8 @@ logger = logging.getLogger(__name__)
 PANEL = 16
 """Output columns per packed panel; a packable weight has N % PANEL == 0."""
 _SOURCE = Path(__file__).with_name("kernels.cc")
-_SYMBOLS = {"jax_serve_matmul": "JaxServeMatmul", "jax_serve_paged_attention": "JaxServePagedAttention",
+_SYMBOLS = {"jax_serve_matmul": "JaxServeMatmul", "jax_serve_grouped_matmul": "JaxServeGroupedMatmul",
+            "jax_serve_paged_attention": "JaxServePagedAttention",
             "jax_serve_silu_mul": "JaxServeSiluMul", "jax_serve_argmax": "JaxServeArgmax"}
 
 
@@ -81,6 +84,17 @@ def matmul(x: jax.Array, packed: jax.Array, layer=None, wide: bool | None = None
     return call(x.astype(jnp.float32), packed, jnp.asarray(0 if layer is None else layer, jnp.int32),
                 jnp.zeros((0,), jnp.float32) if scales is None else scales,
                 wide=wide_vectors() if wide is None else bool(wide), group=np.int64(group))
+
+
+def grouped_matmul(x: jax.Array, packed: jax.Array, group_sizes: jax.Array, wide: bool | None = None) -> jax.Array:
+    """A mixture of experts' grouped product: x f32[R, K] holds rows grouped by expert in expert order
+    (group_sizes i32[E] rows each), packed [E, N / 16, K, 16] every expert's panels (float32 or
+    bfloat16); returns f32[R, N], each row times its own expert's weight, zeros for the rows after
+    the last group. Each expert's panels are read in place, once for all its rows."""
+    call = jax.ffi.ffi_call("jax_serve_grouped_matmul",
+                            jax.ShapeDtypeStruct((x.shape[0], packed.shape[-3] * PANEL), jnp.float32))
+    return call(x.astype(jnp.float32), packed, group_sizes.astype(jnp.int32),
+                wide=wide_vectors() if wide is None else bool(wide))
 
 
 def pack_scales(scales: jax.Array) -> jax.Array:
