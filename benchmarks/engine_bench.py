@@ -46,21 +46,31 @@ from engine.generate.engine import LLMEngine
 from engine.generate.request import Grammar, SamplingParams
 
 SHAPES = {
-    "bench-110m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048,
-                       vocab_size=32000),
-    "llama-3.2-1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
-                         vocab_size=128256, tie_word_embeddings=True),
+    "bench-110m": dict(family="llama", hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4,
+                       intermediate_size=2048, vocab_size=32000),
+    "llama-3.2-1b": dict(family="llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                         intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
+    # A Qwen3-MoE of ~1.0B total / ~0.2B active parameters (64 experts of 384, 8 a token), and a dense
+    # Qwen3 of the same active size (an MLP of 8 x 384).
+    "qwen3-moe-1b": dict(family="qwen3_moe", hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4,
+                         intermediate_size=3072, num_experts=64, experts_per_token=8, expert_intermediate_size=384,
+                         vocab_size=32000),
+    "qwen3-0.2b": dict(family="qwen3", hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4,
+                       intermediate_size=3072, vocab_size=32000),
 }
-DEFAULT_PATHS = {"bench-110m": "bench-llama", "llama-3.2-1b": "bench-llama-3.2-1b"}
+DEFAULT_PATHS = {"bench-110m": "bench-llama", "llama-3.2-1b": "bench-llama-3.2-1b", "qwen3-moe-1b": "bench-qwen3-moe",
+                 "qwen3-0.2b": "bench-qwen3-0.2b"}
 
 
-def bench_checkpoint(path: Path, shape: str) -> Path:
-    """A random Llama of `shape` (bf16 safetensors), made on first use."""
+def bench_checkpoint(path: Path, shape: str, **extra) -> Path:
+    """A random model of `shape` (bf16 safetensors), made on first use; `extra`: more of
+    tests.support.tiny_models.make_checkpoint's arguments."""
     if not (path / "config.json").is_file():
         from tests.support import tiny_models
 
-        tiny_models.make_checkpoint(path, "llama", **SHAPES[shape], max_position_embeddings=2048,
-                                    initializer_range=0.02, dtype="bfloat16")
+        sizes = dict(SHAPES[shape])
+        tiny_models.make_checkpoint(path, sizes.pop("family"), **sizes, max_position_embeddings=2048,
+                                    initializer_range=0.02, dtype="bfloat16", **extra)
     return path
 
 

@@ -101,10 +101,14 @@ def make_checkpoint(
     decoder_sparse_step: int = 1,
     norm_topk_prob: bool = True,
     longrope_from: int = 32,
+    num_experts: int = 8,
+    experts_per_token: int = 2,
+    expert_intermediate_size: int | None = None,
 ) -> Path:
     """Write a random `family` checkpoint (llama, qwen2, qwen3, mistral, mixtral, olmo2, gemma2,
-    gemma3: its text model; qwen3_moe: 8 experts of `intermediate_size` / 2, 2 a token, on every
-    `decoder_sparse_step`-th layer, dense MLPs on the others; phi3: half of each head rotated, longrope's
+    gemma3: its text model; qwen3_moe: `num_experts` experts of `expert_intermediate_size` (default
+    `intermediate_size` / 2), `experts_per_token` a token, on every `decoder_sparse_step`-th layer,
+    dense MLPs on the others; phi3: half of each head rotated, longrope's
     long factors past `longrope_from` tokens; gpt_oss: 4 experts of `intermediate_size` / 2, 2 a token,
     sinks, sliding even layers, YaRN; deepseek_v3: latent attention, a dense first layer, then 8 routed
     experts in 4 groups and a shared one) with a tokenizer.
@@ -151,8 +155,9 @@ def make_checkpoint(
                                             num_experts_per_tok=2)
     elif family == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(
-            **common, head_dim=hidden_size // num_heads, rope_theta=10000.0, use_sliding_window=False, num_experts=8,
-            num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 2, norm_topk_prob=norm_topk_prob,
+            **common, head_dim=hidden_size // num_heads, rope_theta=10000.0, use_sliding_window=False,
+            num_experts=num_experts, num_experts_per_tok=experts_per_token,
+            moe_intermediate_size=expert_intermediate_size or intermediate_size // 2, norm_topk_prob=norm_topk_prob,
             decoder_sparse_step=decoder_sparse_step, mlp_only_layers=[])
     elif family == "phi3":  # Phi-4-mini's half-rotated heads; Phi-3-128k's longrope
         rotated = hidden_size // num_heads // 2

@@ -259,7 +259,7 @@ def test_compare_sends_new_prompts_in_each_repeated_sweep(stub_server):
 
     base_url, stub = stub_server
     args = argparse.Namespace(input_len=8, output_len=4, num_prompts=2, concurrencies=[2], seed=0, warmup_requests=1,
-                              disable_tqdm=True)
+                              disable_tqdm=True, model_name="bench-llama")
     sent = []
     for repeat in range(2):
         stub.bodies.clear()
