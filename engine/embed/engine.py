@@ -2,7 +2,8 @@
 
     EmbeddingEngine(config).embed([[101, 7592, 102], [101, 102]]) -> np.ndarray [2, dimensions]
 
-A BERT-family sentence-transformers checkpoint (engine.models.encoder) on one device. A batch is
+A sentence-transformers checkpoint (engine.models.sentence_transformer: BERT, XLM-RoBERTa,
+EmbeddingGemma, Qwen3-Embedding; or a plain checkpoint of those families) on one device. A batch is
 sorted by length and cut into groups, each padded into a shape bucket (`EmbedBuckets`: powers of
 two of rows and of positions) that compiles once, where the cuts waste the least padding; padding
 is masked, so a row's embedding does not depend on its batch. All groups of a call are dispatched
@@ -11,7 +12,7 @@ before the engine returns and the rest in the background (engine.compiler); unti
 in, a batch is laid over the ready buckets only.
 
 Of `EngineConfig` it reads `model`, `dtype`, `max_model_len` (None: sentence_bert_config.json's
-max_seq_length, else the model's max_position_embeddings), `max_num_seqs` (rows per program),
+max_seq_length, else the positions the model numbers), `max_num_seqs` (rows per program),
 `max_num_batched_tokens` (padded tokens per program, beyond one row of max_model_len), `warmup`
 and `compilation_cache_dir`. The caller never touches jax: numpy in and out. Not thread-safe
 except `validate`; engine.embed.driver runs it on one thread.
@@ -29,7 +30,7 @@ from engine.compiler import StepCompiler
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.ladder import ladder
-from engine.models import encoder
+from engine.models import sentence_transformer
 from engine.one_device import OneDeviceEngine
 
 MIN_LENGTH_BUCKET = 16
@@ -119,26 +120,28 @@ class EmbeddingEngine(OneDeviceEngine):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self.config = config
-        checkpoint = encoder.read_checkpoint(config.model)
+        checkpoint = sentence_transformer.read_checkpoint(config.model)
         model_config = checkpoint.config
         self.pooling = checkpoint.pooling
         self.dtype = model_config.dtype if config.dtype == "auto" else config.dtype
-        self.max_model_len = config.max_model_len or checkpoint.max_seq_length or model_config.max_position_embeddings
-        if self.max_model_len > model_config.max_position_embeddings:
+        self.max_model_len = config.max_model_len or checkpoint.max_seq_length or model_config.max_positions
+        if self.max_model_len > model_config.max_positions:
+            offset = model_config.max_position_embeddings - model_config.max_positions
+            less = f" less its position offset {offset}" if offset else ""
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
-                             f"{model_config.max_position_embeddings}; lower max_model_len")
+                             f"{model_config.max_position_embeddings}{less}; lower max_model_len")
         self.vocab_size = model_config.vocab_size
         self.dimensions = checkpoint.dimensions
         self.max_batch_size = config.max_num_seqs
         """Rows of one compiled program; AsyncEmbedder merges callers up to this many inputs."""
         self.buckets = EmbedBuckets(config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens)
-        model = encoder.load_encoder(checkpoint, self.dtype)
+        model = sentence_transformer.load_model(checkpoint, self.dtype)
         # the model travels as its flat list of arrays: flattening equinox modules per call is slow
         self._weights, treedef = jax.tree_util.tree_flatten(model)
 
         @jax.jit
         def program(weights, tokens, mask):
-            return encoder.embed(jax.tree_util.tree_unflatten(treedef, weights), tokens, mask, self.pooling)
+            return sentence_transformer.embed(jax.tree_util.tree_unflatten(treedef, weights), tokens, mask)
 
         self._program = program
         self.compiler = StepCompiler(self.buckets.compile_order(), self._compile, lambda b: f"({b[0]} rows x {b[1]})")

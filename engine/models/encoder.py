@@ -1,31 +1,28 @@
-"""A BERT-family sentence encoder in haliax + equinox: the model behind `/v1/embeddings`.
-
-Reads a sentence-transformers checkpoint directory:
-  * modules.json: a `Transformer` module (a Hugging Face `BertModel`: config.json and safetensors
-    weights, in the module's path, usually the root), a `Pooling` module (its folder's config.json)
-    and optionally a `Normalize` module. Without modules.json the model is pooled as
-    sentence-transformers pools a plain Hugging Face checkpoint: the mean of its tokens, unnormalised.
-  * sentence_bert_config.json: `max_seq_length`, the longest input the model was trained for.
+"""BERT-family encoders in haliax + equinox: BERT (`bert`) and XLM-RoBERTa (`xlm-roberta`: bge-m3,
+multilingual-e5), the transformer under a sentence-transformers embedder
+(engine.models.sentence_transformer) or a cross-encoder.
 
 The forward pass is BERT's: word + position + token-type-0 embeddings and a LayerNorm, then
 engine.layers.transformer's encoder layers, post-norm (bidirectional self-attention and a GELU
 feed-forward block, each followed by a residual LayerNorm), q scaled before its dot with the keys.
-Padding is masked out of attention and pooling, so a row's embedding does not depend on what else
-shares its batch or how far it is padded.
+XLM-RoBERTa differs only in its positions: transformers' create_position_ids_from_input_ids numbers
+the tokens that are not the padding id from padding_idx + 1 on (a padding id keeps padding_idx), so
+`max_position_embeddings - padding_idx - 1` tokens fit. Padding is masked out of attention, so a
+row's states do not depend on what else shares its batch or how far it is padded.
+
+`hidden_states(model, tokens, mask)` is the whole forward: token ids and mask [batch, position] ->
+the last layer's states [batch, position, embed].
 
 Named axes: "batch", "vocab" and the layers' ("position", "key_position", "embed", ...). Weights are
 stored (In..., Out...), as `loading.inputs_first` lays out the decoder's, so no call transposes a
-weight. In bfloat16, the LayerNorm statistics, the softmax and the pooling run in float32; the
-output is always float32.
+weight. In bfloat16, the LayerNorm statistics and the softmax run in float32.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
-from typing import Optional
 
 import equinox as eqx
 import haliax as hax
@@ -35,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file
 
-from engine.formats.checkpoint_config import declared_dtype, read_hf_config
+from engine.formats.checkpoint_config import declared_dtype
 from engine.layers.transformer import (
     EncoderLayer,
     EncoderSizes,
@@ -51,86 +48,38 @@ from engine.layers.transformer import (
 logger = logging.getLogger(__name__)
 
 Batch = "batch"
+FAMILIES = ("bert", "xlm-roberta")
+"""config.json model types served here."""
 _ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 """BERT's `hidden_act` values served (plain `gelu` is erf's GELU, the two others its tanh approximation)."""
-_POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len")
-"""The pooling modes served, in the order sentence-transformers concatenates them."""
-_MASKED = -1e9
-"""Given to max-pooling's inputs at padding: below any state."""
+_PREFIXES = ("bert.", "roberta.")
+"""The base model's prefix in a checkpoint saved from a `...For...` head class, dropped on load."""
 
 
 @dataclasses.dataclass(frozen=True)
 class EncoderConfig(EncoderSizes):
-    """The sizes of a BERT encoder, from its config.json."""
+    """The sizes of a BERT-family encoder, from its config.json."""
 
     vocab_size: int
     max_position_embeddings: int
     dtype: str
     """The weights' dtype as config.json declares it (engine.formats.checkpoint_config.declared_dtype)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Pooling:
-    """How token states become one vector: the sentence-transformers Pooling (+ Normalize) modules."""
-
-    modes: tuple[str, ...]
-    """Some of `_POOLING_MODES`, in that order; several are concatenated, as sentence-transformers does."""
-    normalize: bool
-    """L2-normalise the pooled vector (modules.json has a Normalize module)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EncoderCheckpoint:
-    """Where a sentence-transformers checkpoint keeps its parts, and what they say."""
-
-    transformer_dir: Path
-    """The Transformer module's folder: config.json, *.safetensors."""
-    config: EncoderConfig
-    pooling: Pooling
-    max_seq_length: Optional[int]
-    """sentence_bert_config.json's max_seq_length, if it has one."""
+    padding_idx: int = -1
+    """XLM-RoBERTa's pad_token_id, from which positions are numbered; -1: BERT's positions 0, 1, ..."""
 
     @property
-    def dimensions(self) -> int:
-        return self.config.hidden_size * len(self.pooling.modes)
+    def max_positions(self) -> int:
+        """The longest input the position table numbers."""
+        return self.max_position_embeddings - (self.padding_idx + 1 if self.padding_idx >= 0 else 0)
 
 
-def read_checkpoint(model_dir: str | Path) -> EncoderCheckpoint:
-    """Read modules.json, the pooling config, sentence_bert_config.json and config.json (no weights)."""
-    root = Path(model_dir).expanduser().absolute()
-    modules = _read_modules(root)
-    transformer_dir = root / modules.get("Transformer", "")
-    config = _encoder_config(read_hf_config(transformer_dir), transformer_dir)
-    normalize = "Normalize" in modules
-    if "Pooling" in modules:
-        pooling = Pooling(_read_pooling_modes(root / modules["Pooling"], config.hidden_size), normalize)
-    else:
-        logger.warning("%s has no sentence-transformers Pooling module: pooling by the mean of the tokens", root)
-        pooling = Pooling(("mean",), normalize)
-    st_config = transformer_dir / "sentence_bert_config.json"
-    max_seq_length = json.loads(st_config.read_text()).get("max_seq_length") if st_config.is_file() else None
-    return EncoderCheckpoint(transformer_dir, config, pooling, max_seq_length)
-
-
-def _read_modules(root: Path) -> dict[str, str]:
-    """modules.json as {module class name: its folder}; {} when there is none (a plain HF checkpoint)."""
-    path = root / "modules.json"
-    if not path.is_file():
-        return {}
-    modules = {}
-    for module in json.loads(path.read_text()):
-        kind = module["type"].rsplit(".", 1)[-1]
-        if kind not in ("Transformer", "Pooling", "Normalize"):
-            raise ValueError(f"{path} has a {module['type']} module; the embedding engine runs only "
-                             "Transformer, Pooling and Normalize modules: use a model without it")
-        modules[kind] = module.get("path", "")
-    return modules
-
-
-def _encoder_config(hf: dict, where: Path) -> EncoderConfig:
-    if hf.get("model_type") != "bert":
-        raise ValueError(f"model_type {hf.get('model_type')!r} in {where}/config.json is not supported by the "
-                         "embedding engine; it runs BERT-family encoders (model_type 'bert')")
+def encoder_config(hf: dict, where: Path) -> EncoderConfig:
+    """The config of a `bert` or `xlm-roberta` config.json (read by read_hf_config from `where`);
+    ValueError for what the encoder does not implement."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(f"model_type {family!r} in {where}/config.json is not a BERT-family encoder "
+                         f"({', '.join(FAMILIES)})")
     if hf.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"{where}/config.json has position_embedding_type {hf['position_embedding_type']!r}; "
                          "the embedding engine supports 'absolute' only")
@@ -147,28 +96,8 @@ def _encoder_config(hf: dict, where: Path) -> EncoderConfig:
         layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
         hidden_act=hf.get("hidden_act", "gelu"),
         dtype=declared_dtype(hf),
+        padding_idx=hf.get("pad_token_id", 1) if family == "xlm-roberta" else -1,
     )
-
-
-def _read_pooling_modes(folder: Path, hidden_size: int) -> tuple[str, ...]:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{folder} has no config.json; a sentence-transformers Pooling module needs one")
-    config = json.loads(path.read_text())
-    unsupported = [k for k in ("pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken") if config.get(k)]
-    if unsupported:
-        raise ValueError(f"{path} asks for {', '.join(unsupported)}; the embedding engine pools by "
-                         f"{', '.join(_POOLING_MODES)} only")
-    modes = tuple(m for m in _POOLING_MODES if config.get("pooling_mode_cls_token" if m == "cls" else
-                                                          f"pooling_mode_{m}_tokens"))
-    if not modes:
-        raise ValueError(f"{path} sets no pooling_mode_*; set one of pooling_mode_mean_tokens, "
-                         "pooling_mode_cls_token, pooling_mode_max_tokens, pooling_mode_mean_sqrt_len_tokens")
-    dimension = config.get("word_embedding_dimension", hidden_size)
-    if dimension != hidden_size:
-        raise ValueError(f"{path} has word_embedding_dimension {dimension}, but the model's hidden_size is "
-                         f"{hidden_size}; fix the Pooling config")
-    return modes
 
 
 # ---- the model ----
@@ -178,14 +107,25 @@ class Embeddings(eqx.Module):
     word: hax.NamedArray
     """[vocab, embed]"""
     position: hax.NamedArray
-    """[position, embed], position sized max_position_embeddings; sliced to the input's length."""
+    """[position, embed], position sized max_position_embeddings."""
     token_type: hax.NamedArray
     """[embed]: the row of token type 0 (every input is one segment)."""
     norm: hnn.LayerNorm
+    padding_idx: int = eqx.field(static=True)
+    """EncoderConfig.padding_idx."""
 
-    def __call__(self, tokens: hax.NamedArray) -> hax.NamedArray:
-        positions = self.position[Pos, : tokens.resolve_axis(Pos).size]
-        return layer_norm(self.norm, self.word.take("vocab", tokens) + positions + self.token_type)
+    def __call__(self, tokens: hax.NamedArray, mask: hax.NamedArray) -> hax.NamedArray:
+        return layer_norm(self.norm, self.word.take("vocab", tokens) + self._positions(tokens, mask) + self.token_type)
+
+    def _positions(self, tokens: hax.NamedArray, mask: hax.NamedArray) -> hax.NamedArray:
+        """[batch, position, embed]: BERT's rows 0, 1, ...; XLM-RoBERTa's as transformers numbers them."""
+        length = tokens.resolve_axis(Pos).size
+        if self.padding_idx < 0:
+            return self.position[Pos, :length]
+        counted = ((tokens.array != self.padding_idx) & mask.array).astype(jnp.int32)
+        ids = jnp.cumsum(counted, axis=-1) * counted + self.padding_idx
+        Embed = self.position.resolve_axis("embed")
+        return hax.named(jnp.take(self.position.rearrange((Pos, Embed)).array, ids, axis=0), (*tokens.axes, Embed))
 
 
 class Encoder(eqx.Module):
@@ -195,48 +135,27 @@ class Encoder(eqx.Module):
 
     def __call__(self, tokens: hax.NamedArray, mask: hax.NamedArray) -> hax.NamedArray:
         """tokens, mask: [batch, position] -> last hidden states [batch, position, embed]."""
-        x = self.embeddings(tokens)
+        x = self.embeddings(tokens, mask)
         key_mask = mask.rename({Pos: KPos})
         for layer in self.layers:
             x = layer(x, key_mask)
         return x
 
 
-def pool(hidden: hax.NamedArray, mask: hax.NamedArray, pooling: Pooling) -> jax.Array:
-    """[batch, position, embed] states -> [batch, dimensions] float32, over the tokens `mask` keeps.
-
-    As sentence-transformers computes it: a row without tokens (batch padding) pools to zeros.
-    """
-    hidden = hidden.astype(jnp.float32)
-    weights = mask.astype(jnp.float32)
-    count = hax.maximum(hax.sum(weights, Pos), 1e-9)
-    total = hax.sum(hidden * weights, Pos)
-    pooled = {
-        "cls": lambda: hidden[Pos, 0],
-        "max": lambda: hax.max(hax.where(mask, hidden, _MASKED), Pos),
-        "mean": lambda: total / count,
-        "mean_sqrt_len": lambda: total / hax.sqrt(count),
-    }
-    out = jnp.concatenate([pooled[m]().rearrange((Batch, "embed")).array for m in pooling.modes], axis=1)
-    if pooling.normalize:
-        out = out / jnp.maximum(jnp.linalg.norm(out, axis=1, keepdims=True), 1e-12)
-    return out
-
-
-def embed(model: Encoder, tokens: jax.Array, mask: jax.Array, pooling: Pooling) -> jax.Array:
-    """tokens int32 [batch, position], mask bool [batch, position] -> float32 [batch, dimensions]."""
-    tokens = hax.named(tokens, (Batch, Pos))
-    mask = hax.named(mask, (Batch, Pos))
-    return pool(model(tokens, mask), mask, pooling)
+def hidden_states(model: Encoder, tokens: jax.Array, mask: jax.Array) -> hax.NamedArray:
+    """tokens int32 [batch, position], mask bool [batch, position] (True at the tokens, left-aligned or
+    not) -> the last layer's states [batch, position, embed], in the weights' dtype."""
+    return model(hax.named(tokens, (Batch, Pos)), hax.named(mask, (Batch, Pos)))
 
 
 # ---- loading ----
 
 
-def load_encoder(checkpoint: EncoderCheckpoint, dtype: str) -> Encoder:
-    """The encoder of `checkpoint` with its weights in `dtype` ("float32" or "bfloat16")."""
-    state = _read_state_dict(checkpoint.transformer_dir)
-    config, weights = checkpoint.config, TorchWeights(state.__getitem__, jnp.dtype(dtype))
+def load_encoder(folder: Path, config: EncoderConfig, dtype: str) -> Encoder:
+    """The encoder saved in `folder` (*.safetensors of a BertModel / XLMRobertaModel, or of a
+    ...For... head under `bert.` / `roberta.`; heads and the pooler are ignored) in `dtype`."""
+    state = read_state_dict(folder)
+    weights = TorchWeights(state.__getitem__, jnp.dtype(dtype))
     embed = LayerAxes.of(config).embed
     embeddings = Embeddings(
         word=weights.array("embeddings.word_embeddings.weight", (hax.Axis("vocab", config.vocab_size), embed)),
@@ -245,17 +164,16 @@ def load_encoder(checkpoint: EncoderCheckpoint, dtype: str) -> Encoder:
         token_type=hax.named(jnp.asarray(state["embeddings.token_type_embeddings.weight"][0], weights.dtype),
                              (embed,)),
         norm=weights.norm("embeddings.LayerNorm", embed, config.layer_norm_eps),
+        padding_idx=config.padding_idx,
     )
     layers = tuple(load_encoder_layer(weights, _layer_keys(i), config, pre_norm=False, scale_query=True)
                    for i in range(config.num_layers))
-    model = Encoder(embeddings, layers)
-    logger.info("loaded BERT encoder %s (%d layers, hidden %d, %s)", checkpoint.transformer_dir,
-                config.num_layers, config.hidden_size, dtype)
-    return model
+    logger.info("loaded encoder %s (%d layers, hidden %d, %s)", folder, config.num_layers, config.hidden_size, dtype)
+    return Encoder(embeddings, layers)
 
 
 def _layer_keys(i: int) -> LayerKeys:
-    """Where `BertModel` keeps layer i's weights."""
+    """Where `BertModel` (and `XLMRobertaModel`) keep layer i's weights."""
     p = f"encoder.layer.{i}"
     return LayerKeys(query=f"{p}.attention.self.query", key=f"{p}.attention.self.key",
                      value=f"{p}.attention.self.value", out=f"{p}.attention.output.dense",
@@ -263,9 +181,10 @@ def _layer_keys(i: int) -> LayerKeys:
                      down=f"{p}.output.dense", mlp_norm=f"{p}.output.LayerNorm")
 
 
-def _read_state_dict(folder: Path) -> dict[str, np.ndarray]:
-    """Every tensor of the folder's *.safetensors files, named as in `BertModel` (a `bert.` prefix,
-    as `BertFor...` heads save it, is dropped; heads and the pooler are ignored)."""
+def read_state_dict(folder: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the folder's *.safetensors files, named as in `BertModel` (a `bert.` or
+    `roberta.` prefix, as the ...For... heads save the base model, is dropped; the heads' own
+    tensors keep their names)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder} has no *.safetensors weights; the embedding engine reads safetensors only "
@@ -273,8 +192,9 @@ def _read_state_dict(folder: Path) -> dict[str, np.ndarray]:
     state: dict[str, np.ndarray] = {}
     for file in files:
         state.update(load_file(file))
-    if "bert.embeddings.word_embeddings.weight" in state:
-        state = {k.removeprefix("bert."): v for k, v in state.items()}
+    for prefix in _PREFIXES:
+        if f"{prefix}embeddings.word_embeddings.weight" in state:
+            state = {k.removeprefix(prefix): v for k, v in state.items()}
     if "embeddings.word_embeddings.weight" not in state:
         raise ValueError(f"{folder} has no embeddings.word_embeddings.weight: not a BertModel checkpoint")
     return state

@@ -1,10 +1,12 @@
 """/v1/embeddings through the official `openai` client, against the app in this process: a tiny
 RANDOM BERT checkpoint in the sentence-transformers layout (with a WordPiece tokenizer) on the
-real embedding engine, next to a text model (routes answer 400 for the wrong kind)."""
+real embedding engine, next to a text model (routes answer 400 for the wrong kind), and a tiny random
+EmbeddingGemma (tests.support.embedding_models) against sentence-transformers' own pipeline."""
 
 from __future__ import annotations
 
 import base64
+import json
 
 import numpy as np
 import openai
@@ -17,10 +19,10 @@ from serve_app.http.backends import LocalBackend
 from serve_app.http.ingress import create_app
 from serve_app.replicas.embed import EmbeddingServer
 from serve_app.replicas.generate import TextServer
-from tests.support import tiny_models
+from tests.support import embedding_models, tiny_models
 from tests.support.serving_helpers import held_in_tokenizing
 
-EMBED, TEXT = "tiny-bert", "tiny-llama"
+EMBED, TEXT, GEMMA = "tiny-bert", "tiny-llama", "tiny-embeddinggemma"
 WORDS = ["paris", "is", "the", "capital", "of", "france", "bananas", "are", "yellow", "a", "long", "sentence",
          "with", "many", "words", "in", "it", "short"]
 TEXTS = ["paris is the capital of france", "bananas", "a long sentence with many words in it is long",
@@ -45,18 +47,30 @@ def bert_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def app(bert_dir, llama_dir):
+def gemma_dir(tmp_path_factory):
+    """A tiny random EmbeddingGemma whose config.json declares the sizes it may be truncated to."""
+    out = embedding_models.make_embedding_checkpoint(tmp_path_factory.mktemp("gemma-serving"), "gemma3_text")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [24, 16, 8]}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def app(bert_dir, llama_dir, gemma_dir):
     config = AppConfig.from_args({"models": [
         {"model": str(bert_dir), "model_id": EMBED, "max_num_seqs": 8, "warmup": False},
-        {"model": str(llama_dir), "model_id": TEXT, "engine_cls": "tests.support.fake_engine:FakeEngine", "max_model_len": 128},
+        {"model": str(llama_dir), "model_id": TEXT, "engine_cls": "tests.support.fake_engine:FakeEngine",
+         "max_model_len": 128},
+        {"model": str(gemma_dir), "model_id": GEMMA, "max_num_seqs": 4, "warmup": False},
     ]})
-    embed, text = config.models
+    embed, text, gemma = config.models
     assert (embed.task, embed.engine_cls) == ("embed", "engine.embed.engine:EmbeddingEngine")
-    servers = {EMBED: EmbeddingServer(embed), TEXT: TextServer(text)}
+    assert (gemma.task, gemma.engine_cls) == ("embed", "engine.embed.engine:EmbeddingEngine")
+    servers = {EMBED: EmbeddingServer(embed), TEXT: TextServer(text), GEMMA: EmbeddingServer(gemma)}
     with TestClient(create_app({m: LocalBackend(s) for m, s in servers.items()})) as http:
         yield http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http), servers
-    servers[EMBED].driver.shutdown()
-    servers[TEXT].driver.shutdown()
+    for server in servers.values():
+        server.driver.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +149,7 @@ def test_bad_inputs_are_400s(http, body, message, param):
 
 
 def test_each_model_answers_only_its_own_routes(client, http):
-    assert {m.id: m.task for m in client.models.list().data} == {EMBED: "embed", TEXT: "generate"}
+    assert {m.id: m.task for m in client.models.list().data} == {EMBED: "embed", TEXT: "generate", GEMMA: "embed"}
     wrong = [
         (http.post("/v1/embeddings", json={"model": TEXT, "input": "x"}),
          f"model '{TEXT}' is a text generation model; send this request to /v1/completions or "
@@ -191,3 +205,24 @@ def test_an_input_held_in_its_tokenizing_does_not_hold_up_other_requests(app, be
     tokenizer = BertTokenizerFast.from_pretrained(bert_dir)
     want = reference(bert_dir, [tokenizer.encode(t) for t in ("bananas", "yellow bananas")])
     assert cosines(np.array([a.data[0].embedding for a in answers]), want).min() >= 0.9999
+
+
+def test_embeddinggemma_matches_sentence_transformers_and_truncates(client, gemma_dir):
+    """Texts through the tokenizer, Gemma's bidirectional layers, mean pooling, two Dense modules and
+    Normalize; `dimensions` keeps a declared Matryoshka size's first values, normalised again, as
+    sentence-transformers' encode(truncate_dim=..., normalize_embeddings=True) does."""
+    from sentence_transformers import SentenceTransformer  # heavy: the reference only
+    from transformers import AutoTokenizer
+
+    texts = ["The quick brown fox jumps over the lazy dog.", "Hello", "Once upon a time there was a little engine."]
+    reference = SentenceTransformer(str(gemma_dir), device="cpu")
+    full = client.embeddings.create(model=GEMMA, input=texts)
+    got = np.array([d.embedding for d in full.data])
+    assert got.shape == (3, 24) and cosines(got, reference.encode(texts)).min() >= 0.9999
+    tokenizer = AutoTokenizer.from_pretrained(gemma_dir)
+    assert full.usage.prompt_tokens == sum(len(tokenizer(t)["input_ids"]) for t in texts)
+    short = client.embeddings.create(model=GEMMA, input=texts, dimensions=16)
+    got = np.array([d.embedding for d in short.data])
+    want = reference.encode(texts, truncate_dim=16, normalize_embeddings=True)
+    assert got.shape == (3, 16) and cosines(got, want).min() >= 0.9999
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)

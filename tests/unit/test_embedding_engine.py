@@ -1,4 +1,5 @@
-"""The embedding engine (engine.embed.engine, engine.models.encoder), its async wrapper
+"""The embedding engine (engine.embed.engine, engine.models.encoder,
+engine.models.sentence_transformer), its async wrapper
 (engine.embed.driver) and the builtin encoder alias (engine.formats.model_sources).
 
 Parity: tiny random BertModels in the sentence-transformers layout against transformers' BertModel,
@@ -26,7 +27,7 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.formats import model_sources
 from engine.formats.builtin_models import WheelCheckpoint
 from engine.formats.model_sources import COMPLETE_MARKER, resolve_model
-from engine.models.encoder import read_checkpoint
+from engine.models.sentence_transformer import read_checkpoint
 from tests.support import tiny_models
 
 INPUTS = [[5, 9, 2], list(range(1, 31)), [7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]]
@@ -152,8 +153,8 @@ def test_checkpoint_layouts_and_errors(bert_factory, tmp_path):
     (plain / "modules.json").unlink()  # a plain HF checkpoint: pooled by the mean, unnormalised
     checkpoint = read_checkpoint(plain)
     assert (checkpoint.pooling.modes, checkpoint.pooling.normalize, checkpoint.dimensions) == (("mean",), False, 32)
-    (plain / "modules.json").write_text(json.dumps([{"path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
-    with pytest.raises(ValueError, match="has a sentence_transformers.models.Dense module; the embedding engine runs"):
+    (plain / "modules.json").write_text(json.dumps([{"path": "2", "type": "sentence_transformers.models.LayerNorm"}]))
+    with pytest.raises(ValueError, match="has a sentence_transformers.models.LayerNorm module; the embedding engine"):
         read_checkpoint(plain)
     (plain / "modules.json").unlink()
     config = json.loads((plain / "config.json").read_text())
