@@ -25,10 +25,11 @@ from pydantic import (
 )
 
 from engine.config import EngineConfig, ModelSource, names_repo
-from engine.formats.builtin_models import builtin_task
 from engine.generate.request import MAX_TOP_LOGPROBS
 from engine.transcribe.decoding import Fallback
-from serve_app.tasks import DEFAULT_TASK, TASK_NAMES, TASKS
+from serve_app.sampling_defaults import SamplingDefaultsSetting, parse_setting
+from serve_app.task_detection import detect_task
+from serve_app.tasks import DEFAULT_TASK, EMBED, GENERATE, TASK_NAMES, TASKS
 
 MOVED_ENGINES = {
     "engine.llm_engine:LLMEngine": "engine.generate.engine:LLMEngine",
@@ -74,7 +75,9 @@ class ModelConfig(BaseModel):
     (/v1/embeddings); transcribe: a Whisper model (/v1/audio/transcriptions, /v1/audio/translations).
     auto: embed for a checkpoint in the sentence-transformers layout (modules.json) or of a
     BERT-family model_type, and for embedding aliases; transcribe for model_type whisper; generate
-    otherwise. Set it where the checkpoint is not readable from the machine that builds the app."""
+    otherwise. A Hub repo id is read from the Hub (its config.json and file list) on the machine that
+    builds the app, else from that machine's Hugging Face cache. Set it where the checkpoint is not
+    readable from there."""
     engine_cls: Optional[str] = None
     """Import path `module:Class` of the engine, constructed as `cls(EngineConfig)`; imported
     lazily on the model-server replica (the serving layer never imports jax). None: the task's
@@ -111,6 +114,16 @@ class ModelConfig(BaseModel):
     from the rendered prompt), harmony (gpt-oss's analysis channel) or none (thinking stays in
     `content`). None: from the chat template (harmony for gpt-oss's, qwen3 where it closes a
     `<think>` block)."""
+    sampling_defaults: SamplingDefaultsSetting = "auto"
+    """generate: the sampling values of requests that leave them unset. auto: the checkpoint's
+    generation_config.json (its temperature, top_p, top_k, min_p and repetition_penalty; vLLM's
+    `--generation-config auto`); none: OpenAI's (temperature 1, top_p 1, no top_k, min_p or
+    repetition penalty); a mapping such as {temperature: 0.7, top_k: 20}: those values over the
+    checkpoint's. /v1/models lists the values in effect."""
+    embedding_cache_size: int = Field(0, ge=0)
+    """embed: the embeddings one replica keeps, by their input's token ids, least recently used
+    dropped first; a repeated input is answered from it without running the model (hits and misses
+    in /metrics). 0 (the default): no cache, every input runs the model."""
     lora_modules: dict[str, str] = {}
     """LoRA adapters served over this model, by the name clients send as `model` (vLLM's
     --lora-modules): local directories of PEFT adapters (adapter_config.json and
@@ -201,6 +214,10 @@ class ModelConfig(BaseModel):
         classmethod(lambda cls, v: _json_if_str(v))
     )
 
+    _sampling_defaults = field_validator("sampling_defaults", mode="before")(
+        classmethod(lambda cls, v: parse_setting(v))
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _gather_engine_fields(cls, data: Any) -> Any:
@@ -225,11 +242,12 @@ class ModelConfig(BaseModel):
         if self.model_id is None:
             self.model_id = default_model_id(self.model)
         if self.task == "auto":
-            self.task = detect_task(self.model)
+            self.task = detect_task(self.model, self.revision) if self.levanter_model is None else DEFAULT_TASK
         if self.engine_cls is None:
             self.engine_cls = TASKS[self.task].engine
         if self.lora_modules and not TASKS[self.task].lora:
             raise ValueError(f"lora_modules adapt a text generation model; {self.model_id!r} is a {self.task} model")
+        self._check_task_fields()
         if ":" not in self.engine_cls:
             raise ValueError(f"engine_cls must look like 'module:Class', got {self.engine_cls!r}")
         if self.engine_cls in MOVED_ENGINES:
@@ -243,6 +261,15 @@ class ModelConfig(BaseModel):
             raise ValueError(f"stream_silence_timeout_s ({self.stream_silence_timeout_s:g}) must exceed "
                              f"stream_keepalive_s ({self.stream_keepalive_s:g}); raise it")
         return self
+
+    def _check_task_fields(self) -> None:
+        """Fields that only one task reads are refused on another's model."""
+        if self.sampling_defaults not in ("auto", "none") and self.task != GENERATE:
+            raise ValueError(f"sampling_defaults applies to text generation models; {self.model_id!r} is "
+                             f"{TASKS[self.task].what}: leave it out")
+        if self.embedding_cache_size and self.task != EMBED:
+            raise ValueError(f"embedding_cache_size applies to embedding models; {self.model_id!r} is "
+                             f"{TASKS[self.task].what}: leave it out")
 
     def engine_config(self, model_dir: str | Path) -> EngineConfig:
         """The engine's config for a resolved local checkpoint directory."""
@@ -258,30 +285,6 @@ class ModelConfig(BaseModel):
     def deployment_name(self) -> str:
         """The model server's deployment: its task's prefix and the model id (e.g. TextServer-my-model)."""
         return f"{TASKS[self.task].deployment}-" + re.sub(r"[^A-Za-z0-9_.-]", "-", self.model_id)
-
-
-def detect_task(spec: str) -> str:
-    """The task of a local checkpoint (the first task in serve_app.tasks whose marker file or
-    config.json model type it has: embed for a sentence-transformers / BERT-family checkpoint,
-    transcribe for Whisper) or of a builtin alias; generate for anything else, including a path
-    this machine cannot read or a config.json that does not parse: that model's replicas then fail
-    to start with the reason, and the app's other models still serve."""
-    path = Path(spec).expanduser()
-    if not path.is_dir():
-        return builtin_task(spec) or DEFAULT_TASK
-    model_type = _model_type(path)
-    for task in TASKS.values():
-        if any((path / name).is_file() for name in task.marker_files) or model_type in task.model_types:
-            return task.name
-    return DEFAULT_TASK
-
-
-def _model_type(checkpoint: Path) -> Optional[str]:
-    """config.json's model_type (None where it cannot be read)."""
-    try:
-        return json.loads((checkpoint / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def default_model_id(spec: str) -> str:

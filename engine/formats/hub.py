@@ -27,20 +27,52 @@ from engine.formats.checkpoint_files import needed_files, tokenizer_files
 logger = logging.getLogger(__name__)
 
 _PARALLEL_FILES = 8
+_INFO_TIMEOUT_S = 10.0
+"""How long building an app waits for the Hub's answer about a repo (then it reads the cache)."""
 
 
 def fetch(repo_id: str, revision: Optional[str] = None, tokenizer_only: bool = False) -> Path:
     """The local snapshot directory of `repo_id` at `revision` (default: main), downloaded if needed:
     the checkpoint, or only its tokenizer files."""
+    where = f"{repo_id}@{revision or 'main'}"
+    try:
+        info = _model_info(repo_id, revision)
+    except (ConnectionError, Unreachable, Timeout) as exc:  # offline mode raises a ConnectionError
+        return _cached_snapshot(repo_id, revision, where, exc)
+    sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
+    files = (tokenizer_files if tokenizer_only else needed_files)(list(sizes))
+    if tokenizer_only and not {"tokenizer.json", "tokenizer_config.json"} & set(files):
+        raise ValueError(f"{where} has no tokenizer.json or tokenizer_config.json: it holds no tokenizer")
+    if not tokenizer_only and "config.json" not in files:
+        raise ValueError(f"{where} has no config.json: it is not a Hugging Face model checkpoint")
+    return _download(repo_id, revision, info.sha, {name: sizes[name] for name in files})
+
+
+def fetch_files(repo_id: str, revision: Optional[str], names: tuple[str, ...]) -> Path:
+    """A snapshot directory of `repo_id` at `revision` holding those of `names` the repo has
+    (config.json among them), downloaded alone if needed: what a model's task is read from before
+    its weights are fetched. With the Hub out of reach, the cached snapshot (whatever it holds)."""
+    where = f"{repo_id}@{revision or 'main'}"
+    try:
+        info = _model_info(repo_id, revision, timeout=_INFO_TIMEOUT_S)
+    except (ConnectionError, Unreachable, Timeout) as exc:
+        return _cached_snapshot(repo_id, revision, where, exc)
+    sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
+    if "config.json" not in sizes:
+        raise ValueError(f"{where} has no config.json: it is not a Hugging Face model checkpoint")
+    return _download(repo_id, revision, info.sha, {name: sizes[name] for name in names if name in sizes})
+
+
+def _model_info(repo_id: str, revision: Optional[str], timeout: Optional[float] = None):
+    """The Hub's ModelInfo of `repo_id` at `revision`, with its files' sizes; a ValueError saying what
+    to change for a gated, unknown or private repo or an unknown revision. An unreachable Hub (or
+    offline mode, or no answer within `timeout` seconds) raises its ConnectionError / Timeout."""
     # huggingface_hub reads HF_ENDPOINT, HF_HUB_OFFLINE and the token when imported: import it when a fetch starts
     from huggingface_hub import HfApi, constants
     from huggingface_hub import errors as hub_errors
 
-    where = f"{repo_id}@{revision or 'main'}"
     try:
-        info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
-    except (ConnectionError, Unreachable, Timeout) as exc:  # offline mode raises a ConnectionError
-        return _cached_snapshot(repo_id, revision, where, exc)
+        return HfApi().model_info(repo_id, revision=revision, files_metadata=True, timeout=timeout)
     except hub_errors.GatedRepoError:
         raise ValueError(f"{repo_id} on {constants.ENDPOINT} is gated: accept its terms on the Hub with "
                          "your account and set HF_TOKEN to a token of that account") from None
@@ -51,13 +83,6 @@ def fetch(repo_id: str, revision: Optional[str] = None, tokenizer_only: bool = F
     except hub_errors.RevisionNotFoundError:
         raise ValueError(f"{repo_id} has no revision {revision!r} on {constants.ENDPOINT}: set `revision` to a "
                          "branch, tag or commit of that repo") from None
-    sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
-    files = (tokenizer_files if tokenizer_only else needed_files)(list(sizes))
-    if tokenizer_only and not {"tokenizer.json", "tokenizer_config.json"} & set(files):
-        raise ValueError(f"{where} has no tokenizer.json or tokenizer_config.json: it holds no tokenizer")
-    if not tokenizer_only and "config.json" not in files:
-        raise ValueError(f"{where} has no config.json: it is not a Hugging Face model checkpoint")
-    return _download(repo_id, revision, info.sha, {name: sizes[name] for name in files})
 
 
 def _download(repo_id: str, revision: Optional[str], commit: str, sizes: dict[str, int]) -> Path:

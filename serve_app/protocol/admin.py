@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
@@ -101,6 +101,15 @@ class ModelCard(BaseModel):
     """This server's extension: why the model failed to start (or the last failed start while retrying)."""
     parent: Optional[str] = None
     """vLLM's field: for a LoRA adapter, the model it adapts (its `root` is the adapter's path)."""
+    max_model_len: Optional[int] = None
+    """vLLM's field: the most tokens (prompt and output) one sequence may have; null while no replica
+    of the model is up."""
+    sampling_defaults: Optional[dict[str, Union[int, float]]] = None
+    """This server's extension, for a text generation model: the sampling values its requests get
+    when they leave them unset (the checkpoint's generation_config.json, or the model config's
+    `sampling_defaults`); {}: OpenAI's."""
+    dimensions: Optional[int] = None
+    """This server's extension, for an embedding model: the size of its vectors."""
 
 
 class ModelList(BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
 from pydantic import (
     Field,
@@ -199,6 +199,13 @@ class SamplingRequest(OpenAIModel):
             grammar=self.grammar(),
             **kwargs,
         )
+
+    def apply_defaults(self, params: SamplingParams, defaults: Mapping[str, float]) -> SamplingParams:
+        """`params` with the model's `defaults` (serve_app.sampling_defaults: temperature, top_p,
+        top_k, min_p, repetition_penalty) in place of the fields this request did not send; a value
+        the request sent, even OpenAI's default, is kept."""
+        unset = {name: value for name, value in defaults.items() if name not in self.model_fields_set}
+        return dataclasses.replace(params, **unset) if unset else params
 
     @property
     def stops(self) -> list[str]:

@@ -79,11 +79,16 @@ class Replica:
     def max_model_len(self) -> int:
         raise NotImplementedError
 
+    def card(self) -> dict[str, Any]:
+        """What /v1/models shows of the model besides its id, task and state (ModelCard's fields)."""
+        return {"max_model_len": self.max_model_len}
+
     def status(self) -> dict[str, Any]:
         """For the ingress's /health: the driver's own check (a stuck step counts as dead), and how
-        many of its step programs are compiled (it serves from the first)."""
+        many of its step programs are compiled (it serves from the first); for /v1/models, its `card`."""
         stats = self.metrics.stats()
-        programs = {"compiled_programs": stats.compiled_programs, "step_programs": stats.step_programs}
+        programs = {"compiled_programs": stats.compiled_programs, "step_programs": stats.step_programs,
+                    "card": self.card()}
         try:
             self.driver.check()
         except EngineDeadError:

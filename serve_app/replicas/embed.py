@@ -5,6 +5,9 @@ ids (text with the tokenizer's special tokens, token ids as given); the `AsyncEm
 them with whatever other requests are waiting into one batch on its thread; the vectors come back
 as floats or base64, with the exact prompt token count as usage.
 
+With `embedding_cache_size`, inputs seen before are answered from the replica's cache
+(serve_app.replicas.embedding_cache) and only the others run.
+
 Invariants: everything raised to the caller is an `APIError`; an input that cannot be embedded is
 a 400 before anything is queued; `dimensions` only truncates a model trained for it.
 """
@@ -25,6 +28,7 @@ from engine.embed.driver import AsyncEmbedder
 from engine.stats import EngineStats
 from serve_app.config import ModelConfig
 from serve_app.errors import BadRequest
+from serve_app.logs import replica_name
 from serve_app.protocol.embeddings import (
     Embedding,
     EmbeddingRequest,
@@ -32,6 +36,7 @@ from serve_app.protocol.embeddings import (
     EmbeddingUsage,
 )
 from serve_app.replicas.base import Replica, api_errors
+from serve_app.replicas.embedding_cache import CacheCollector, EmbeddingCache
 from serve_app.tasks import EMBED
 
 
@@ -42,7 +47,15 @@ class EmbeddingServer(Replica):
     driver_class = AsyncEmbedder
     driver: AsyncEmbedder
 
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        if self.cache.capacity:
+            labels = {"model_name": config.model_id, "replica": replica_name()}
+            self.metrics.registry.register(CacheCollector(self.cache, labels))
+
     def _set_up(self, config: ModelConfig, model_dir: Path, engine_config: EngineConfig, engine: Any) -> None:
+        self.cache = EmbeddingCache(config.embedding_cache_size)
+        """Vectors of inputs seen before, by their token ids (embedding_cache_size; 0: none)."""
         self.dimensions: int = engine.dimensions
         self._max_model_len: int = engine.max_model_len
         self._compile_progress = engine.compile_progress
@@ -56,6 +69,9 @@ class EmbeddingServer(Replica):
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    def card(self) -> dict[str, Any]:
+        return {**super().card(), "dimensions": self.dimensions}
+
     # ---- called through deployment handles ----
 
     async def embed(self, request: EmbeddingRequest, arrival_time: float) -> str:
@@ -67,7 +83,7 @@ class EmbeddingServer(Replica):
             prompt_tokens = sum(map(len, inputs))
             reason = "abort"
             try:
-                vectors = await self.driver.embed(inputs)
+                vectors = await self.cache.embed(inputs, self.driver.embed)
                 reason = "stop"
             finally:
                 tracker.finish(reason, prompt_tokens, 0, 0)

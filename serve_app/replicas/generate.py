@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from engine.config import EngineConfig
+from engine.formats.checkpoint_config import generation_defaults
 from engine.generate.driver import AsyncEngine
 from engine.generate.images import ImageInput
 from engine.generate.request import Grammar, SamplingParams
@@ -48,6 +49,7 @@ from serve_app.protocol.context import LoraRef, RequestContext
 from serve_app.replicas.adapters import ReplicaAdapters
 from serve_app.replicas.base import Replica, api_errors
 from serve_app.replicas.metrics import RequestTracker
+from serve_app.sampling_defaults import effective_defaults
 from serve_app.tasks import GENERATE
 from serve_app.text import harmony, reasoning
 from serve_app.text.choices import ChoiceReader, OutputRules
@@ -120,6 +122,8 @@ class TextServer(Replica):
 
     def _set_up(self, config: ModelConfig, model_dir: Path, engine_config: EngineConfig, engine: Any) -> None:
         self.tokenizer = self.prompts.hf
+        self.sampling_defaults = effective_defaults(config.sampling_defaults, generation_defaults(model_dir))
+        """The sampling values of requests that leave them unset (serve_app.sampling_defaults)."""
         self._tool_parser = config.tool_call_parser or default_parser(self.tokenizer.chat_template)
         parser = config.reasoning_parser or reasoning.default_parser(self.tokenizer.chat_template)
         self._harmony = harmony.PARSER in (self._tool_parser, parser)
@@ -144,6 +148,9 @@ class TextServer(Replica):
 
     def _engine_stats(self) -> EngineStats:
         return self.driver.stats()
+
+    def card(self) -> dict[str, Any]:
+        return {**super().card(), "sampling_defaults": self.sampling_defaults}
 
     @property
     def max_model_len(self) -> int:
@@ -238,7 +245,8 @@ class TextServer(Replica):
         return RequestPlan(choices, n, rules, formatter, adapter, span)
 
     def _prompts(self, request: CompletionRequest) -> tuple[list[PromptInput], SamplingParams, None, None]:
-        return [self.prompts.prompt(p) for p in request.prompts], request.to_sampling_params(), None, None
+        params = request.apply_defaults(request.to_sampling_params(), self.sampling_defaults)
+        return [self.prompts.prompt(p) for p in request.prompts], params, None, None
 
     def _chat_prompt(self, request: ChatCompletionRequest) -> tuple[list[PromptInput], SamplingParams,
                                                                     Optional[CallReader], Optional[ThoughtReader]]:
@@ -246,6 +254,7 @@ class TextServer(Replica):
         prompt = self.prompts.chat(request.messages, request.tools if request.tool_mode != "none" else (),
                                    template_kwargs=request.template_kwargs(), image_tokens=self._image_layout)
         params = request.to_sampling_params(default_max_tokens=self._room_after(prompt))
+        params = request.apply_defaults(params, self.sampling_defaults)
         params, calls = self._tool_plan(request, params)
         thinking = None
         if self._harmony:
