@@ -72,10 +72,11 @@ class ModelConfig(BaseModel):
     Hub downloads go to the Hugging Face cache (HF_HUB_CACHE)."""
     task: Literal[("auto", *TASK_NAMES)] = "auto"
     """generate: a text model (/v1/completions, /v1/chat/completions); embed: a sentence encoder
-    (/v1/embeddings); transcribe: a Whisper model (/v1/audio/transcriptions, /v1/audio/translations).
-    auto: embed for a checkpoint in the sentence-transformers layout (modules.json) or of a
-    BERT-family model_type, and for embedding aliases; transcribe for model_type whisper; generate
-    otherwise. A Hub repo id is read from the Hub (its config.json and file list) on the machine that
+    (/v1/embeddings); score: a cross-encoder or a Qwen3-Reranker (/v1/rerank, /v1/score);
+    transcribe: a Whisper model (/v1/audio/transcriptions, /v1/audio/translations). auto: score for
+    a `*ForSequenceClassification` checkpoint; embed for a checkpoint in the sentence-transformers
+    layout (modules.json) or of a BERT / XLM-RoBERTa model_type, and for embedding aliases;
+    transcribe for model_type whisper; generate otherwise (a Qwen3-Reranker needs `task: score`). A Hub repo id is read from the Hub (its config.json and file list) on the machine that
     builds the app, else from that machine's Hugging Face cache. Set it where the checkpoint is not
     readable from there."""
     engine_cls: Optional[str] = None

@@ -20,11 +20,11 @@ from typing import Any, Optional
 from engine.config import names_repo
 from engine.formats import hub
 from engine.formats.builtin_models import builtin_task
-from serve_app.tasks import DEFAULT_TASK, TASKS
+from serve_app.tasks import DEFAULT_TASK, SCORE, TASKS
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURE_TASKS: dict[str, str] = {}
+ARCHITECTURE_TASKS: dict[str, str] = {"ForSequenceClassification": SCORE}
 """config.json `architectures` suffixes (e.g. "ForSequenceClassification") and the task their
 checkpoints serve, tried before marker files and model types: the place of a task whose checkpoints
 share their model_type with another task's (a BERT cross-encoder is `bert`, as an embedder is)."""

@@ -14,13 +14,14 @@ from typing import Optional
 
 from pydantic import BaseModel
 
-from engine.tasks import EMBED, GENERATE, TASK_NAMES, TRANSCRIBE
+from engine.tasks import EMBED, GENERATE, SCORE, TASK_NAMES, TRANSCRIBE
 from serve_app.protocol.audio import TranscriptionRequest, TranslationRequest
 from serve_app.protocol.chat import ChatCompletionRequest
 from serve_app.protocol.completions import CompletionRequest
 from serve_app.protocol.embeddings import EmbeddingRequest
+from serve_app.protocol.score import RerankRequest, ScoreRequest
 
-__all__ = ["DEFAULT_TASK", "EMBED", "GENERATE", "TASKS", "TASK_NAMES", "TRANSCRIBE", "Task", "task_of"]
+__all__ = ["DEFAULT_TASK", "EMBED", "GENERATE", "SCORE", "TASKS", "TASK_NAMES", "TRANSCRIBE", "Task", "task_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,8 @@ TASKS: dict[str, Task] = {task.name: task for task in (
     Task(TRANSCRIBE, "serve_app.replicas.transcribe:SpeechServer", "engine.transcribe.engine:SpeechEngine",
          "SpeechServer", "a speech-to-text model", (TranscriptionRequest, TranslationRequest),
          ("/v1/audio/transcriptions", "/v1/audio/translations"), model_types=frozenset({"whisper"})),
+    Task(SCORE, "serve_app.replicas.score:ScoreServer", "engine.score.engine:ScoreEngine", "ScoreServer",
+         "a score (rerank) model", (RerankRequest, ScoreRequest), ("/v1/rerank", "/v1/score")),
 )}
 """Every task, in the order auto-detection tries them (the first whose marker file or model type matches)."""
 DEFAULT_TASK = GENERATE

@@ -38,7 +38,7 @@ from serve_app.http.dispatch import error_response
 from serve_app.http.limits import BodySizeLimit
 from serve_app.http.metrics import CountResponses, HttpResponses
 from serve_app.http.model_states import ModelStates, serve_status
-from serve_app.http.routes import audio, completions, embeddings, health, lora, models, tokens
+from serve_app.http.routes import audio, completions, embeddings, health, lora, models, score, tokens
 from serve_app.http.schema import ERRORS, publish_schema
 from serve_app.http.served import Served
 from serve_app.logs import replica_name, route_logs_to_replica_log
@@ -47,7 +47,8 @@ from serve_app.tracing import Tracing
 BEARER = HTTPBearer(auto_error=False, description="the server's API key, as `Authorization: Bearer <key>`")
 """Declares the /v1 routes' security scheme in the schema when a key is set; it never refuses a
 request (auto_error=False): `_authorizer` checks the key and answers with our 401s."""
-KEYED_ROUTES = (completions.router, audio.router, embeddings.router, lora.router, models.router, tokens.router)
+KEYED_ROUTES = (completions.router, audio.router, embeddings.router, score.router, lora.router, models.router,
+                tokens.router)
 """The route families behind the API key (all but health and metrics), in the order the schema lists them."""
 
 

@@ -19,6 +19,7 @@ from serve_app.errors import BadRequest, PayloadTooLarge
 from serve_app.protocol.chat import ChatCompletionRequest
 from serve_app.protocol.completions import CompletionRequest
 from serve_app.protocol.embeddings import EmbeddingRequest
+from serve_app.protocol.score import RerankRequest, ScoreRequest
 
 
 class BodySizeLimit:
@@ -67,15 +68,28 @@ def _declared_length(scope: Scope) -> int:
     return -1
 
 
+def _inputs(request: Any) -> tuple[str, str, int] | None:
+    """(param, what, count) of an embeddings, rerank or score request's inputs; None for others."""
+    if isinstance(request, EmbeddingRequest):
+        return "input", "inputs", len(request.inputs)
+    if isinstance(request, RerankRequest):
+        return "documents", "documents", len(request.documents)
+    if isinstance(request, ScoreRequest):
+        return "text_2", "pairs", len(request.pairs)
+    return None
+
+
 def check_limits(request: Any, limits: RequestLimits) -> None:
     """Raise `BadRequest` for the first limit `request` exceeds (an embeddings request: its inputs
-    count as prompts; /tokenize and /detokenize have no limit but the body size)."""
-    if isinstance(request, EmbeddingRequest):
-        inputs = len(request.inputs)
+    count as prompts, as a rerank's documents and a score request's pairs do; /tokenize and
+    /detokenize have no limit but the body size)."""
+    counted = _inputs(request)
+    if counted is not None:
+        param, what, inputs = counted
         if inputs > limits.max_prompts_per_request:
-            raise BadRequest(f"input holds {inputs} inputs, over this server's limit of "
+            raise BadRequest(f"{param} holds {inputs} {what}, over this server's limit of "
                              f"{limits.max_prompts_per_request} (max_prompts_per_request); split them over several "
-                             "requests", "input")
+                             "requests", param)
         return
     if not isinstance(request, (CompletionRequest, ChatCompletionRequest)):
         return

@@ -30,11 +30,12 @@ from serve_app.protocol.base import ErrorResponse
 from serve_app.protocol.chat import ChatCompletionRequest
 from serve_app.protocol.completions import CompletionRequest
 from serve_app.protocol.embeddings import EmbeddingRequest
+from serve_app.protocol.score import RerankRequest, ScoreRequest
 
 REF_TEMPLATE = "#/components/schemas/{model}"
-SCHEMA_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest,
-                 LoadLoraAdapterRequest, UnloadLoraAdapterRequest, TranscriptionRequest, TranslationRequest,
-                 Transcription, VerboseTranscription, ErrorResponse)
+SCHEMA_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, RerankRequest, ScoreRequest,
+                 TokenizeRequest, DetokenizeRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest,
+                 TranscriptionRequest, TranslationRequest, Transcription, VerboseTranscription, ErrorResponse)
 """The POST routes' bodies and the error body: `publish_schema` adds them to the components."""
 ERROR_BODY = {"application/json": {"schema": {"$ref": REF_TEMPLATE.format(model="ErrorResponse")}}}
 ERRORS = {"4XX": {"content": ERROR_BODY}, "5XX": {"content": ERROR_BODY}}

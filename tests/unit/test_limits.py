@@ -13,8 +13,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from serve_app.config import AppConfig, CorsConfig, RequestLimits
+from serve_app.errors import BadRequest
 from serve_app.http.backends import LocalBackend
 from serve_app.http.ingress import create_app
+from serve_app.http.limits import check_limits
+from serve_app.protocol.embeddings import EmbeddingRequest
+from serve_app.protocol.score import RerankRequest, ScoreRequest
 from serve_app.replicas.generate import TextServer
 
 MODEL = "tiny"
@@ -51,6 +55,9 @@ class RecordingBackend(LocalBackend):
     async def respond(self, request, context):
         self.requests.append(request)
         return "{}"
+
+    async def statuses(self):
+        return []  # no replica behind it: /v1/models shows no facts
 
 
 def make_client(limits=None, cors=None, api_key=None, backend=None, **kwargs) -> TestClient:
@@ -357,3 +364,20 @@ def test_the_api_key_never_reaches_the_log(caplog):
     assert key not in caplog.text and wrong not in caplog.text
     config = AppConfig.from_args({"model": "m", "api_key": key})
     assert key not in repr(config) and key not in str(config.model_dump())
+
+
+@pytest.mark.parametrize("request_, message, param", [
+    (RerankRequest(model=MODEL, query="q", documents=["a", "b", "c"]), "documents holds 3 documents, over this "
+     "server's limit of 2 (max_prompts_per_request); split them over several requests", "documents"),
+    (ScoreRequest(model=MODEL, text_1="q", text_2=["a", "b", "c"]), "text_2 holds 3 pairs, over this server's "
+     "limit of 2 (max_prompts_per_request); split them over several requests", "text_2"),
+    (EmbeddingRequest(model=MODEL, input=["a", "b", "c"]), "input holds 3 inputs, over this server's limit of 2 "
+     "(max_prompts_per_request); split them over several requests", "input"),
+])
+def test_a_reranks_documents_and_a_score_requests_pairs_count_as_prompts(request_, message, param):
+    with pytest.raises(BadRequest) as refused:
+        check_limits(request_, SMALL)
+    assert (refused.value.message, refused.value.param) == (message, param)
+    check_limits(request_.model_copy(update={"documents": ["a", "b"]} if isinstance(request_, RerankRequest) else
+                                     {"text_2": ["a", "b"]} if isinstance(request_, ScoreRequest) else
+                                     {"input": ["a", "b"]}), SMALL)  # at the limit: accepted

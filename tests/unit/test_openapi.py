@@ -23,6 +23,8 @@ PATHS = {
     "/v1/completions": {"post"},
     "/v1/chat/completions": {"post"},
     "/v1/embeddings": {"post"},
+    "/v1/rerank": {"post"},
+    "/v1/score": {"post"},
     "/v1/audio/transcriptions": {"post"},
     "/v1/audio/translations": {"post"},
     "/tokenize": {"post"},
@@ -38,6 +40,8 @@ BODIES = {
     "/v1/completions": ("CompletionRequest", "prompt"),
     "/v1/chat/completions": ("ChatCompletionRequest", "messages"),
     "/v1/embeddings": ("EmbeddingRequest", "input"),
+    "/v1/rerank": ("RerankRequest", "documents"),
+    "/v1/score": ("ScoreRequest", "text_1"),
     "/detokenize": ("DetokenizeRequest", "tokens"),
 }
 MESSAGES = [{"role": "user", "content": "Hello world"}]
