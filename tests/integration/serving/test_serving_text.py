@@ -181,6 +181,9 @@ def test_models(client, serving):
     assert roots == dict.fromkeys([MODEL, MODEL_SLOW, MODEL_PAIR], str(serving.checkpoint))
     assert {m.id: m.task for m in client.models.list().data} == dict.fromkeys([MODEL, MODEL_SLOW, MODEL_PAIR],
                                                                                "generate")
+    facts = {m.id: (m.model_extra["max_model_len"], m.model_extra["sampling_defaults"])
+             for m in client.models.list().data}
+    assert facts == dict.fromkeys([MODEL, MODEL_SLOW, MODEL_PAIR], (MAX_MODEL_LEN, {}))  # a replica's, over Ray
 
 
 def test_json_schema_and_a_named_tool_call_through_ray_serve(client):
