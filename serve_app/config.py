@@ -76,9 +76,10 @@ class ModelConfig(BaseModel):
     transcribe: a Whisper model (/v1/audio/transcriptions, /v1/audio/translations). auto: score for
     a `*ForSequenceClassification` checkpoint; embed for a checkpoint in the sentence-transformers
     layout (modules.json) or of a BERT / XLM-RoBERTa model_type, and for embedding aliases;
-    transcribe for model_type whisper; generate otherwise (a Qwen3-Reranker needs `task: score`). A Hub repo id is read from the Hub (its config.json and file list) on the machine that
-    builds the app, else from that machine's Hugging Face cache. Set it where the checkpoint is not
-    readable from there."""
+    transcribe for model_type whisper; generate otherwise (a Qwen3-Reranker needs `task: score`). A
+    Hub repo id is read from the Hub (its config.json and file list) on the machine that builds the
+    app, else from that machine's Hugging Face cache. Set it where the checkpoint is not readable
+    from there."""
     engine_cls: Optional[str] = None
     """Import path `module:Class` of the engine, constructed as `cls(EngineConfig)`; imported
     lazily on the model-server replica (the serving layer never imports jax). None: the task's

@@ -12,7 +12,7 @@ its own route prefix in one Ray instance, so that a model that breaks fails only
   replica over two host processes (`MODEL_2HOSTS`, downloaded from a Hugging Face Hub repo:
   tests/support/hub_server.py, with a draft model), and a Qwen3-MoE with its experts split over
   two devices (`MODEL_MOE`).
-- `media`: the default app's embedding model, a Whisper and a LLaVA checkpoint.
+- `media`: the default app's embedding model, a Whisper, a LLaVA and a cross-encoder checkpoint.
 - `failure`: a fake engine that fails or hangs on command (`MODEL_FAULTY`).
 
 Every app has an API key, so every /v1 call authenticates.
@@ -54,6 +54,8 @@ MODEL_WHISPER = "tiny-whisper"
 """tiny_models.make_whisper_checkpoint: /v1/audio/*."""
 MODEL_LLAVA = "tiny-llava"
 """tiny_models.make_llava_checkpoint: chat with image_url parts."""
+MODEL_RERANKER = "tiny-reranker"
+"""score_models.make_cross_encoder (BERT): /v1/rerank and /v1/score."""
 MODEL_FAULTY = "faulty-fake"
 """A replica whose engine (fake_engine.FaultyFakeEngine) fails or hangs when a test asks it to, with
 a 2 s step watchdog, health checks every 1 s that fail after 5 s, 5 s to shut down, and streams the
@@ -84,6 +86,7 @@ class Sources:
     moe: Path
     whisper: Optional[Path]
     llava: Optional[Path]
+    reranker: Optional[Path]
     """The media app's checkpoints (None when it is not deployed)."""
     adapters: Path
     """A folder with the LoRA adapter `every` (ADAPTER_TP2); tests add their own beside it."""
@@ -134,6 +137,8 @@ def media_models(sources: Sources) -> list[dict]:
          "transcription_fallback": None},  # greedy windows, as the reference decodes
         {"model": str(sources.llava), "model_id": MODEL_LLAVA, **ENGINE, "num_cpus": 0.1, "warmup": False,
          "cache_dir": str(sources.cache_dir)},
+        {"model": str(sources.reranker), "model_id": MODEL_RERANKER, "max_num_seqs": 8, "num_cpus": 0.1,
+         "warmup": False},  # task: auto reads its BertForSequenceClassification: score
     ]
 
 

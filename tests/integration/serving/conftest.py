@@ -18,6 +18,7 @@ import pytest
 
 from tests.support.hub_server import HubServer
 from tests.support.s3_server import S3Server
+from tests.support.score_models import make_cross_encoder
 from tests.support.serving_apps import API_KEY, CONCERNS, EIGHT_HEADS, HUB_REPO, S3_URI, Sources, app_args
 from tests.support.serving_helpers import hf_greedy, hf_prompt_logprobs, wait_for
 from tests.support.tiny_models import make_lora_adapter
@@ -122,6 +123,7 @@ def serving(request, checkpoint_factory, tmp_path_factory):
                           s3_env=s3.env,
                           whisper=request.getfixturevalue("whisper_dir") if media else None,
                           llava=request.getfixturevalue("llava_dir") if media else None,
+                          reranker=make_cross_encoder(tmp_path_factory.mktemp("reranker")) if media else None,
                           hub_env={"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0",
                                    "HF_HOME": str(tmp_path_factory.mktemp("hf"))},
                           cache_dir=tmp_path_factory.mktemp("models"))

@@ -1,12 +1,12 @@
 """End to end, media: the `media` app (tests/support/serving_apps.py) on a real local Ray Serve: the
-default app's embedding model, a Whisper replica (/v1/audio/*) and a LLaVA replica (chat with
-images), each answering as transformers does."""
+default app's embedding model, a Whisper replica (/v1/audio/*), a LLaVA replica (chat with
+images) and a cross-encoder (/v1/rerank, /v1/score), each answering as transformers does."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.support.serving_apps import EMBEDDER, MODEL, MODEL_LLAVA, MODEL_WHISPER
+from tests.support.serving_apps import EMBEDDER, MODEL, MODEL_LLAVA, MODEL_RERANKER, MODEL_WHISPER
 
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
@@ -20,10 +20,37 @@ def client(media_app):
 
 def test_models(client, whisper_dir, llava_dir):
     listed = client.models.list().data
-    assert [m.id for m in listed] == [EMBEDDER, MODEL_WHISPER, MODEL_LLAVA]
-    assert {m.id: m.model_extra["root"] for m in listed} == {
+    assert [m.id for m in listed] == [EMBEDDER, MODEL_WHISPER, MODEL_LLAVA, MODEL_RERANKER]
+    assert {m.id: m.model_extra["root"] for m in listed if m.id != MODEL_RERANKER} == {
         EMBEDDER: EMBEDDER, MODEL_WHISPER: str(whisper_dir), MODEL_LLAVA: str(llava_dir)}
-    assert {m.id: m.task for m in listed} == {EMBEDDER: "embed", MODEL_WHISPER: "transcribe", MODEL_LLAVA: "generate"}
+    assert {m.id: m.task for m in listed} == {EMBEDDER: "embed", MODEL_WHISPER: "transcribe", MODEL_LLAVA: "generate",
+                                              MODEL_RERANKER: "score"}
+    assert {m.id: m.model_extra["dimensions"] for m in listed if m.id == EMBEDDER} == {EMBEDDER: 384}
+
+
+def test_a_cross_encoder_reranks_through_ray_serve(client):
+    """/v1/rerank and /v1/score on a score replica: transformers' sigmoid of each pair's logit,
+    sorted, with the tokens of every pair counted."""
+    import numpy as np
+
+    root = next(m.model_extra["root"] for m in client.models.list().data if m.id == MODEL_RERANKER)
+    query, documents = "what is the capital of france", ["paris is the capital of france", "bananas are yellow",
+                                                         "a long sentence with many words in it"]
+    tokenizer = transformers.BertTokenizerFast.from_pretrained(root)
+    model = transformers.BertForSequenceClassification.from_pretrained(root).eval()
+    encoded = [tokenizer(query, d, return_tensors="pt") for d in documents]
+    with torch.no_grad():
+        want = np.array([float(torch.sigmoid(model(**e).logits[0, 0].double())) for e in encoded])
+    tokens = sum(e["input_ids"].shape[1] for e in encoded)
+    body = client.post("/rerank", cast_to=object, body={"model": MODEL_RERANKER, "query": query,
+                                                        "documents": documents, "top_n": 2})
+    order = sorted(range(len(documents)), key=lambda i: -want[i])[:2]
+    assert [r["index"] for r in body["results"]] == order
+    assert np.abs(np.array([r["relevance_score"] for r in body["results"]]) - want[order]).max() <= 1e-4
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    scored = client.post("/score", cast_to=object, body={"model": MODEL_RERANKER, "text_1": query,
+                                                         "text_2": documents})
+    assert np.abs(np.array([d["score"] for d in scored["data"]]) - want).max() <= 1e-4
 
 
 def test_the_default_apps_embedding_model_puts_paraphrases_closest(client):
