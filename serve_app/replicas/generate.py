@@ -346,25 +346,26 @@ class TextServer(Replica):
         finally:
             reason, counts = reader.reason or "abort", reader.counts
             tracker.finish(reason, counts.prompt_tokens, counts.completion_tokens, counts.cached_tokens)
-            self._trace_engine_request(plan.span, choice.request_id, tracker, scheduled, reason, counts)
+            _trace_engine_request(self.tracing, plan.span, choice.request_id, tracker, scheduled, reason, counts)
 
-    def _trace_engine_request(self, parent, request_id: str, tracker: RequestTracker, scheduled: Optional[float],
-                              reason: str, counts: ChoiceCounts) -> None:
-        """The engine request's span under the request's, with its phases: queued (until the
-        engine first scheduled it), prefill (until its first token), decode (the rest)."""
-        if parent is None:
-            return
-        end = time.time()
-        span = self.tracing.child("engine_request", parent, tracker.started, end, **{
-            "jax_serve.request_id": request_id, "gen_ai.usage.input_tokens": counts.prompt_tokens,
-            "gen_ai.usage.output_tokens": counts.completion_tokens, "jax_serve.cached_tokens": counts.cached_tokens,
-            "gen_ai.response.finish_reasons": (reason,)})
-        first = tracker.first_token or end
-        if scheduled is not None:
-            self.tracing.child("queued", span, tracker.started, scheduled)
-        self.tracing.child("prefill", span, scheduled or tracker.started, first)
-        if tracker.first_token is not None:
-            self.tracing.child("decode", span, first, end)
+
+def _trace_engine_request(tracing, parent, request_id: str, tracker: RequestTracker, scheduled: Optional[float],
+                          reason: str, counts: ChoiceCounts) -> None:
+    """The engine request's span under the request's (`parent`; None: not traced), with its phases:
+    queued (until the engine first scheduled it), prefill (until its first token), decode (the rest)."""
+    if parent is None:
+        return
+    end = time.time()
+    span = tracing.child("engine_request", parent, tracker.started, end, **{
+        "jax_serve.request_id": request_id, "gen_ai.usage.input_tokens": counts.prompt_tokens,
+        "gen_ai.usage.output_tokens": counts.completion_tokens, "jax_serve.cached_tokens": counts.cached_tokens,
+        "gen_ai.response.finish_reasons": (reason,)})
+    first = tracker.first_token or end
+    if scheduled is not None:
+        tracing.child("queued", span, tracker.started, scheduled)
+    tracing.child("prefill", span, scheduled or tracker.started, first)
+    if tracker.first_token is not None:
+        tracing.child("decode", span, first, end)
 
 
 def _special_tags(tokenizer, tags: tuple[str, ...]) -> frozenset[int]:
