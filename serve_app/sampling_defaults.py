@@ -73,8 +73,8 @@ def parse_setting(value: Any) -> Any:
 
 
 def effective_defaults(setting: SamplingDefaultsSetting, checkpoint: Mapping[str, Any]) -> dict[str, float]:
-    """The defaults a model's requests get: `checkpoint` (generation_config.json's values,
-    engine.formats.checkpoint_config.generation_defaults) under `setting`."""
+    """The defaults a model's requests get: `checkpoint` (generation_config.json's values of
+    SamplingDefaults' fields, engine.formats.checkpoint_config.generation_defaults) under `setting`."""
     if setting == "none":
         return {}
     from_checkpoint = _valid(checkpoint)

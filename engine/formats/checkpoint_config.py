@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Iterable, Optional
 
 from engine.formats.transformers_files import hf_config
 
@@ -115,20 +115,16 @@ def declared_dtype(hf: dict) -> str:
     return "bfloat16" if declared in ("bfloat16", "float16") else "float32"
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-"""The sampling values a checkpoint's generation_config.json may set as its requests' defaults (vLLM's
-`--generation-config auto`)."""
-
-
-def generation_defaults(model_dir: str | Path) -> dict[str, float]:
-    """The `SAMPLING_FIELDS` that generation_config.json sets (not null), as written there; {} without
-    the file. `do_sample` is not read, as vLLM does not read it: a checkpoint with do_sample false and
-    a temperature samples at that temperature (greedy needs temperature 0 or top_k 1)."""
+def generation_defaults(model_dir: str | Path, fields: Iterable[str]) -> dict[str, Any]:
+    """Those of `fields` (sampling values: the serving layer's) that generation_config.json sets, not
+    null, as written there; {} without the file. `do_sample` is not read, as vLLM does not read it: a
+    checkpoint with do_sample false and a temperature samples at that temperature (greedy needs
+    temperature 0 or top_k 1)."""
     path = Path(model_dir).expanduser().absolute() / "generation_config.json"
     if not path.is_file():
         return {}
     config = json.loads(path.read_text())
-    return {name: config[name] for name in SAMPLING_FIELDS if config.get(name) is not None}
+    return {name: config[name] for name in fields if config.get(name) is not None}
 
 
 def _eos_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:

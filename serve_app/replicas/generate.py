@@ -49,7 +49,7 @@ from serve_app.protocol.context import LoraRef, RequestContext
 from serve_app.replicas.adapters import ReplicaAdapters
 from serve_app.replicas.base import Replica, api_errors
 from serve_app.replicas.metrics import RequestTracker
-from serve_app.sampling_defaults import effective_defaults
+from serve_app.sampling_defaults import SamplingDefaults, effective_defaults
 from serve_app.tasks import GENERATE
 from serve_app.text import harmony, reasoning
 from serve_app.text.choices import ChoiceReader, OutputRules
@@ -122,7 +122,8 @@ class TextServer(Replica):
 
     def _set_up(self, config: ModelConfig, model_dir: Path, engine_config: EngineConfig, engine: Any) -> None:
         self.tokenizer = self.prompts.hf
-        self.sampling_defaults = effective_defaults(config.sampling_defaults, generation_defaults(model_dir))
+        checkpoint = generation_defaults(model_dir, SamplingDefaults.model_fields)
+        self.sampling_defaults = effective_defaults(config.sampling_defaults, checkpoint)
         """The sampling values of requests that leave them unset (serve_app.sampling_defaults)."""
         self._tool_parser = config.tool_call_parser or default_parser(self.tokenizer.chat_template)
         parser = config.reasoning_parser or reasoning.default_parser(self.tokenizer.chat_template)
