@@ -6,7 +6,8 @@ engine (`engine_cls`) and wraps it in its task's async driver (`driver_class`); 
 up what it needs (`_set_up`), and the replica gets its metrics. Every replica answers health,
 metrics, /tokenize and /detokenize. A task's replica (serve_app.replicas.generate, .embed,
 .transcribe) supplies only what differs: its driver class, `_set_up`, `_engine_stats`,
-`max_model_len` and the methods that answer its requests.
+`max_model_len` and the methods that answer its requests; the replicas over a batching one-device
+engine (.embed, .score) share the stats part (`BatchingReplica`).
 
 Invariant: everything a replica raises to its caller is an `APIError` (`api_errors`): it
 survives the Ray hop, and its message is meant for the client.
@@ -120,6 +121,23 @@ class Replica:
         except AttributeError:  # construction failed before the driver existed
             return
         driver.shutdown()
+
+
+class BatchingReplica(Replica):
+    """A replica over a one-device engine that batches whole requests (embed, score): its stats are
+    the engine's length limit and compile progress. A subclass's `_set_up` calls this one first."""
+
+    def _set_up(self, config: ModelConfig, model_dir: Path, engine_config: EngineConfig, engine: Any) -> None:
+        self._max_model_len: int = engine.max_model_len
+        self._compile_progress = engine.compile_progress
+
+    def _engine_stats(self) -> EngineStats:
+        compiled, programs = self._compile_progress()
+        return EngineStats(max_model_len=self._max_model_len, compiled_programs=compiled, step_programs=programs)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
 
 
 @contextlib.contextmanager

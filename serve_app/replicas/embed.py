@@ -25,7 +25,6 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.embed.driver import AsyncEmbedder
-from engine.stats import EngineStats
 from serve_app.config import ModelConfig
 from serve_app.errors import BadRequest
 from serve_app.logs import replica_name
@@ -35,12 +34,12 @@ from serve_app.protocol.embeddings import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
-from serve_app.replicas.base import Replica, api_errors
+from serve_app.replicas.base import BatchingReplica, api_errors
 from serve_app.replicas.embedding_cache import CacheCollector, EmbeddingCache
 from serve_app.tasks import EMBED
 
 
-class EmbeddingServer(Replica):
+class EmbeddingServer(BatchingReplica):
     """One replica of an embedding model: tokenizer + batched encoder + metrics."""
 
     task = EMBED
@@ -54,20 +53,11 @@ class EmbeddingServer(Replica):
             self.metrics.registry.register(CacheCollector(self.cache, labels))
 
     def _set_up(self, config: ModelConfig, model_dir: Path, engine_config: EngineConfig, engine: Any) -> None:
+        super()._set_up(config, model_dir, engine_config, engine)
         self.cache = EmbeddingCache(config.embedding_cache_size)
         """Vectors of inputs seen before, by their token ids (embedding_cache_size; 0: none)."""
         self.dimensions: int = engine.dimensions
-        self._max_model_len: int = engine.max_model_len
-        self._compile_progress = engine.compile_progress
         self._truncatable = matryoshka_dimensions(model_dir)
-
-    def _engine_stats(self) -> EngineStats:
-        compiled, programs = self._compile_progress()
-        return EngineStats(max_model_len=self._max_model_len, compiled_programs=compiled, step_programs=programs)
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
 
     def card(self) -> dict[str, Any]:
         return {**super().card(), "dimensions": self.dimensions}

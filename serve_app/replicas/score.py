@@ -21,7 +21,6 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.score.driver import AsyncScorer, Pair
-from engine.stats import EngineStats
 from serve_app.config import ModelConfig
 from serve_app.errors import BadRequest
 from serve_app.protocol.score import (
@@ -35,7 +34,7 @@ from serve_app.protocol.score import (
     ScoreUsage,
     rerank_json,
 )
-from serve_app.replicas.base import Replica, api_errors
+from serve_app.replicas.base import BatchingReplica, api_errors
 from serve_app.tasks import SCORE
 
 
@@ -61,7 +60,7 @@ QWEN3_RERANKER = JudgeTemplate(
 """Qwen3-Reranker's prompt (its model card's format_instruction, prefix and suffix)."""
 
 
-class ScoreServer(Replica):
+class ScoreServer(BatchingReplica):
     """One replica of a score model: tokenizer + batched cross-encoder + metrics."""
 
     task = SCORE
@@ -69,18 +68,9 @@ class ScoreServer(Replica):
     driver: AsyncScorer
 
     def _set_up(self, config: ModelConfig, model_dir: Path, engine_config: EngineConfig, engine: Any) -> None:
-        self._max_model_len: int = engine.max_model_len
-        self._compile_progress = engine.compile_progress
+        super()._set_up(config, model_dir, engine_config, engine)
         self._template = QWEN3_RERANKER if engine.kind == "decoder reranker" else None
         """The prompt a decoder reranker reads its pairs in; None: the tokenizer's pair encoding."""
-
-    def _engine_stats(self) -> EngineStats:
-        compiled, programs = self._compile_progress()
-        return EngineStats(max_model_len=self._max_model_len, compiled_programs=compiled, step_programs=programs)
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
 
     # ---- called through deployment handles ----
 
