@@ -56,8 +56,7 @@ class SplitKVCache(eqx.Module):
     def write(self, layer, kv_dest: jax.Array, k: NamedArray, v: NamedArray) -> "SplitKVCache":
         """Store each token's key and value at its flat slot `kv_dest` (page * page_size + slot);
         where the values are the keys, `v` alone (it is `k`)."""
-        page_size = self.v.shape[-2]
-        page, slot = kv_dest // page_size, kv_dest % page_size
+        page, slot = kv_dest // self.page_size, kv_dest % self.page_size
         v_arr = self.stored(v.rearrange(("position", "kv_head", "head_size")).array)
         keys = self.k
         if keys is not None:
