@@ -46,8 +46,6 @@ HEADS = {
 }
 """config.json `architectures` served, and where each keeps its head's two Linears (the dense layer
 before tanh, the projection to the logit), named without the base model's prefix."""
-_PREFIXES = ("bert.", "roberta.")
-"""The base model's prefix in a ...ForSequenceClassification checkpoint."""
 _TOKEN_TYPES = "embeddings.token_type_embeddings.weight"
 JUDGES = {"Qwen3ForCausalLM": ("no", "yes")}
 """Causal-LM architectures served as decoder rerankers, and their (against, for) answer tokens."""
@@ -227,7 +225,7 @@ def _read_tensors(folder: Path, names: tuple[str, ...]) -> dict:
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(file, "numpy") as tensors:
             for key in tensors.keys():
-                name = next((key.removeprefix(p) for p in _PREFIXES if key.startswith(p)), key)
+                name = next((key.removeprefix(p) for p in encoder.BASE_PREFIXES if key.startswith(p)), key)
                 if name in names:
                     found[name] = tensors.get_tensor(key)
     missing = [name for name in names if name not in found]

@@ -32,12 +32,11 @@ import haliax as hax
 import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
-import numpy as np
-from safetensors.numpy import load_file
 
 from engine.formats.checkpoint_config import declared_dtype
 from engine.layers.rope import Rope, rotate
 from engine.layers.transformer import ACTIVATIONS, MASKED_SCORE, KPos, Pos, TorchWeights
+from engine.models.encoder import read_state_dict
 from engine.models.variant import layer_types
 
 logger = logging.getLogger(__name__)
@@ -227,7 +226,7 @@ def hidden_states(model: DecoderEmbedder, tokens: jax.Array, mask: jax.Array) ->
 def load_decoder_embedder(folder: Path, config: DecoderEmbedderConfig, dtype: str) -> DecoderEmbedder:
     """The model saved in `folder` (*.safetensors of a Gemma3TextModel / Qwen3Model, or of a
     ...ForCausalLM under `model.`; the LM head is ignored) in `dtype`."""
-    state = _read_state_dict(folder)
+    state = read_state_dict(folder, ("model.",), "embed_tokens.weight", "a Gemma 3 / Qwen3 checkpoint")
     weights = TorchWeights(state.__getitem__, jnp.dtype(dtype))
     Embed = hax.Axis("embed", config.hidden_size)
     layers = tuple(_load_layer(weights, i, config, Embed) for i in range(len(config.sliding_layers)))
@@ -264,18 +263,3 @@ def _load_layer(weights: TorchWeights, index: int, c: DecoderEmbedderConfig, Emb
 
 def _norm(weights: TorchWeights, prefix: str, axis: hax.Axis, c: DecoderEmbedderConfig) -> RmsNorm:
     return RmsNorm(weights.array(f"{prefix}.weight", (axis,)), c.rms_norm_eps, 1.0 if c.gemma else 0.0)
-
-
-def _read_state_dict(folder: Path) -> dict[str, np.ndarray]:
-    """Every tensor of the folder's *.safetensors, named as in the base model (`model.` dropped)."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{folder} has no *.safetensors weights; the embedding engine reads safetensors only")
-    state: dict[str, np.ndarray] = {}
-    for file in files:
-        state.update(load_file(file))
-    if "model.embed_tokens.weight" in state:
-        state = {k.removeprefix("model."): v for k, v in state.items()}
-    if "embed_tokens.weight" not in state:
-        raise ValueError(f"{folder} has no embed_tokens.weight: not a Gemma 3 / Qwen3 checkpoint")
-    return state

@@ -52,7 +52,7 @@ FAMILIES = ("bert", "xlm-roberta")
 """config.json model types served here."""
 _ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 """BERT's `hidden_act` values served (plain `gelu` is erf's GELU, the two others its tanh approximation)."""
-_PREFIXES = ("bert.", "roberta.")
+BASE_PREFIXES = ("bert.", "roberta.")
 """The base model's prefix in a checkpoint saved from a `...For...` head class, dropped on load."""
 
 
@@ -181,10 +181,13 @@ def _layer_keys(i: int) -> LayerKeys:
                      down=f"{p}.output.dense", mlp_norm=f"{p}.output.LayerNorm")
 
 
-def read_state_dict(folder: Path) -> dict[str, np.ndarray]:
-    """Every tensor of the folder's *.safetensors files, named as in `BertModel` (a `bert.` or
-    `roberta.` prefix, as the ...For... heads save the base model, is dropped; the heads' own
-    tensors keep their names)."""
+def read_state_dict(folder: Path, prefixes: tuple[str, ...] = BASE_PREFIXES,
+                    key: str = "embeddings.word_embeddings.weight",
+                    what: str = "a BertModel checkpoint") -> dict[str, np.ndarray]:
+    """Every tensor of the folder's *.safetensors files, named as in the base model: the first of
+    `prefixes` (where a ...For... head class saves its base model) under which `key` stands is
+    dropped from every name, and the heads' own tensors keep theirs; ValueError when there are no
+    files, or no `key` (the folder is not `what`)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder} has no *.safetensors weights; the embedding engine reads safetensors only "
@@ -192,9 +195,9 @@ def read_state_dict(folder: Path) -> dict[str, np.ndarray]:
     state: dict[str, np.ndarray] = {}
     for file in files:
         state.update(load_file(file))
-    for prefix in _PREFIXES:
-        if f"{prefix}embeddings.word_embeddings.weight" in state:
+    for prefix in prefixes:
+        if f"{prefix}{key}" in state:
             state = {k.removeprefix(prefix): v for k, v in state.items()}
-    if "embeddings.word_embeddings.weight" not in state:
-        raise ValueError(f"{folder} has no embeddings.word_embeddings.weight: not a BertModel checkpoint")
+    if key not in state:
+        raise ValueError(f"{folder} has no {key}: not {what}")
     return state
