@@ -47,7 +47,7 @@ class PackedExperts(eqx.Module):
     def __call__(self, rows: NamedArray, group_sizes: NamedArray, *, key=None) -> NamedArray:
         """rows (expert_rows, in) grouped by expert -> (expert_rows, out)."""
         del key
-        Rows = rows.resolve_axis(rows.axes[0].name) if rows.axes[0] != self.In else rows.axes[1]
+        (Rows,) = (axis for axis in rows.axes if axis != self.In)
         out = grouped_matmul(rows.rearrange((Rows, self.In)).array, self.weight.array,
                              group_sizes.rearrange((self.Experts,)).array)
         out = hax.named(out, (Rows, self.Out))
