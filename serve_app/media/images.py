@@ -181,11 +181,7 @@ class ImageProcessor:
     @staticmethod
     def from_dir(model_dir: str | Path) -> ImageProcessor:
         """The processor of a checkpoint's preprocessor_config.json; ValueError naming the field it cannot run."""
-        path = Path(model_dir).expanduser().absolute() / "preprocessor_config.json"
-        if not path.is_file():
-            raise ValueError(f"{path.parent} has no preprocessor_config.json; an image model needs its image "
-                             "processor's config (save it with the processor's save_pretrained)")
-        return ImageProcessor.from_config(json.loads(path.read_text()), str(path))
+        return ImageProcessor.from_config(*preprocessor_config(model_dir, "an image model"))
 
     @staticmethod
     def from_config(config: dict, where: str = "preprocessor_config.json") -> ImageProcessor:
@@ -246,6 +242,16 @@ class ImageProcessor:
             raise BadRequest(f"the image's aspect ratio ({width}x{height}) is too extreme to process: resized to "
                              f"{self.shortest_edge} pixels on its short side it would be {new_long} long", PARAM)
         return (new_long, self.shortest_edge) if width <= height else (self.shortest_edge, new_long)
+
+
+def preprocessor_config(model_dir: str | Path, who: str) -> tuple[dict, str]:
+    """(preprocessor_config.json of a checkpoint, its path); a ValueError naming the missing file,
+    which `who` (e.g. "an image model") needs."""
+    path = Path(model_dir).expanduser().absolute() / "preprocessor_config.json"
+    if not path.is_file():
+        raise ValueError(f"{path.parent} has no preprocessor_config.json; {who} needs its image processor's "
+                         "config (save it with the processor's save_pretrained)")
+    return json.loads(path.read_text()), str(path)
 
 
 def _resize(config: dict, clip: bool, where: str) -> tuple[int | None, tuple[int, int] | None]:

@@ -27,7 +27,6 @@ reads it as the Fast one does.)
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import numpy as np
 from PIL import Image
 
 from serve_app.errors import BadRequest
+from serve_app.media.images import preprocessor_config
 
 PARAM = "messages"
 """The request field an image error points at: images arrive in chat messages."""
@@ -97,11 +97,7 @@ class QwenVLImageProcessor:
     @staticmethod
     def from_dir(model_dir: str | Path) -> QwenVLImageProcessor:
         """The processor of a checkpoint's preprocessor_config.json; ValueError naming what to change."""
-        path = Path(model_dir).expanduser().absolute() / "preprocessor_config.json"
-        if not path.is_file():
-            raise ValueError(f"{path.parent} has no preprocessor_config.json; a Qwen-VL model needs its image "
-                             "processor's config (save it with the processor's save_pretrained)")
-        return QwenVLImageProcessor.from_config(json.loads(path.read_text()), str(path))
+        return QwenVLImageProcessor.from_config(*preprocessor_config(model_dir, "a Qwen-VL model"))
 
     @staticmethod
     def from_config(config: dict, where: str = "preprocessor_config.json") -> QwenVLImageProcessor:
